@@ -1,0 +1,55 @@
+# shufflefs: two commands on a fresh Debian machine, as root.
+#   make demo   install everything, start a local cluster, mount it, read training data through it
+#   make test   install what is missing, run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+SHUFFLEFS := $(VENV)/bin/shufflefs
+DATA_DIR ?= .shufflefs
+MOUNTPOINT ?= mnt
+# Debian packages: fuse3 (fusermount3, /dev/fuse tools), libfuse3-dev + pkg-config + a compiler
+# (pyfuse3 builds from source), python3-venv, iproute2 (network-namespace test hosts),
+# fio (bench/), kmod (modprobe fuse), psmisc (fuser, for diagnosing busy mounts).
+SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv iproute2 fio kmod psmisc
+
+.PHONY: demo test lint sysdeps venv down clean
+
+sysdeps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+	@[ -e /dev/fuse ] || modprobe fuse || { echo "/dev/fuse is missing and 'modprobe fuse' failed"; exit 1; }
+
+$(VENV)/.installed: pyproject.toml
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+venv: sysdeps $(VENV)/.installed
+
+demo: venv
+	$(SHUFFLEFS) up --data-dir $(DATA_DIR) --mountpoint $(MOUNTPOINT)
+	$(PY) -m shufflefs.client.demo --mountpoint $(MOUNTPOINT)
+	@echo
+	@echo "shufflefs is mounted at $(abspath $(MOUNTPOINT)) (data and logs under $(abspath $(DATA_DIR)))."
+	@echo "Status: $(SHUFFLEFS) status     Stop: $(SHUFFLEFS) down --data-dir $(DATA_DIR)"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: venv lint
+	$(PY) -m pytest
+
+down:
+	$(SHUFFLEFS) down --data-dir $(DATA_DIR)
+
+clean: down
+	rm -rf $(DATA_DIR)

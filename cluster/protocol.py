@@ -1,0 +1,157 @@
+"""mgmtd's wire protocol: message shapes and a typed stub.
+
+mgmtd owns membership (nodes and their heartbeats), the storage targets, the
+replication chains and the routing map that ties them together. The routing
+map has a version that rises on every change a client must act on (a node or
+target changing state, a chain changing members); capacity figures ride along
+but do not bump the version.
+
+Other components import this module (and `cluster.routing`, `cluster.agent`,
+which are built on it), never mgmtd's internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+from shufflefs.rpc.client import RpcClient
+
+NodeKind = Literal["mgmtd", "meta", "storage"]
+NodeState = Literal["online", "offline"]
+# serving: in its chain and up to date; offline: its node is down or it was cut
+# out; syncing: back and being brought up to date (issue 3).
+TargetState = Literal["serving", "offline", "syncing"]
+
+
+class TargetRegistration(TypedDict):
+    target_id: int | None  # None on a target's first start; afterwards the id mgmtd gave it
+    path: str
+    capacity: int
+    free: int
+
+
+class RegisterResult(TypedDict):
+    node_id: int
+    target_ids: list[int]  # in the order of the registration's targets
+    routing_version: int
+    cluster_id: str
+
+
+class TargetUsage(TypedDict):
+    target_id: int
+    capacity: int  # bytes of the filesystem the target lives on
+    free: int  # bytes still available to the target (after its reserve)
+    used: int  # bytes of chunk data held
+    chunks: int
+
+
+class NodeInfo(TypedDict):
+    id: int
+    kind: str  # NodeKind
+    address: str  # host:port the node serves rpc on
+    host: str  # the machine's name, for locality
+    pid: int
+    state: str  # NodeState
+    last_seen: float  # unix time of the last heartbeat
+
+
+class TargetInfo(TypedDict):
+    id: int
+    node: int
+    path: str
+    state: str  # TargetState
+    capacity: int
+    free: int
+    used: int
+    chunks: int
+
+
+class ChainInfo(TypedDict):
+    id: int
+    version: int  # rises whenever the chain's members or their order change
+    targets: list[int]  # head first, tail last
+
+
+class ClusterConfig(TypedDict):
+    chunk_size: int  # default chunk size of new files (power of two)
+    stripe: int  # chains a new file is striped over (at most)
+    replicas: int  # targets per chain
+    heartbeat_interval: float  # seconds between heartbeats
+    heartbeat_timeout: float  # a node silent this long is offline
+
+
+class RoutingInfo(TypedDict):
+    version: int
+    cluster_id: str
+    config: ClusterConfig
+    nodes: list[NodeInfo]
+    targets: list[TargetInfo]
+    chains: list[ChainInfo]
+
+
+class Capacity(TypedDict):
+    capacity: int
+    free: int
+    used: int
+
+
+class MgmtdStub:
+    """Typed calls to mgmtd at one address."""
+
+    def __init__(self, rpc: RpcClient, address: str, timeout: float = 5.0) -> None:
+        self.rpc = rpc
+        self.address = address
+        self.timeout = timeout
+
+    async def _call(self, method: str, **args: Any) -> Any:
+        return await self.rpc.call(self.address, method, args, timeout=self.timeout)
+
+    async def register_node(
+        self,
+        cluster_id: str | None,
+        kind: str,
+        address: str,
+        host: str,
+        pid: int,
+        node_id: int | None,
+        targets: list[TargetRegistration],
+    ) -> RegisterResult:
+        """Join the cluster (or rejoin under a known node id). *cluster_id* is
+        None on a node's first start (it then keeps the id it is told); a node
+        or target that belongs to another cluster is refused with EINVAL."""
+        result: RegisterResult = await self._call(
+            "register_node",
+            cluster_id=cluster_id,
+            kind=kind,
+            address=address,
+            host=host,
+            pid=pid,
+            node_id=node_id,
+            targets=targets,
+        )
+        return result
+
+    async def heartbeat(self, node_id: int, pid: int, targets: list[TargetUsage]) -> int:
+        """Report liveness and usage; returns the current routing version.
+        ENOENT means mgmtd does not know the node: register again."""
+        result = await self._call("heartbeat", node_id=node_id, pid=pid, targets=targets)
+        return int(result["routing_version"])
+
+    async def unregister_node(self, node_id: int) -> None:
+        """A clean shutdown: the node is offline at once, not after the timeout."""
+        await self._call("unregister_node", node_id=node_id)
+
+    async def get_routing(self, known_version: int = -1) -> RoutingInfo | None:
+        """The routing map, or None if it is still at *known_version*."""
+        result: RoutingInfo | None = await self._call("get_routing", known_version=known_version)
+        return result
+
+    async def status(self) -> RoutingInfo:
+        """The routing map with fresh capacity figures (for `shufflefs status`)."""
+        result: RoutingInfo = await self._call("status")
+        return result
+
+    async def capacity(self) -> Capacity:
+        """Totals over the serving targets (for statfs)."""
+        result: Capacity = await self._call("capacity")
+        return result

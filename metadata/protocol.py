@@ -1,0 +1,254 @@
+"""The metadata server's wire protocol: message shapes and a typed stub.
+
+Inodes are 64-bit ids (root = 1). Times are integer nanoseconds since the
+epoch. Names are bytes (any byte but ``/`` and NUL, 1..255 bytes long).
+Errors are POSIX errnos, exactly those Linux gives for the same operation on a
+local filesystem (ENOENT, ENOTDIR, EEXIST, ENOTEMPTY, ENAMETOOLONG, EISDIR,
+EINVAL, EPERM, ENODATA, ERANGE, E2BIG, ...).
+
+Permission checks are not made here: the kernel makes them on the mount
+(``default_permissions``), and a native client holding the cluster secret is
+trusted like root. uid/gid of new inodes come from the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+from shufflefs.rpc.client import RpcClient
+
+ROOT_INODE = 1
+NAME_MAX = 255
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 65536
+SYMLINK_MAX = 4095
+
+# setxattr flags (as in <sys/xattr.h>)
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+# rename flags (as in <linux/fs.h>)
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+class Layout(TypedDict):
+    chunk_size: int  # power of two
+    chains: list[int]  # chunk k of the file lives on chains[k % len(chains)]
+
+
+class Attr(TypedDict):
+    ino: int
+    mode: int  # file type and permission bits, as st_mode
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int
+    size: int
+    atime: int  # ns
+    mtime: int  # ns
+    ctime: int  # ns
+    parent: int  # for directories, the parent's inode ('..'); 0 otherwise
+
+
+class OpenResult(TypedDict):
+    attr: Attr
+    layout: Layout | None  # None for anything but a regular file
+    handle: int  # pass to release(); keeps an unlinked file alive until then
+
+
+class ReaddirPage(TypedDict):
+    entries: list[tuple[bytes, Attr]]  # in name order, '.' and '..' not included
+    more: bool  # another page follows: call again with after = the last name
+
+
+class Session(TypedDict):
+    session: int
+    lease: float  # seconds: renew well before; an expired session's handles are closed
+
+
+class FsStats(TypedDict):
+    files: int  # inodes in use
+    max_files: int
+
+
+class MetaStub:
+    """Typed calls to a metadata server at one address."""
+
+    def __init__(self, rpc: RpcClient, address: str, timeout: float = 10.0) -> None:
+        self.rpc = rpc
+        self.address = address
+        self.timeout = timeout
+
+    async def _call(self, method: str, **args: Any) -> Any:
+        return await self.rpc.call(self.address, method, args, timeout=self.timeout)
+
+    # ---- sessions (who holds files open) ----------------------------------
+
+    async def session_open(self, client: str, host: str, pid: int) -> Session:
+        result: Session = await self._call("session_open", client=client, host=host, pid=pid)
+        return result
+
+    async def session_renew(self, session: int) -> None:
+        """ENOENT: the session expired (its handles were closed); open a new one."""
+        await self._call("session_renew", session=session)
+
+    async def session_close(self, session: int) -> None:
+        """Close the session and every handle it still holds."""
+        await self._call("session_close", session=session)
+
+    # ---- names and attributes ---------------------------------------------
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        result: Attr = await self._call("lookup", parent=parent, name=name)
+        return result
+
+    async def getattr(self, ino: int) -> Attr:
+        result: Attr = await self._call("getattr", ino=ino)
+        return result
+
+    async def resolve(self, path: bytes, follow: bool = True) -> Attr:
+        """Walk an absolute path from the root in one call, following symlinks
+        in the middle (and at the end when *follow*); ELOOP after 40."""
+        result: Attr = await self._call("resolve", path=path, follow=follow)
+        return result
+
+    async def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime: int | None = None,
+        mtime: int | None = None,
+    ) -> Attr:
+        """Change what is given (mode: permission bits only). A size change
+        truncates or extends the file, chunks included; ctime becomes now."""
+        args = {
+            k: v
+            for k, v in (
+                ("mode", mode),
+                ("uid", uid),
+                ("gid", gid),
+                ("size", size),
+                ("atime", atime),
+                ("mtime", mtime),
+            )
+            if v is not None
+        }
+        result: Attr = await self._call("setattr", ino=ino, **args)
+        return result
+
+    async def update_length(self, ino: int, length: int, mtime: int | None = None) -> Attr:
+        """After writes: size = max(size, length); mtime (and ctime) become
+        *mtime* (ns) when given. Writers call it on flush, fsync and close."""
+        result: Attr = await self._call("update_length", ino=ino, length=length, mtime=mtime)
+        return result
+
+    # ---- creating and removing --------------------------------------------
+
+    async def mknod(
+        self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+    ) -> Attr:
+        result: Attr = await self._call(
+            "mknod", parent=parent, name=name, mode=mode, rdev=rdev, uid=uid, gid=gid
+        )
+        return result
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        result: Attr = await self._call(
+            "mkdir", parent=parent, name=name, mode=mode, uid=uid, gid=gid
+        )
+        return result
+
+    async def create(
+        self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int, session: int
+    ) -> OpenResult:
+        """Create and open a regular file. With O_EXCL in *flags* an existing
+        name is EEXIST; without, the existing file is opened (and truncated
+        with O_TRUNC)."""
+        result: OpenResult = await self._call(
+            "create",
+            parent=parent,
+            name=name,
+            mode=mode,
+            flags=flags,
+            uid=uid,
+            gid=gid,
+            session=session,
+        )
+        return result
+
+    async def open(self, ino: int, flags: int, session: int) -> OpenResult:
+        """Open an inode: fresh attributes (close-to-open), the layout, and a
+        handle that keeps the file's data alive if it is unlinked meanwhile."""
+        result: OpenResult = await self._call("open", ino=ino, flags=flags, session=session)
+        return result
+
+    async def release(self, ino: int, handle: int, session: int) -> None:
+        """Close a handle; the last close of an unlinked file frees it."""
+        await self._call("release", ino=ino, handle=handle, session=session)
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        await self._call("unlink", parent=parent, name=name)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self._call("rmdir", parent=parent, name=name)
+
+    async def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> None:
+        """rename(2)/renameat2(2) semantics, RENAME_NOREPLACE and RENAME_EXCHANGE included."""
+        await self._call(
+            "rename",
+            parent=parent,
+            name=name,
+            new_parent=new_parent,
+            new_name=new_name,
+            flags=flags,
+        )
+
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
+        result: Attr = await self._call("link", ino=ino, new_parent=new_parent, new_name=new_name)
+        return result
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        result: Attr = await self._call(
+            "symlink", parent=parent, name=name, target=target, uid=uid, gid=gid
+        )
+        return result
+
+    async def readlink(self, ino: int) -> bytes:
+        result: bytes = await self._call("readlink", ino=ino)
+        return result
+
+    async def readdir(self, ino: int, after: bytes | None = None, limit: int = 256) -> ReaddirPage:
+        """One page of a directory in name order, starting after *after*:
+        stable under concurrent inserts and removals (nothing is skipped or
+        repeated that existed throughout the listing)."""
+        result: ReaddirPage = await self._call("readdir", ino=ino, after=after, limit=limit)
+        return result
+
+    async def statfs(self) -> FsStats:
+        result: FsStats = await self._call("statfs")
+        return result
+
+    # ---- extended attributes ----------------------------------------------
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        """ENODATA if absent."""
+        result: bytes = await self._call("getxattr", ino=ino, name=name)
+        return result
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        """XATTR_CREATE: EEXIST if present; XATTR_REPLACE: ENODATA if absent."""
+        await self._call("setxattr", ino=ino, name=name, value=value, flags=flags)
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        result: list[bytes] = await self._call("listxattr", ino=ino)
+        return result
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        """ENODATA if absent."""
+        await self._call("removexattr", ino=ino, name=name)

@@ -1,0 +1,248 @@
+"""The RPC client: one persistent connection per peer, many calls in flight.
+
+`RpcClient` owns a nursery (structured concurrency: it lives inside an
+``async with open_rpc_client(...)``) in which each connection's reader task
+runs. Calls to a peer share its connection; the first call connects (callers
+racing to connect wait for the same attempt). A broken connection fails the
+calls in flight on it with ECONNRESET and is replaced on the next call; which
+calls are safe to retry is the caller's business (the client library knows).
+Every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from shufflefs.rpc import framing
+from shufflefs.rpc.auth import client_handshake
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.transport import Buffer, ConnectionClosed, FrameStream, tune_socket
+
+log = logging.getLogger("shufflefs.rpc.client")
+
+DEFAULT_CONNECT_TIMEOUT = 3.0
+DEFAULT_CALL_TIMEOUT = 10.0
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port); EINVAL if malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise FsError(errno.EINVAL, f"bad address {address!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+class _Pending:
+    __slots__ = ("done", "error", "payload", "result")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.result: Any = None
+        self.payload: bytearray | None = None
+        self.error: FsError | None = None
+
+
+@dataclass
+class Response:
+    result: Any
+    payload: bytearray | None
+
+
+class PeerConnection:
+    """One authenticated connection; calls are matched to replies by id."""
+
+    def __init__(self, stream: FrameStream, address: str) -> None:
+        self.stream = stream
+        self.address = address
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self.broken: FsError | None = None
+
+    async def reader(self) -> None:
+        try:
+            while True:
+                body, payload = await self.stream.receive_frame()
+                call_id = body.get("i")
+                waiter = self._pending.pop(call_id, None) if isinstance(call_id, int) else None
+                if waiter is None:
+                    if (
+                        call_id == 0 and "e" in body
+                    ):  # the server refused a frame it could not parse
+                        raise FsError.from_wire(body["e"])
+                    continue  # a reply whose caller timed out
+                if "e" in body:
+                    waiter.error = FsError.from_wire(body["e"])
+                else:
+                    waiter.result = body.get("r")
+                    waiter.payload = payload
+                waiter.done.set()
+        except FsError as exc:
+            self._fail_all(
+                exc if isinstance(exc, ConnectionClosed) else ConnectionClosed(exc.message)
+            )
+        except BaseException:
+            self._fail_all(ConnectionClosed("connection reader stopped"))
+            raise
+        finally:
+            await self.close()
+
+    def _fail_all(self, error: FsError) -> None:
+        self.broken = error
+        pending, self._pending = self._pending, {}
+        for waiter in pending.values():
+            waiter.error = error
+            waiter.done.set()
+
+    async def close(self) -> None:
+        if self.broken is None:
+            self._fail_all(ConnectionClosed("connection closed"))
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+    async def request(
+        self,
+        method: str,
+        args: dict[str, Any],
+        payload: Buffer | Sequence[Buffer] | None,
+        timeout: float,
+    ) -> Response:
+        if self.broken is not None:
+            raise self.broken
+        call_id = next(self._ids)
+        waiter = _Pending()
+        self._pending[call_id] = waiter
+        try:
+            with trio.move_on_after(timeout) as scope:
+                await self.stream.send_frame(framing.request_body(call_id, method, args), payload)
+                await waiter.done.wait()
+            if scope.cancelled_caught:
+                raise FsError(
+                    errno.ETIMEDOUT, f"{method} to {self.address} timed out after {timeout:g}s"
+                )
+        finally:
+            self._pending.pop(call_id, None)
+        error = waiter.error
+        if error is not None:  # raise a fresh exception: the waiter's may be shared
+            if isinstance(error, ConnectionClosed):
+                raise ConnectionClosed(f"{method} to {self.address}: {error.message}")
+            raise FsError(error.code, error.message)
+        return Response(waiter.result, waiter.payload)
+
+
+class RpcClient:
+    """Calls to any number of peers, by address."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        nursery: trio.Nursery,
+        *,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        limits: framing.Limits = framing.DEFAULT_LIMITS,
+    ) -> None:
+        self.secret = secret
+        self.nursery = nursery
+        self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
+        self.limits = limits
+        self._conns: dict[str, PeerConnection] = {}
+        self._connecting: dict[str, trio.Lock] = {}
+        self.closed = False
+
+    async def connection(self, address: str) -> PeerConnection:
+        conn = self._conns.get(address)
+        if conn is not None and conn.broken is None:
+            return conn
+        lock = self._connecting.setdefault(address, trio.Lock())
+        async with lock:
+            conn = self._conns.get(address)
+            if conn is not None and conn.broken is None:
+                return conn
+            conn = await self._connect(address)
+            self._conns[address] = conn
+            self.nursery.start_soon(conn.reader, name=f"rpc-reader {address}")
+            return conn
+
+    async def _connect(self, address: str) -> PeerConnection:
+        if self.closed:
+            raise FsError(errno.ESHUTDOWN, "rpc client is closed")
+        host, port = parse_address(address)
+        with trio.move_on_after(self.connect_timeout) as scope:
+            try:
+                infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, type_, proto, _, sockaddr = infos[0]
+                sock = trio.socket.socket(family, type_, proto)
+            except OSError as exc:
+                raise FsError(errno.EHOSTUNREACH, f"cannot resolve {address}: {exc}") from None
+            try:
+                await sock.connect(sockaddr)
+                tune_socket(sock)
+                stream = FrameStream(sock, self.limits)
+                await client_handshake(stream, self.secret)
+            except OSError as exc:
+                sock.close()
+                code = exc.errno or errno.ECONNREFUSED
+                raise FsError(code, f"cannot connect to {address}: {exc.strerror or exc}") from None
+            except BaseException:
+                sock.close()
+                raise
+        if scope.cancelled_caught:
+            sock.close()
+            raise FsError(errno.ETIMEDOUT, f"connecting to {address} timed out")
+        return PeerConnection(stream, address)
+
+    async def request(
+        self,
+        address: str,
+        method: str,
+        args: dict[str, Any] | None = None,
+        payload: Buffer | Sequence[Buffer] | None = None,
+        timeout: float | None = None,
+    ) -> Response:
+        """Call *method* at *address*; returns the result and any raw payload."""
+        conn = await self.connection(address)
+        return await conn.request(method, args or {}, payload, timeout or self.call_timeout)
+
+    async def call(
+        self,
+        address: str,
+        method: str,
+        args: dict[str, Any] | None = None,
+        payload: Buffer | Sequence[Buffer] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Call *method* at *address* and return its result."""
+        return (await self.request(address, method, args, payload, timeout)).result
+
+    def drop(self, address: str) -> None:
+        """Forget a peer's connection (after it was found dead)."""
+        conn = self._conns.pop(address, None)
+        if conn is not None and conn.broken is None:
+            conn._fail_all(ConnectionClosed("connection dropped"))
+            conn.stream.sock.close()
+
+    async def aclose(self) -> None:
+        self.closed = True
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            await conn.close()
+
+
+@asynccontextmanager
+async def open_rpc_client(secret: bytes, **kwargs: Any) -> AsyncIterator[RpcClient]:
+    async with trio.open_nursery() as nursery:
+        client = RpcClient(secret, nursery, **kwargs)
+        try:
+            yield client
+        finally:
+            await client.aclose()
+            nursery.cancel_scope.cancel()

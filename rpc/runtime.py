@@ -1,0 +1,81 @@
+"""What every shufflefs process shares: logging and a clean stop on signals.
+
+Log lines are single-line, timestamped in UTC, and name the service and the
+logger, so that logs from many hosts can be merged and searched after a failed
+training job; details are logged as ``key=value`` pairs in the message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+from shufflefs.rpc.errors import FsError
+
+log = logging.getLogger("shufflefs.runtime")
+
+
+class UtcFormatter(logging.Formatter):
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        t = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return f"{t}.{int(record.msecs):03d}Z"
+
+
+def setup_logging(service: str, log_file: str | None = None, level: str = "INFO") -> None:
+    """Send the root logger to *log_file* (or stderr), one line per record."""
+    fmt = UtcFormatter(f"%(asctime)s %(levelname)s {service}[{os.getpid()}] %(name)s: %(message)s")
+    handler: logging.Handler
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(fmt)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def run_service(name: str, main: Callable[[], Awaitable[None]]) -> int:
+    """Run a service's main coroutine until it returns or SIGTERM/SIGINT
+    arrives (then it is cancelled, so its ``finally`` blocks run: clean
+    unregistration, closed databases). Returns a process exit code."""
+
+    async def runner() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("%s received %s, stopping", name, signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(stop_on_signal)
+            await main()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(runner)
+    except FsError as exc:
+        log.error("%s stopped: %s", name, exc.message)
+        print(f"shufflefs {name}: {exc.message}", file=sys.stderr)
+        return 1
+    except BaseException:
+        log.exception("%s crashed", name)
+        raise
+    log.info("%s stopped", name)
+    return 0

@@ -1,0 +1,183 @@
+"""The RPC server: authenticated connections, many requests in flight on each.
+
+Every connection gets its own nursery; each request runs as its own task (at
+most ``limits.max_inflight`` per connection, after which the reader stops
+reading: backpressure instead of unbounded memory). Replies go back in
+completion order. Nothing a peer sends can take the server down: a bad header
+closes that connection, a malformed body, an unknown method or a wrongly typed
+argument gets an error reply, and a handler that raises something unexpected is
+logged with its traceback and answered with EIO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+from shufflefs.rpc import framing
+from shufflefs.rpc.auth import server_handshake
+from shufflefs.rpc.errors import FsError, as_fs_error
+from shufflefs.rpc.schema import CallContext, MethodSpec, Reply, collect_methods, rpc_method
+from shufflefs.rpc.transport import ConnectionClosed, FrameStream, tune_socket
+
+log = logging.getLogger("shufflefs.rpc.server")
+
+
+class BuiltinService:
+    """Methods every server answers."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.started = time.time()
+
+    @rpc_method
+    async def ping(self) -> dict[str, Any]:
+        return {"service": self.service, "pid": os.getpid(), "uptime": time.time() - self.started}
+
+
+class RpcServer:
+    def __init__(
+        self,
+        secret: bytes,
+        services: Sequence[object],
+        *,
+        name: str = "rpc",
+        limits: framing.Limits = framing.DEFAULT_LIMITS,
+    ) -> None:
+        self.secret = secret
+        self.name = name
+        self.limits = limits
+        self.methods: dict[str, MethodSpec] = collect_methods(BuiltinService(name), *services)
+        self.connections = 0
+        self.port: int | None = None
+
+    async def serve(
+        self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on host:port (port 0 picks one) and serve until cancelled.
+        Reports the bound port through ``task_status``."""
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        self.port = listeners[0].socket.getsockname()[1]
+        log.info("%s listening on %s:%d", self.name, host, self.port)
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener, nursery)
+            task_status.started(self.port)
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:  # EMFILE and friends: back off, keep serving
+                    log.warning("%s accept failed: %s", self.name, exc)
+                    await trio.sleep(0.1)
+                    continue
+                nursery.start_soon(self._serve_connection, stream.socket)
+
+    async def _serve_connection(self, sock: trio.socket.SocketType) -> None:
+        try:
+            host, port = sock.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "?"
+        tune_socket(sock)
+        stream = FrameStream(sock, self.limits)
+        try:
+            await server_handshake(stream, self.secret)
+        except FsError as exc:
+            log.warning("%s refused connection from %s: %s", self.name, peer, exc.message)
+            await stream.aclose()
+            return
+        self.connections += 1
+        log.debug("%s connection from %s", self.name, peer)
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._read_loop(stream, peer, nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.connections -= 1
+            await stream.aclose()
+            log.debug("%s connection from %s closed", self.name, peer)
+
+    async def _read_loop(self, stream: FrameStream, peer: str, nursery: trio.Nursery) -> None:
+        inflight = trio.Semaphore(self.limits.max_inflight)
+        while True:
+            try:
+                body, payload = await stream.receive_frame()
+            except ConnectionClosed:
+                return
+            except FsError as exc:
+                if exc.code == errno.EBADMSG:  # framing intact: answer and go on
+                    log.warning("%s bad frame from %s: %s", self.name, peer, exc.message)
+                    await self._send_error(stream, 0, exc)
+                    continue
+                log.warning("%s closing connection from %s: %s", self.name, peer, exc.message)
+                await self._send_error(stream, 0, exc)
+                return
+            call_id = body.get("i")
+            if not isinstance(call_id, int) or isinstance(call_id, bool) or call_id < 0:
+                await self._send_error(
+                    stream, 0, FsError(errno.EBADMSG, "request id missing or invalid")
+                )
+                continue
+            method = body.get("m")
+            if body.get("k") != framing.KIND_REQUEST or not isinstance(method, str):
+                await self._send_error(stream, call_id, FsError(errno.EBADMSG, "not a request"))
+                continue
+            spec = self.methods.get(method)
+            if spec is None:
+                await self._send_error(
+                    stream, call_id, FsError(errno.ENOSYS, f"unknown method {method[:64]!r}")
+                )
+                continue
+            await inflight.acquire()
+            nursery.start_soon(
+                self._run_call, stream, spec, call_id, body.get("a", {}), payload, peer, inflight
+            )
+
+    async def _run_call(
+        self,
+        stream: FrameStream,
+        spec: MethodSpec,
+        call_id: int,
+        args: Any,
+        payload: bytearray | None,
+        peer: str,
+        inflight: trio.Semaphore,
+    ) -> None:
+        try:
+            try:
+                kwargs = spec.bind(args, payload, CallContext(peer, spec.name, call_id))
+                result = await spec.func(**kwargs)
+            except FsError as exc:
+                if exc.code in (errno.EINVAL, errno.EIO):
+                    log.info("%s %s from %s: %s", self.name, spec.name, peer, exc.message)
+                await self._send_error(stream, call_id, exc)
+                return
+            except Exception as exc:
+                log.exception("%s %s from %s failed", self.name, spec.name, peer)
+                await self._send_error(stream, call_id, as_fs_error(exc))
+                return
+            if isinstance(result, Reply):
+                body, out_payload = framing.reply_body(call_id, result.result), result.payload
+            else:
+                body, out_payload = framing.reply_body(call_id, result), None
+            try:
+                await stream.send_frame(body, out_payload)
+            except ConnectionClosed:
+                pass
+            except FsError as exc:  # an oversize reply: tell the caller instead
+                await self._send_error(stream, call_id, exc)
+        finally:
+            inflight.release()
+
+    async def _send_error(self, stream: FrameStream, call_id: int, error: FsError) -> None:
+        with contextlib.suppress(FsError):
+            await stream.send_frame(framing.error_body(call_id, error))
