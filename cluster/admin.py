@@ -1,0 +1,92 @@
+"""Admin commands that talk to a running cluster: `shufflefs status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+from shufflefs.cluster.cli import default_client_config
+from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
+from shufflefs.rpc.client import RpcClient, open_rpc_client
+
+T = TypeVar("T")
+
+
+def with_mgmtd(args: argparse.Namespace, fn: Callable[[MgmtdStub, RpcClient], Awaitable[T]]) -> T:
+    """Run *fn* against the cluster named by --config / $SHUFFLEFS_CONFIG / the default."""
+    config, secret = load_client_config(default_client_config(args))
+
+    async def run() -> T:
+        async with open_rpc_client(secret, connect_timeout=3.0, call_timeout=5.0) as rpc:
+            return await fn(MgmtdStub(rpc, config.mgmtd), rpc)
+
+    return trio.run(run)
+
+
+def human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout) -> None:
+    now = time.time()
+    print(
+        f"cluster {status['cluster_id']}  routing version {status['version']}  "
+        f"replicas {status['config']['replicas']}  "
+        f"chunk size {human(status['config']['chunk_size'])}",
+        file=out,
+    )
+    print(
+        f"capacity {human(capacity['capacity'])}, used {human(capacity['used'])}, "
+        f"free {human(capacity['free'])}",
+        file=out,
+    )
+    print("\nNODES", file=out)
+    print(
+        f"  {'id':>4}  {'kind':<8} {'state':<8} {'address':<22} {'host':<16} {'pid':>7}  last seen",
+        file=out,
+    )
+    for n in status["nodes"]:
+        ago = "now" if n["kind"] == "mgmtd" else f"{max(0.0, now - n['last_seen']):.1f}s ago"
+        print(
+            f"  {n['id']:>4}  {n['kind']:<8} {n['state']:<8} {n['address']:<22} {n['host']:<16} "
+            f"{n['pid']:>7}  {ago}",
+            file=out,
+        )
+    print("\nTARGETS", file=out)
+    print(
+        f"  {'id':>4}  {'node':>4}  {'state':<8} {'used':>10} {'free':>10} {'chunks':>8}  path",
+        file=out,
+    )
+    for t in status["targets"]:
+        print(
+            f"  {t['id']:>4}  {t['node']:>4}  {t['state']:<8} {human(t['used']):>10} "
+            f"{human(t['free']):>10} {t['chunks']:>8}  {t['path']}",
+            file=out,
+        )
+    print("\nCHAINS", file=out)
+    print(f"  {'id':>4}  {'version':>7}  targets (head first)", file=out)
+    for c in status["chains"]:
+        print(f"  {c['id']:>4}  {c['version']:>7}  {' -> '.join(map(str, c['targets']))}", file=out)
+
+
+def cli_status(args: argparse.Namespace) -> int:
+    async def fetch(mgmtd: MgmtdStub, rpc: RpcClient) -> tuple[RoutingInfo, Capacity]:
+        return await mgmtd.status(), await mgmtd.capacity()
+
+    status, capacity = with_mgmtd(args, fetch)
+    if args.json:
+        print(json.dumps({**status, "capacity": capacity}, indent=2))
+    else:
+        render_status(status, capacity)
+    return 0

@@ -1,0 +1,60 @@
+"""Configuration of mgmtd and of clients (what `shufflefs format`/`up` write)."""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+from pathlib import Path
+
+from shufflefs.rpc.auth import load_secret
+from shufflefs.rpc.config import load_config
+from shufflefs.rpc.errors import FsError
+
+
+@dataclass
+class MgmtdConfig:
+    listen: str  # host:port to serve on
+    data_dir: str  # the LMDB holding the cluster's membership, targets and chains
+    secret_file: str
+    advertise: str | None = None  # address others reach us at (default: listen)
+    host: str | None = None  # machine name (default: hostname)
+    log_file: str | None = None
+    log_level: str = "INFO"
+    # Cluster settings. `replicas` is fixed when the cluster is formatted;
+    # the others may be changed here and apply from the next start.
+    replicas: int = 1
+    chunk_size: int = 1 << 20
+    stripe: int = 16
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+
+    def check(self, where: str) -> None:
+        cs = self.chunk_size
+        if cs < 4096 or cs > 64 << 20 or cs & (cs - 1):
+            raise FsError(errno.EINVAL, f"{where}: chunk_size must be a power of two, 4K..64M")
+        if not 1 <= self.replicas <= 16:
+            raise FsError(errno.EINVAL, f"{where}: replicas must be 1..16")
+        if self.stripe < 1:
+            raise FsError(errno.EINVAL, f"{where}: stripe must be at least 1")
+        if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
+            raise FsError(errno.EINVAL, f"{where}: need 0 < heartbeat_interval < heartbeat_timeout")
+
+
+@dataclass
+class ClientConfig:
+    """What a client (mount, native client, CLI) needs to find the cluster."""
+
+    mgmtd: str  # host:port
+    secret_file: str  # relative paths are relative to this file's folder
+    log_file: str | None = None
+    log_level: str = "INFO"
+
+
+def load_client_config(path: str | Path) -> tuple[ClientConfig, bytes]:
+    """Read a client config and the cluster secret it points at."""
+    path = Path(path)
+    config = load_config(path, ClientConfig)
+    secret_path = Path(config.secret_file)
+    if not secret_path.is_absolute():
+        secret_path = path.parent / secret_path
+    return config, load_secret(secret_path)

@@ -1,0 +1,134 @@
+"""Starting and stopping local service processes by pid file.
+
+A pid is only ever signalled after checking, through /proc, that it still
+belongs to the process we started (its command line names the same config
+file), so a recycled pid is never killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shufflefs.rpc.errors import FsError
+
+
+@dataclass(frozen=True)
+class ServiceProcess:
+    name: str  # e.g. "storage2"
+    argv: tuple[str, ...]  # shufflefs subcommand and its arguments
+    marker: str  # a string the command line must contain (the config path)
+    pid_file: Path
+    out_file: Path  # stdout/stderr of the process (tracebacks before logging starts)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "shufflefs.cluster.cli", *self.argv]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return ""
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def running_pid(proc: ServiceProcess) -> int | None:
+    """The pid of our live process, or None (stale pid files are removed)."""
+    try:
+        pid = int(proc.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    line = cmdline(pid)
+    if "shufflefs" in line and proc.marker in line and not is_zombie(pid):
+        return pid
+    with contextlib.suppress(OSError):
+        proc.pid_file.unlink()
+    return None
+
+
+def start(proc: ServiceProcess, env: dict[str, str] | None = None) -> int:
+    """Start detached (own session, survives the calling shell)."""
+    proc.pid_file.parent.mkdir(parents=True, exist_ok=True)
+    proc.out_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(proc.out_file, "ab") as out:
+        child = subprocess.Popen(
+            proc.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            close_fds=True,
+        )
+    proc.pid_file.write_text(f"{child.pid}\n")
+    return child.pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not is_zombie(pid)
+
+
+def stop(proc: ServiceProcess, timeout: float = 10.0) -> bool:
+    """SIGTERM, wait, then SIGKILL. Returns True if something was stopped."""
+    pid = running_pid(proc)
+    if pid is None:
+        return False
+    signal_pid(pid, signal.SIGTERM)
+    if not wait_exit(pid, timeout):
+        signal_pid(pid, signal.SIGKILL)
+        wait_exit(pid, 5.0)
+    with contextlib.suppress(OSError):
+        proc.pid_file.unlink()
+    return True
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        raise FsError(errno.EPERM, f"not allowed to signal pid {pid}") from exc
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # reap it if it is our child (tests start services directly)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])

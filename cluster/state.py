@@ -1,0 +1,326 @@
+"""The cluster's membership, targets and chains: mgmtd's state machine.
+
+Pure state transitions (no networking, no disk): registration, heartbeats,
+timeouts and chain building change the in-memory records and bump the
+routing version whenever something a client must act on changed. mgmtd
+persists the records after each such change (`cluster.store`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shufflefs.cluster.protocol import (
+    Capacity,
+    ChainInfo,
+    ClusterConfig,
+    NodeInfo,
+    RegisterResult,
+    RoutingInfo,
+    TargetInfo,
+    TargetRegistration,
+    TargetUsage,
+)
+from shufflefs.rpc.errors import FsError
+
+log = logging.getLogger("shufflefs.mgmtd")
+
+NODE_KINDS = ("mgmtd", "meta", "storage")
+
+
+@dataclass
+class Node:
+    id: int
+    kind: str
+    address: str
+    host: str
+    pid: int
+    state: str = "online"
+    last_seen: float = 0.0
+
+
+@dataclass
+class Target:
+    id: int
+    node: int
+    path: str
+    state: str = "serving"
+    capacity: int = 0
+    free: int = 0
+    used: int = 0
+    chunks: int = 0
+
+
+@dataclass
+class Chain:
+    id: int
+    version: int
+    targets: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ClusterState:
+    cluster_id: str
+    config: ClusterConfig
+    version: int = 1
+    next_node: int = 1
+    next_target: int = 1
+    next_chain: int = 1
+    nodes: dict[int, Node] = field(default_factory=dict)
+    targets: dict[int, Target] = field(default_factory=dict)
+    chains: dict[int, Chain] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, config: ClusterConfig) -> ClusterState:
+        return cls(cluster_id=uuid.uuid4().hex, config=config)
+
+    # ---- persistence shape ------------------------------------------------
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "cluster_id": self.cluster_id,
+            "config": dict(self.config),
+            "version": self.version,
+            "next_node": self.next_node,
+            "next_target": self.next_target,
+            "next_chain": self.next_chain,
+            "nodes": [asdict(n) for n in self.nodes.values()],
+            "targets": [asdict(t) for t in self.targets.values()],
+            "chains": [asdict(c) for c in self.chains.values()],
+        }
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any], now: float) -> ClusterState:
+        state = cls(
+            cluster_id=rec["cluster_id"],
+            config=rec["config"],
+            version=rec["version"],
+            next_node=rec["next_node"],
+            next_target=rec["next_target"],
+            next_chain=rec["next_chain"],
+        )
+        for n in rec["nodes"]:
+            node = Node(**n)
+            node.last_seen = now  # a grace period: nodes get one timeout to heartbeat us
+            state.nodes[node.id] = node
+        for t in rec["targets"]:
+            state.targets[t["id"]] = Target(**t)
+        for c in rec["chains"]:
+            state.chains[c["id"]] = Chain(**c)
+        return state
+
+    # ---- changes ------------------------------------------------------------
+
+    def bump(self, why: str) -> None:
+        self.version += 1
+        log.info("routing version %d: %s", self.version, why)
+
+    def register_self(self, address: str, host: str, pid: int, now: float) -> int:
+        """mgmtd's own entry, so `status` lists it like every other node."""
+        mine = [n for n in self.nodes.values() if n.kind == "mgmtd"]
+        if mine:
+            node = mine[0]
+            node.address, node.host, node.pid, node.state, node.last_seen = (
+                address,
+                host,
+                pid,
+                "online",
+                now,
+            )
+        else:
+            node = Node(self.next_node, "mgmtd", address, host, pid, "online", now)
+            self.next_node += 1
+            self.nodes[node.id] = node
+        self.bump(f"mgmtd node {node.id} at {address}")
+        return node.id
+
+    def register(
+        self,
+        cluster_id: str | None,
+        kind: str,
+        address: str,
+        host: str,
+        pid: int,
+        node_id: int | None,
+        targets: list[TargetRegistration],
+        now: float,
+    ) -> RegisterResult:
+        if cluster_id is not None and cluster_id != self.cluster_id:
+            raise FsError(
+                errno.EINVAL,
+                f"node belongs to cluster {cluster_id}, this is cluster {self.cluster_id}",
+            )
+        if kind not in ("meta", "storage"):
+            raise FsError(errno.EINVAL, f"cannot register a node of kind {kind!r}")
+        if kind != "storage" and targets:
+            raise FsError(errno.EINVAL, "only storage nodes have targets")
+        if node_id is not None and node_id in self.nodes:
+            node = self.nodes[node_id]
+            if node.kind != kind:
+                raise FsError(errno.EINVAL, f"node {node_id} is a {node.kind} node, not {kind}")
+            node.address, node.host, node.pid = address, host, pid
+        else:
+            if node_id is None:
+                node_id = self.next_node
+            node = Node(node_id, kind, address, host, pid)
+            self.nodes[node_id] = node
+        self.next_node = max(self.next_node, node_id + 1)
+        node.state, node.last_seen = "online", now
+        for other in self.nodes.values():  # an old incarnation at the same address is gone
+            if other.id != node.id and other.address == address and other.state == "online":
+                self._set_offline(other, f"address {address} taken by node {node.id}")
+        target_ids = [self._register_target(node, t) for t in targets]
+        self.build_chains()
+        self.bump(f"{kind} node {node.id} registered at {address} pid {pid}")
+        return {
+            "node_id": node.id,
+            "target_ids": target_ids,
+            "routing_version": self.version,
+            "cluster_id": self.cluster_id,
+        }
+
+    def _register_target(self, node: Node, reg: TargetRegistration) -> int:
+        tid = reg["target_id"]
+        if tid is not None and tid in self.targets:
+            target = self.targets[tid]
+            if target.node != node.id:
+                raise FsError(
+                    errno.EINVAL, f"target {tid} belongs to node {target.node}, not {node.id}"
+                )
+        else:
+            if tid is None:
+                tid = self.next_target
+            target = Target(tid, node.id, reg["path"])
+            self.targets[tid] = target
+            log.info("new target %d on node %d at %s", tid, node.id, reg["path"])
+        self.next_target = max(self.next_target, tid + 1)
+        target.path = reg["path"]
+        target.capacity, target.free = reg["capacity"], reg["free"]
+        target.state = "serving"
+        return tid
+
+    def build_chains(self) -> list[int]:
+        """Put targets that are in no chain into new chains of `replicas`
+        targets on distinct nodes, taking first from the nodes with the most
+        unplaced targets (so chains spread evenly)."""
+        placed = {t for c in self.chains.values() for t in c.targets}
+        free = [t for t in self.targets.values() if t.id not in placed and t.state == "serving"]
+        replicas = self.config["replicas"]
+        made: list[int] = []
+        while True:
+            by_node: dict[int, list[Target]] = {}
+            for t in free:
+                by_node.setdefault(t.node, []).append(t)
+            if len(by_node) < replicas:
+                return made
+            order = sorted(by_node, key=lambda n: (-len(by_node[n]), n))[:replicas]
+            members = [by_node[n][0] for n in order]
+            chain = Chain(self.next_chain, 1, [t.id for t in members])
+            self.next_chain += 1
+            self.chains[chain.id] = chain
+            made.append(chain.id)
+            log.info("new chain %d: targets %s", chain.id, chain.targets)
+            for t in members:
+                free.remove(t)
+
+    def heartbeat(self, node_id: int, pid: int, usage: list[TargetUsage], now: float) -> int:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise FsError(errno.ENOENT, f"unknown node {node_id}")
+        if node.state != "online" or node.pid != pid:
+            raise FsError(errno.ENOENT, f"node {node_id} must register again")
+        node.last_seen = now
+        for u in usage:
+            target = self.targets.get(u["target_id"])
+            if target is not None and target.node == node_id:
+                target.capacity, target.free = u["capacity"], u["free"]
+                target.used, target.chunks = u["used"], u["chunks"]
+        return self.version
+
+    def unregister(self, node_id: int) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise FsError(errno.ENOENT, f"unknown node {node_id}")
+        if node.state == "online":
+            self._set_offline(node, "clean shutdown")
+            self.bump(f"node {node_id} stopped")
+
+    def expire(self, now: float) -> list[int]:
+        """Mark nodes silent for longer than the heartbeat timeout offline."""
+        timeout = self.config["heartbeat_timeout"]
+        gone = [
+            n
+            for n in self.nodes.values()
+            if n.state == "online" and n.kind != "mgmtd" and now - n.last_seen > timeout
+        ]
+        for node in gone:
+            self._set_offline(node, f"no heartbeat for {now - node.last_seen:.1f}s")
+        if gone:
+            self.bump("nodes offline: " + ", ".join(str(n.id) for n in gone))
+        return [n.id for n in gone]
+
+    def _set_offline(self, node: Node, why: str) -> None:
+        log.warning("node %d (%s at %s) offline: %s", node.id, node.kind, node.address, why)
+        node.state = "offline"
+        for target in self.targets.values():
+            if target.node == node.id and target.state != "offline":
+                target.state = "offline"
+                for chain in self.chains.values():
+                    if target.id in chain.targets:
+                        chain.version += 1
+
+    # ---- views --------------------------------------------------------------
+
+    def routing(self) -> RoutingInfo:
+        return {
+            "version": self.version,
+            "cluster_id": self.cluster_id,
+            "config": self.config,
+            "nodes": [self._node_info(n) for n in sorted(self.nodes.values(), key=lambda n: n.id)],
+            "targets": [
+                self._target_info(t) for t in sorted(self.targets.values(), key=lambda t: t.id)
+            ],
+            "chains": [
+                ChainInfo(id=c.id, version=c.version, targets=list(c.targets))
+                for c in sorted(self.chains.values(), key=lambda c: c.id)
+            ],
+        }
+
+    @staticmethod
+    def _node_info(n: Node) -> NodeInfo:
+        return NodeInfo(
+            id=n.id,
+            kind=n.kind,
+            address=n.address,
+            host=n.host,
+            pid=n.pid,
+            state=n.state,
+            last_seen=n.last_seen,
+        )
+
+    @staticmethod
+    def _target_info(t: Target) -> TargetInfo:
+        return TargetInfo(
+            id=t.id,
+            node=t.node,
+            path=t.path,
+            state=t.state,
+            capacity=t.capacity,
+            free=t.free,
+            used=t.used,
+            chunks=t.chunks,
+        )
+
+    def capacity(self) -> Capacity:
+        """Usable bytes: raw totals of serving targets divided by the replica count."""
+        serving = [t for t in self.targets.values() if t.state == "serving"]
+        replicas = max(1, self.config["replicas"])
+        return Capacity(
+            capacity=sum(t.capacity for t in serving) // replicas,
+            free=sum(t.free for t in serving) // replicas,
+            used=sum(t.used for t in serving) // replicas,
+        )
