@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
+
 from shufflefs.cluster.cli import default_client_config
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.protocol import MgmtdStub

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import trio
+
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.protocol import (
     Capacity,
@@ -145,7 +146,7 @@ async def serve(config: MgmtdConfig) -> None:
     try:
         state = open_state(config, store)
         service = MgmtdService(state, store)
-        host, port = parse_address(config.listen)
+        host, port = parse_address(config.listen, listen=True)
         server = RpcServer(secret, [service], name="mgmtd")
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.serve, host, port)

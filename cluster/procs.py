@@ -78,6 +78,13 @@ def start(proc: ServiceProcess, env: dict[str, str] | None = None) -> int:
             close_fds=True,
         )
     proc.pid_file.write_text(f"{child.pid}\n")
+    # Until the child has exec'd, /proc shows our own command line; wait for
+    # its own so that running_pid() recognizes it from now on.
+    deadline = time.monotonic() + 10.0
+    while proc.marker not in cmdline(child.pid) and time.monotonic() < deadline:
+        if child.poll() is not None:
+            break
+        time.sleep(0.005)
     return child.pid
 
 

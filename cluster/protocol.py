@@ -28,6 +28,7 @@ class TargetRegistration(TypedDict):
     path: str
     capacity: int
     free: int
+    device: int  # st_dev of the target's filesystem: targets sharing one are counted once
 
 
 class RegisterResult(TypedDict):
@@ -43,6 +44,7 @@ class TargetUsage(TypedDict):
     free: int  # bytes still available to the target (after its reserve)
     used: int  # bytes of chunk data held
     chunks: int
+    device: int
 
 
 class NodeInfo(TypedDict):

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 
 import trio
+
 from shufflefs.cluster.protocol import (
     ChainInfo,
     ClusterConfig,

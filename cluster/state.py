@@ -53,6 +53,7 @@ class Target:
     free: int = 0
     used: int = 0
     chunks: int = 0
+    device: int = 0
 
 
 @dataclass
@@ -200,6 +201,7 @@ class ClusterState:
         self.next_target = max(self.next_target, tid + 1)
         target.path = reg["path"]
         target.capacity, target.free = reg["capacity"], reg["free"]
+        target.device = reg["device"]
         target.state = "serving"
         return tid
 
@@ -239,6 +241,7 @@ class ClusterState:
             if target is not None and target.node == node_id:
                 target.capacity, target.free = u["capacity"], u["free"]
                 target.used, target.chunks = u["used"], u["chunks"]
+                target.device = u["device"]
         return self.version
 
     def unregister(self, node_id: int) -> None:
@@ -316,11 +319,18 @@ class ClusterState:
         )
 
     def capacity(self) -> Capacity:
-        """Usable bytes: raw totals of serving targets divided by the replica count."""
+        """Usable bytes over the serving targets, divided by the replica count.
+        Targets on one filesystem (same host and device) share its space, so
+        it is counted once (a local cluster has all its targets on one disk)."""
         serving = [t for t in self.targets.values() if t.state == "serving"]
         replicas = max(1, self.config["replicas"])
+        filesystems: dict[tuple[str, int], tuple[int, int]] = {}
+        for t in serving:
+            node = self.nodes.get(t.node)
+            key = (node.host if node else "", t.device) if t.device else ("target", t.id)
+            filesystems[key] = (t.capacity, t.free)
         return Capacity(
-            capacity=sum(t.capacity for t in serving) // replicas,
-            free=sum(t.free for t in serving) // replicas,
+            capacity=sum(c for c, _ in filesystems.values()) // replicas,
+            free=sum(f for _, f in filesystems.values()) // replicas,
             used=sum(t.used for t in serving) // replicas,
         )

@@ -13,6 +13,7 @@ trusted like root. uid/gid of new inodes come from the caller.
 
 from __future__ import annotations
 
+import errno
 from typing import Any, TypedDict
 
 from shufflefs.rpc.client import RpcClient
@@ -22,6 +23,13 @@ NAME_MAX = 255
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 SYMLINK_MAX = 4095
+
+READDIR_MAX = 1024  # a readdir page holds at most this many entries, whatever the limit asked
+# open/create naming a session the server does not hold (expired, closed, or
+# lost) fail with this errno: open a new session and call again. Distinct from
+# ENOENT so it cannot be mistaken for a missing file, and not a transient code
+# so a retry loop does not repeat the call with the same dead session.
+SESSION_EXPIRED = errno.EKEYEXPIRED
 
 # setxattr flags (as in <sys/xattr.h>)
 XATTR_CREATE = 1
@@ -124,7 +132,10 @@ class MetaStub:
         mtime: int | None = None,
     ) -> Attr:
         """Change what is given (mode: permission bits only). A size change
-        truncates or extends the file, chunks included; ctime becomes now."""
+        truncates or extends the file, chunks included; ctime becomes now.
+        A shrink is carried out on the storage daemons before the reply; if
+        they cannot be reached the reply is EIO, the new size stands and the
+        cut is retried in the background."""
         args = {
             k: v
             for k, v in (
@@ -167,7 +178,8 @@ class MetaStub:
     ) -> OpenResult:
         """Create and open a regular file. With O_EXCL in *flags* an existing
         name is EEXIST; without, the existing file is opened (and truncated
-        with O_TRUNC)."""
+        with O_TRUNC); an existing directory is EISDIR, an existing symlink
+        ELOOP (resolve it first). SESSION_EXPIRED if *session* is gone."""
         result: OpenResult = await self._call(
             "create",
             parent=parent,
@@ -182,12 +194,19 @@ class MetaStub:
 
     async def open(self, ino: int, flags: int, session: int) -> OpenResult:
         """Open an inode: fresh attributes (close-to-open), the layout, and a
-        handle that keeps the file's data alive if it is unlinked meanwhile."""
+        handle that keeps the file's data alive if it is unlinked meanwhile.
+        O_TRUNC truncates a regular file. EISDIR for a directory opened for
+        writing; SESSION_EXPIRED if *session* is gone. Opened for writing (or
+        with O_TRUNC), EIO if the file has a truncation the storage daemons
+        have not carried out yet and they are unreachable: a writer must never
+        see the cut bytes come back."""
         result: OpenResult = await self._call("open", ino=ino, flags=flags, session=session)
         return result
 
     async def release(self, ino: int, handle: int, session: int) -> None:
-        """Close a handle; the last close of an unlinked file frees it."""
+        """Close a handle; the last close of an unlinked file frees it.
+        Releasing a handle that is already gone (its session expired) is not
+        an error; one held by another session is EBADF."""
         await self._call("release", ino=ino, handle=handle, session=session)
 
     async def unlink(self, parent: int, name: bytes) -> None:
@@ -226,7 +245,8 @@ class MetaStub:
     async def readdir(self, ino: int, after: bytes | None = None, limit: int = 256) -> ReaddirPage:
         """One page of a directory in name order, starting after *after*:
         stable under concurrent inserts and removals (nothing is skipped or
-        repeated that existed throughout the listing)."""
+        repeated that existed throughout the listing). At most READDIR_MAX
+        entries per page."""
         result: ReaddirPage = await self._call("readdir", ino=ino, after=after, limit=limit)
         return result
 

@@ -21,6 +21,7 @@ import secrets
 from pathlib import Path
 
 import trio
+
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import FrameStream
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+
 from shufflefs.rpc import framing
 from shufflefs.rpc.auth import client_handshake
 from shufflefs.rpc.errors import FsError
@@ -32,10 +33,12 @@ DEFAULT_CONNECT_TIMEOUT = 3.0
 DEFAULT_CALL_TIMEOUT = 10.0
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """'host:port' or '[v6]:port' -> (host, port); EINVAL if malformed."""
+def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port); EINVAL if malformed. Port 0
+    (any free port) is only valid for an address to listen on."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    lowest = 0 if listen else 1
+    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
         raise FsError(errno.EINVAL, f"bad address {address!r}: expected host:port")
     return host.strip("[]"), int(port)
 

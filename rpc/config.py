@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 import tomli_w
+
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.schema import validator_for
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
 from shufflefs.rpc.errors import FsError
 
 MAGIC = 0x5346  # "SF"

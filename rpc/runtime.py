@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
+
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.runtime")

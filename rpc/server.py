@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import trio
+
 from shufflefs.rpc import framing
 from shufflefs.rpc.auth import server_handshake
 from shufflefs.rpc.errors import FsError, as_fs_error

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import trio
+
 from shufflefs.rpc import framing
 from shufflefs.rpc.errors import FsError
 
@@ -154,15 +155,16 @@ class FrameStream:
 
     async def _send_all(self, bufs: list[memoryview]) -> None:
         try:
-            while bufs:
-                sent = await self.sock.sendmsg(bufs[:512])
+            first = 0
+            while first < len(bufs):
+                sent = await self.sock.sendmsg(bufs[first : first + 512])
                 while sent:
-                    first = bufs[0]
-                    if sent >= first.nbytes:
-                        sent -= first.nbytes
-                        bufs.pop(0)
+                    head = bufs[first]
+                    if sent >= head.nbytes:
+                        sent -= head.nbytes
+                        first += 1
                     else:
-                        bufs[0] = first[sent:]
+                        bufs[first] = head[sent:]
                         sent = 0
         except (OSError, trio.ClosedResourceError) as exc:
             self.closed = True

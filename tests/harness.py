@@ -44,7 +44,12 @@ class Cluster:
             pid = procs.running_pid(svc) or procs.start(svc)
             pids[name] = pid
         if wait:
-            trio.run(wait_services_ready, self.local, {n: p for n, p in pids.items() if n != "mgmtd"}, 60.0)
+            trio.run(
+                wait_services_ready,
+                self.local,
+                {n: p for n, p in pids.items() if n != "mgmtd"},
+                60.0,
+            )
         return pids
 
     def pid(self, name: str) -> int | None:
@@ -72,13 +77,19 @@ class Cluster:
         return (self.local.logs / f"{name}.log").read_text(errors="replace")
 
 
-def shufflefs(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def shufflefs(
+    *args: str, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """Run the real `shufflefs` command."""
     result = subprocess.run(
         [sys.executable, "-m", "shufflefs.cluster.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if check and result.returncode != 0:
-        raise AssertionError(f"shufflefs {' '.join(args)} failed ({result.returncode}):\n"
-                             f"{result.stdout}\n{result.stderr}")
+        raise AssertionError(
+            f"shufflefs {' '.join(args)} failed ({result.returncode}):\n"
+            f"{result.stdout}\n{result.stderr}"
+        )
     return result

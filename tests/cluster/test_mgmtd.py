@@ -17,6 +17,7 @@ def test_mgmtd_persists_cluster_across_kill(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path / "c", storage_nodes=1)
     cluster.start("mgmtd", wait=False)
     try:
+
         async def register() -> tuple[str, int, list[int], int]:
             async with cluster.rpc() as rpc:
                 mgmtd = MgmtdStub(rpc, cluster.mgmtd_address)
@@ -28,8 +29,17 @@ def test_mgmtd_persists_cluster_across_kill(tmp_path: Path) -> None:
                         except FsError:
                             await trio.sleep(0.05)
                 reg = await mgmtd.register_node(
-                    None, "storage", "127.0.0.1:1", "hostA", 4242, None,
-                    [TargetRegistration(target_id=None, path="/x/t1", capacity=1000, free=900)],
+                    None,
+                    "storage",
+                    "127.0.0.1:1",
+                    "hostA",
+                    4242,
+                    None,
+                    [
+                        TargetRegistration(
+                            target_id=None, path="/x/t1", capacity=1000, free=900, device=1
+                        )
+                    ],
                 )
                 routing = await mgmtd.get_routing(-1)
                 assert routing is not None
@@ -59,7 +69,9 @@ def test_mgmtd_persists_cluster_across_kill(tmp_path: Path) -> None:
                 assert [n["id"] for n in storage] == [node_id]
                 assert [t["id"] for t in status["targets"]] == target_ids
                 with pytest.raises(FsError) as info:
-                    await mgmtd.register_node("not-this-cluster", "storage", "127.0.0.1:2", "h", 1, None, [])
+                    await mgmtd.register_node(
+                        "not-this-cluster", "storage", "127.0.0.1:2", "h", 1, None, []
+                    )
                 assert info.value.errno == errno.EINVAL
                 with pytest.raises(FsError) as info:
                     await mgmtd.heartbeat(999, 1, [])

@@ -13,12 +13,19 @@ from shufflefs.rpc.errors import FsError
 
 def config(replicas: int = 1) -> ClusterConfig:
     return ClusterConfig(
-        chunk_size=1 << 20, stripe=16, replicas=replicas, heartbeat_interval=1.0, heartbeat_timeout=10.0
+        chunk_size=1 << 20,
+        stripe=16,
+        replicas=replicas,
+        heartbeat_interval=1.0,
+        heartbeat_timeout=10.0,
     )
 
 
 def targets(n: int, base: str = "/t") -> list[TargetRegistration]:
-    return [TargetRegistration(target_id=None, path=f"{base}{i}", capacity=100, free=50) for i in range(n)]
+    return [
+        TargetRegistration(target_id=None, path=f"{base}{i}", capacity=100, free=50, device=i + 1)
+        for i in range(n)
+    ]
 
 
 def test_storage_registration_makes_chains_r1() -> None:
@@ -28,9 +35,19 @@ def test_storage_registration_makes_chains_r1() -> None:
     assert r["cluster_id"] == s.cluster_id and len(r["target_ids"]) == 2
     assert s.version > v0
     assert sorted(c.targets[0] for c in s.chains.values()) == sorted(r["target_ids"])
-    again = s.register(s.cluster_id, "storage", "127.0.0.1:1", "h1", 11, r["node_id"],
-                       [TargetRegistration(target_id=t, path=f"/t{i}", capacity=100, free=50)
-                        for i, t in enumerate(r["target_ids"])], now=1)
+    again = s.register(
+        s.cluster_id,
+        "storage",
+        "127.0.0.1:1",
+        "h1",
+        11,
+        r["node_id"],
+        [
+            TargetRegistration(target_id=t, path=f"/t{i}", capacity=100, free=50, device=i + 1)
+            for i, t in enumerate(r["target_ids"])
+        ],
+        now=1,
+    )
     assert again["node_id"] == r["node_id"] and again["target_ids"] == r["target_ids"]
     assert len(s.chains) == 2  # no new chains for known targets
 
@@ -62,7 +79,9 @@ def test_bad_kind_and_target_ownership() -> None:
         s.register(None, "meta", "127.0.0.1:1", "h", 1, None, targets(1), now=0)
     a = s.register(None, "storage", "127.0.0.1:1", "h", 1, None, targets(1), now=0)
     b = s.register(None, "storage", "127.0.0.1:2", "h", 2, None, [], now=0)
-    stolen = [TargetRegistration(target_id=a["target_ids"][0], path="/x", capacity=1, free=1)]
+    stolen = [
+        TargetRegistration(target_id=a["target_ids"][0], path="/x", capacity=1, free=1, device=1)
+    ]
     with pytest.raises(FsError) as info:
         s.register(None, "storage", "127.0.0.1:2", "h", 2, b["node_id"], stolen, now=0)
     assert info.value.errno == errno.EINVAL
@@ -73,7 +92,12 @@ def test_heartbeat_expiry_and_reregistration() -> None:
     r = s.register(None, "storage", "127.0.0.1:1", "h", 7, None, targets(1), now=100)
     node = r["node_id"]
     tid = r["target_ids"][0]
-    assert s.heartbeat(node, 7, [{"target_id": tid, "capacity": 9, "free": 8, "used": 1, "chunks": 1}], now=105)
+    assert s.heartbeat(
+        node,
+        7,
+        [{"target_id": tid, "capacity": 9, "free": 8, "used": 1, "chunks": 1, "device": 1}],
+        now=105,
+    )
     assert s.targets[tid].used == 1
     assert s.expire(now=110) == []
     v = s.version
@@ -82,8 +106,16 @@ def test_heartbeat_expiry_and_reregistration() -> None:
     with pytest.raises(FsError) as info:
         s.heartbeat(node, 7, [], now=117)
     assert info.value.errno == errno.ENOENT
-    s.register(s.cluster_id, "storage", "127.0.0.1:1", "h", 7, node,
-               [TargetRegistration(target_id=tid, path="/t0", capacity=1, free=1)], now=118)
+    s.register(
+        s.cluster_id,
+        "storage",
+        "127.0.0.1:1",
+        "h",
+        7,
+        node,
+        [TargetRegistration(target_id=tid, path="/t0", capacity=1, free=1, device=1)],
+        now=118,
+    )
     assert s.nodes[node].state == "online" and s.targets[tid].state == "serving"
     with pytest.raises(FsError):
         s.heartbeat(12345, 1, [], now=0)
@@ -104,3 +136,14 @@ def test_capacity_counts_serving_targets() -> None:
     s = ClusterState.new(config())
     s.register(None, "storage", "127.0.0.1:3", "h", 3, None, targets(2), now=0)
     assert s.capacity() == {"capacity": 200, "free": 100, "used": 0}
+
+
+def test_capacity_counts_a_shared_filesystem_once() -> None:
+    s = ClusterState.new(config())
+    same_disk = [
+        TargetRegistration(target_id=None, path=f"/t{i}", capacity=100, free=50, device=7)
+        for i in range(3)
+    ]
+    s.register(None, "storage", "127.0.0.1:3", "h", 3, None, same_disk, now=0)
+    s.register(None, "storage", "127.0.0.1:4", "other-host", 4, None, targets(1), now=0)
+    assert s.capacity()["capacity"] == 200 and s.capacity()["free"] == 100

@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 import msgpack
 import pytest
 import trio
+
 from shufflefs.rpc import FsError, Reply, RpcServer, framing, open_rpc_client, rpc_method
 from shufflefs.rpc.auth import GREETING, MAC, NONCE, _mac
 from shufflefs.rpc.framing import Limits

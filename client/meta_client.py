@@ -1,0 +1,56 @@
+"""Calls to the metadata server, wherever the routing map says it is.
+
+Reads of the namespace are retried through transient failures (a metadata
+server restarting); mutations only when the request provably never left
+(connection refused), so a retried mutation can never apply twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from shufflefs.client.retry import retrying
+from shufflefs.cluster.routing import RoutingCache
+from shufflefs.metadata.protocol import MetaStub
+from shufflefs.rpc.client import RpcClient
+from shufflefs.rpc.errors import FsError
+
+T = TypeVar("T")
+
+
+class MetaClient:
+    def __init__(
+        self,
+        rpc: RpcClient,
+        routing: RoutingCache,
+        *,
+        timeout: float = 10.0,
+        retry_budget: float = 30.0,
+    ) -> None:
+        self.rpc = rpc
+        self.routing = routing
+        self.timeout = timeout
+        self.retry_budget = retry_budget
+
+    def stub(self) -> MetaStub:
+        return MetaStub(self.rpc, self.routing.current.meta_address(), self.timeout)
+
+    async def _refresh(self, exc: FsError) -> None:
+        await self.routing.refresh()
+
+    async def read(self, what: str, fn: Callable[[MetaStub], Awaitable[T]]) -> T:
+        """An idempotent call (lookup, getattr, readdir, ...)."""
+        return await retrying(
+            what, lambda: fn(self.stub()), budget=self.retry_budget, on_failure=self._refresh
+        )
+
+    async def mutate(self, what: str, fn: Callable[[MetaStub], Awaitable[T]]) -> T:
+        """A call that must not be applied twice."""
+        return await retrying(
+            what,
+            lambda: fn(self.stub()),
+            budget=self.retry_budget,
+            on_failure=self._refresh,
+            idempotent=False,
+        )

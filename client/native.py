@@ -1,0 +1,402 @@
+"""The native client for ordinary (blocking) Python code.
+
+    from shufflefs.client import Client
+    with Client() as fs:                       # finds the cluster like the CLI does
+        fs.write_bytes("/data/a.bin", b"...")
+        with fs.open("/data/a.bin", "rb") as f:
+            f.seek(1024); f.read(2048)
+        fs.pread("/data/a.bin", 4096, 2048)
+
+No mount needed: calls go straight to the metadata server and the storage
+daemons. The async `FileSystem` runs on a trio loop in a background thread;
+each blocking call hands one coroutine to it. Errors are OSErrors with the
+errno Linux would give (FileNotFoundError, IsADirectoryError, ...).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import io
+import os
+import stat as stat_mod
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile, current_umask
+from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.routing import RoutingCache
+from shufflefs.metadata.protocol import Attr
+from shufflefs.rpc.client import open_rpc_client
+from shufflefs.rpc.errors import FsError
+
+T = TypeVar("T")
+
+CONFIG_ENV = "SHUFFLEFS_CONFIG"
+DEFAULT_CONFIG = Path(".shufflefs") / "client.toml"
+
+PathLike = str | bytes | os.PathLike[str]
+
+
+def find_config(config: str | os.PathLike[str] | None) -> Path:
+    if config is not None:
+        return Path(config)
+    env = os.environ.get(CONFIG_ENV)
+    return Path(env) if env else DEFAULT_CONFIG
+
+
+def os_error(exc: FsError) -> OSError:
+    """The OSError subclass Python itself would raise for this errno."""
+    return OSError(exc.code, exc.message)
+
+
+def to_stat(attr: Attr) -> os.stat_result:
+    return os.stat_result(
+        (
+            attr["mode"],
+            attr["ino"],
+            0,
+            attr["nlink"],
+            attr["uid"],
+            attr["gid"],
+            attr["size"],
+            attr["atime"] // 10**9,
+            attr["mtime"] // 10**9,
+            attr["ctime"] // 10**9,
+            attr["atime"] / 1e9,
+            attr["mtime"] / 1e9,
+            attr["ctime"] / 1e9,
+            attr["atime"],
+            attr["mtime"],
+            attr["ctime"],
+        )
+    )
+
+
+def _flags(mode: str) -> int:
+    kinds = set(mode) - {"b", "t"}
+    plus = "+" in kinds
+    kinds.discard("+")
+    if len(kinds) != 1:
+        raise ValueError(f"invalid mode: {mode!r}")
+    kind = kinds.pop()
+    table = {
+        "r": os.O_RDWR if plus else os.O_RDONLY,
+        "w": (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_TRUNC,
+        "a": (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_APPEND,
+        "x": (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_EXCL,
+    }
+    if kind not in table:
+        raise ValueError(f"invalid mode: {mode!r}")
+    return table[kind]
+
+
+class Client:
+    """A connection to one shufflefs cluster."""
+
+    def __init__(
+        self, config: str | os.PathLike[str] | None = None, options: ClientOptions | None = None
+    ) -> None:
+        self.config_path = find_config(config)
+        self.options = options or ClientOptions()
+        self._start()
+
+    def _start(self) -> None:
+        config, secret = load_client_config(self.config_path)
+        self._pid = os.getpid()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self.fs: FileSystem | None = None
+
+        async def main() -> None:
+            try:
+                async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
+                    fs = FileSystem(rpc, RoutingCache(rpc, config.mgmtd), self.options)
+                    await fs.start(nursery)
+                    self.fs = fs
+                    self._stop = trio.Event()
+                    self._token = trio.lowlevel.current_trio_token()
+                    ready.set()
+                    await self._stop.wait()
+                    with trio.move_on_after(10):
+                        await fs.close()
+                    nursery.cancel_scope.cancel()
+            except BaseException as exc:
+                failure.append(exc)
+                ready.set()
+
+        self._thread = threading.Thread(
+            target=trio.run, args=(main,), name="shufflefs-client", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        if failure:
+            exc = failure[0]
+            raise os_error(exc) if isinstance(exc, FsError) else exc
+
+    def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        if os.getpid() != self._pid:  # forked: the loop thread did not come along
+            self._start()
+        if self._token is None:
+            raise OSError(errno.ESHUTDOWN, "client is closed")
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except FsError as exc:
+            raise os_error(exc) from None
+
+    @property
+    def _fs(self) -> FileSystem:
+        if self.fs is None:
+            raise OSError(errno.ESHUTDOWN, "client is closed")
+        return self.fs
+
+    def close(self) -> None:
+        if self._token is not None and self._stop is not None and os.getpid() == self._pid:
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._thread.join(15)
+        self._token = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- paths ---------------------------------------------------------------
+
+    def stat(self, path: PathLike) -> os.stat_result:
+        return to_stat(self._run(self._fs.resolve, os.fsencode(path), True))
+
+    def lstat(self, path: PathLike) -> os.stat_result:
+        return to_stat(self._run(self._fs.resolve, os.fsencode(path), False))
+
+    def exists(self, path: PathLike) -> bool:
+        try:
+            self.stat(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def isdir(self, path: PathLike) -> bool:
+        try:
+            return stat_mod.S_ISDIR(self.stat(path).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def listdir(self, path: PathLike = "/") -> list[str]:
+        return [os.fsdecode(n) for n in self._run(self._fs.listdir, os.fsencode(path))]
+
+    def walk(self, top: PathLike = "/") -> Iterator[tuple[str, list[str], list[str]]]:
+        top_s = os.fsdecode(top)
+        dirs: list[str] = []
+        files: list[str] = []
+        for name in self.listdir(top_s):
+            full = f"{top_s.rstrip('/')}/{name}"
+            (dirs if stat_mod.S_ISDIR(self.lstat(full).st_mode) else files).append(name)
+        yield top_s, dirs, files
+        for d in dirs:
+            yield from self.walk(f"{top_s.rstrip('/')}/{d}")
+
+    def mkdir(self, path: PathLike, mode: int = 0o777) -> None:
+        async def op() -> None:
+            parent, name = await self._fs.parent_of(os.fsencode(path))
+            await self._fs.mkdir(parent, name, mode & ~current_umask(), os.getuid(), os.getgid())
+
+        self._run(op)
+
+    def makedirs(self, path: PathLike, mode: int = 0o777, exist_ok: bool = False) -> None:
+        parts = [p for p in os.fsdecode(path).split("/") if p]
+        for i in range(1, len(parts) + 1):
+            sub = "/" + "/".join(parts[:i])
+            try:
+                self.mkdir(sub, mode)
+            except FileExistsError:
+                if i == len(parts) and not exist_ok:
+                    raise
+                if not self.isdir(sub):
+                    raise NotADirectoryError(errno.ENOTDIR, f"{sub} is not a directory") from None
+
+    def _parent_call(self, path: PathLike, fn: Callable[[int, bytes], Awaitable[T]]) -> T:
+        async def op() -> T:
+            parent, name = await self._fs.parent_of(os.fsencode(path))
+            return await fn(parent, name)
+
+        return self._run(op)
+
+    def unlink(self, path: PathLike) -> None:
+        self._parent_call(path, self._fs.unlink)
+
+    remove = unlink
+
+    def rmdir(self, path: PathLike) -> None:
+        self._parent_call(path, self._fs.rmdir)
+
+    def rename(self, src: PathLike, dst: PathLike) -> None:
+        async def op() -> None:
+            p1, n1 = await self._fs.parent_of(os.fsencode(src))
+            p2, n2 = await self._fs.parent_of(os.fsencode(dst))
+            await self._fs.rename(p1, n1, p2, n2, 0)
+
+        self._run(op)
+
+    def symlink(self, target: PathLike, path: PathLike) -> None:
+        self._parent_call(
+            path, lambda p, n: self._fs.symlink(p, n, os.fsencode(target), os.getuid(), os.getgid())
+        )
+
+    def readlink(self, path: PathLike) -> str:
+        async def op() -> bytes:
+            attr = await self._fs.resolve(os.fsencode(path), False)
+            return await self._fs.readlink(attr["ino"])
+
+        return os.fsdecode(self._run(op))
+
+    def truncate(self, path: PathLike, size: int) -> None:
+        async def op() -> None:
+            attr = await self._fs.resolve(os.fsencode(path))
+            await self._fs.setattr(attr["ino"], size=size)
+
+        self._run(op)
+
+    def chmod(self, path: PathLike, mode: int) -> None:
+        async def op() -> None:
+            attr = await self._fs.resolve(os.fsencode(path))
+            await self._fs.setattr(attr["ino"], mode=stat_mod.S_IMODE(mode))
+
+        self._run(op)
+
+    # ---- files ----------------------------------------------------------------
+
+    def open(self, path: PathLike, mode: str = "rb", buffering: int = -1) -> Any:
+        """Like the builtin open(): binary modes give a buffered binary file,
+        text modes a TextIOWrapper; buffering=0 gives the raw `File`."""
+        flags = _flags(mode)
+        f, _ = self._run(self._fs.open_path, os.fsencode(path), flags, 0o666)
+        raw = File(self, f, os.fsdecode(path), mode)
+        if buffering == 0:
+            if "b" not in mode:
+                raise ValueError("can't have unbuffered text I/O")
+            return raw
+        size = buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE
+        buffered: io.BufferedIOBase
+        if raw.readable() and raw.writable():
+            buffered = io.BufferedRandom(raw, size)
+        elif raw.writable():
+            buffered = io.BufferedWriter(raw, size)
+        else:
+            buffered = io.BufferedReader(raw, size)
+        return buffered if "b" in mode else io.TextIOWrapper(buffered)
+
+    def read_bytes(self, path: PathLike) -> bytes:
+        with self.open(path, "rb", buffering=0) as f:
+            return bytes(f.readall())
+
+    def write_bytes(self, path: PathLike, data: bytes | bytearray | memoryview) -> int:
+        with self.open(path, "wb", buffering=0) as f:
+            return int(f.write(data))
+
+    def pread(self, path: PathLike, offset: int, length: int) -> bytes:
+        """One positioned read, opening and closing the file around it."""
+        with self.open(path, "rb", buffering=0) as f:
+            return f.pread(offset, length)
+
+
+class File(io.RawIOBase):
+    """An open file on shufflefs (unbuffered)."""
+
+    def __init__(self, client: Client, handle: OpenFile, name: str, mode: str) -> None:
+        super().__init__()
+        self._client = client
+        self._handle = handle
+        self.name = name
+        self.mode = mode
+        self._released = False
+
+    def readable(self) -> bool:
+        return self._handle.readable
+
+    def writable(self) -> bool:
+        return self._handle.writable
+
+    def seekable(self) -> bool:
+        return True
+
+    def _size(self) -> int:
+        return self._client._fs.known_size(self._handle.ino)
+
+    def pread(self, offset: int, length: int) -> bytes:
+        self._check_open()
+        return bytes(self._client._run(self._client._fs.read, self._handle.fh, offset, length))
+
+    def readinto(self, buffer: Any) -> int:
+        self._check_open()
+        if not self.readable():
+            raise io.UnsupportedOperation("not readable")
+        view = memoryview(buffer).cast("B")
+        data = self._client._run(
+            self._client._fs.read, self._handle.fh, self._handle.position, len(view)
+        )
+        n = len(data)
+        view[:n] = data
+        self._handle.position += n
+        return n
+
+    def write(self, data: Any) -> int:
+        self._check_open()
+        if not self.writable():
+            raise io.UnsupportedOperation("not writable")
+        if self._handle.flags & os.O_APPEND:
+            self._handle.position = self._size()
+        view = memoryview(data).cast("B")
+        n = self._client._run(self._client._fs.write, self._handle.fh, self._handle.position, view)
+        self._handle.position += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._check_open()
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._handle.position + offset
+        elif whence == io.SEEK_END:
+            pos = self._size() + offset
+        else:
+            raise ValueError(f"invalid whence {whence}")
+        if pos < 0:
+            raise OSError(errno.EINVAL, "negative seek position")
+        self._handle.position = pos
+        return pos
+
+    def tell(self) -> int:
+        return self._handle.position
+
+    def truncate(self, size: int | None = None) -> int:
+        self._check_open()
+        size = self._handle.position if size is None else size
+        self._client._run(functools.partial(self._client._fs.setattr, self._handle.ino, size=size))
+        return size
+
+    def flush(self) -> None:
+        if not self.closed and not self._released:
+            self._client._run(self._client._fs.flush, self._handle.fh)
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("shufflefs files have no OS file descriptor; use the mount")
+
+    def close(self) -> None:
+        if not self.closed and not self._released:
+            self._released = True  # release flushes; RawIOBase.close() must not flush again
+            try:
+                self._client._run(self._client._fs.release, self._handle.fh)
+            finally:
+                super().close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")

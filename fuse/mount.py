@@ -1,0 +1,138 @@
+"""`shufflefs mount` and `shufflefs umount`.
+
+The mount process connects to the cluster first (routing map, metadata
+session) and only then mounts, so a mountpoint that appears is usable. It
+stays until unmounted (``shufflefs umount``/``fusermount3 -u``) or sent
+SIGTERM (it then unmounts itself). Without --foreground the command starts
+the mount process in the background and returns once the mount is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from shufflefs.client.fs import FileSystem
+from shufflefs.cluster import procs
+from shufflefs.cluster.cli import default_client_config
+from shufflefs.cluster.config import ClientConfig, load_client_config
+from shufflefs.cluster.launcher import mounted_fstype, unmount, wait_mounted
+from shufflefs.cluster.routing import RoutingCache
+from shufflefs.fuse.ops import MountOptions, ShuffleOps
+from shufflefs.rpc.client import open_rpc_client
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.runtime import run_service, setup_logging
+
+log = logging.getLogger("shufflefs.mount")
+
+FSTYPE = "fuse.shufflefs"
+
+
+def parse_options(items: list[str]) -> tuple[MountOptions, set[str]]:
+    """Our own -o options, and the rest for FUSE (ro, ...)."""
+    options = MountOptions()
+    fuse_opts: set[str] = set()
+    for item in ",".join(items).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        try:
+            if key == "attr_timeout":
+                options.attr_timeout = float(value)
+            elif key == "entry_timeout":
+                options.entry_timeout = float(value)
+            elif key == "max_tasks":
+                options.max_tasks = int(value)
+            elif key in ("ro", "rw", "debug"):
+                fuse_opts.add(key)
+            else:
+                raise FsError(errno.EINVAL, f"unknown mount option {item!r}")
+        except ValueError:
+            raise FsError(errno.EINVAL, f"bad value in mount option {item!r}") from None
+    return options, fuse_opts
+
+
+async def run_mount(
+    config: ClientConfig,
+    secret: bytes,
+    mountpoint: Path,
+    options: MountOptions,
+    fuse_opts: set[str],
+) -> None:
+    async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
+        routing = RoutingCache(rpc, config.mgmtd)
+        fs = FileSystem(rpc, routing)
+        await fs.start(nursery)
+        ops = ShuffleOps(fs, options)
+        opts = set(pyfuse3.default_options) | fuse_opts
+        opts |= {"fsname=shufflefs", "subtype=shufflefs"}
+        if os.geteuid() == 0:
+            opts.add("allow_other")  # every user of a training node may use the mount
+        pyfuse3.init(ops, str(mountpoint), opts)
+        log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
+        try:
+            await pyfuse3.main(min_tasks=4, max_tasks=options.max_tasks)
+        finally:
+            with trio.CancelScope(shield=True):
+                pyfuse3.close(unmount=True)
+                log.info("unmounted %s", mountpoint)
+                with trio.move_on_after(10):
+                    await fs.close()
+        nursery.cancel_scope.cancel()
+
+
+def cli_mount(args: argparse.Namespace) -> int:
+    config_path = default_client_config(args).absolute()
+    config, secret = load_client_config(config_path)  # fail here, in the caller's terminal
+    mountpoint = Path(args.mountpoint).absolute()
+    options, fuse_opts = parse_options(args.options)
+    if not mountpoint.is_dir():
+        raise FsError(errno.ENOTDIR, f"mountpoint {mountpoint} is not a directory")
+    if mounted_fstype(mountpoint) is not None:
+        raise FsError(errno.EBUSY, f"{mountpoint} is already a mountpoint")
+    if not args.foreground:
+        return mount_in_background(args, config_path, mountpoint)
+    setup_logging("mount", args.log_file or config.log_file, config.log_level)
+    return run_service("mount", lambda: run_mount(config, secret, mountpoint, options, fuse_opts))
+
+
+def mount_in_background(args: argparse.Namespace, config_path: Path, mountpoint: Path) -> int:
+    log_file = Path(args.log_file or config_path.parent / "logs" / "mount.log").absolute()
+    argv = ["mount", "--foreground", "--config", str(config_path), "--log-file", str(log_file)]
+    for opt in args.options:
+        argv += ["-o", opt]
+    proc = procs.ServiceProcess(
+        name="mount",
+        argv=(*argv, str(mountpoint)),
+        marker=str(mountpoint),
+        pid_file=log_file.parent / f"mount-{os.getpid()}.pid",
+        out_file=log_file.with_suffix(".out"),
+    )
+    pid = procs.start(proc)
+    try:
+        wait_mounted(mountpoint, pid, 60.0)
+    except FsError as exc:
+        raise FsError(
+            exc.code, f"{exc.message}; see {log_file}\n{procs.tail(log_file, 8)}"
+        ) from None
+    finally:
+        proc.pid_file.unlink(missing_ok=True)
+    print(f"mounted shufflefs at {mountpoint} (pid {pid}, log {log_file})")
+    return 0
+
+
+def cli_umount(args: argparse.Namespace) -> int:
+    mountpoint = Path(args.mountpoint).absolute()
+    if mounted_fstype(mountpoint) != FSTYPE:
+        print(f"shufflefs umount: {mountpoint} is not a shufflefs mount", file=sys.stderr)
+        return 1
+    unmount(mountpoint)
+    return 0

@@ -1,0 +1,26 @@
+"""The metadata server's settings (a TOML file checked by `rpc.config.load_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MetaConfig:
+    listen: str  # host:port the rpc server binds
+    mgmtd: str  # host:port of the cluster manager
+    data_dir: str  # the LMDB namespace and node.json live here
+    secret_file: str  # the cluster secret (mode 0600)
+    # The address registered with mgmtd, i.e. where clients connect. Defaults
+    # to `listen`; set it when listening on a wildcard or behind NAT.
+    advertise: str | None = None
+    host: str | None = None  # machine name reported for locality (default: hostname)
+    log_file: str | None = None
+    log_level: str = "INFO"
+    # Durable commits: every acknowledged mutation survives a power loss.
+    # Without it a process crash is still safe, but a machine crash (power
+    # loss, kernel panic) may lose the last commits or even corrupt the
+    # namespace (LMDB's MDB_NOSYNC): for throwaway clusters and tests only.
+    sync: bool = True
+    session_timeout: float = 60.0  # seconds a client session lives without renewal
+    map_size: int = 64 << 30  # LMDB address-space reservation: the namespace's size limit

@@ -1,0 +1,272 @@
+"""What the namespace owes the storage daemons, paid in the background.
+
+Freeing a file and shrinking one are committed in the namespace first, with a
+job recorded in the same transaction (see `store`); the calls to the storage
+daemons come after. A job is deleted only once every target of every chain of
+the file's layout has confirmed, so a crash, a restart or an unreachable
+daemon only delays the work: it is retried with backoff until it is done.
+Both storage calls are idempotent, so doing one twice is harmless.
+
+The session reaper lives here too: an expired session's handles are closed,
+which may free unlinked files and so create GC jobs.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
+
+import trio
+
+from shufflefs.cluster.protocol import TargetInfo
+from shufflefs.cluster.routing import Routing
+from shufflefs.metadata.protocol import Layout
+from shufflefs.metadata.store import ExpiredSession, GcJob, Namespace, TruncateJob
+from shufflefs.metadata.writer import Writer
+from shufflefs.rpc.client import RpcClient
+from shufflefs.rpc.errors import FsError
+from shufflefs.storage.protocol import StorageStub
+
+log = logging.getLogger("shufflefs.metadata.gc")
+
+TargetCall = Callable[[StorageStub, int], Awaitable[int]]
+PAGE = 256
+J = TypeVar("J", GcJob, TruncateJob)
+
+
+def _all_jobs(fetch: Callable[..., list[J]]) -> Iterator[J]:
+    """Every job, a page (one short read transaction) at a time."""
+    after = 0
+    while True:
+        page = fetch(after=after, limit=PAGE)
+        yield from page
+        if len(page) < PAGE:
+            return
+        after = page[-1]["ino"]
+
+
+class StorageJobs:
+    """Carries out GC jobs (remove a freed file's chunks) and truncate jobs
+    (cut a shrunk file's chunks)."""
+
+    def __init__(
+        self,
+        store: Namespace,
+        writer: Writer,
+        routing: Callable[[], Routing],
+        rpc: RpcClient,
+        *,
+        timeout: float = 5.0,
+        base_delay: float = 0.5,
+        max_delay: float = 30.0,
+        idle_interval: float = 30.0,
+        concurrency: int = 16,
+    ) -> None:
+        self.store = store
+        self.writer = writer
+        self.routing = routing
+        self.rpc = rpc
+        self.timeout = timeout
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.idle_interval = idle_interval
+        self.concurrency = concurrency
+        # (kind, ino) -> (trio time the next attempt is due, current delay)
+        self._backoff: dict[tuple[str, int], tuple[float, float]] = {}
+        self._wake = trio.Event()
+        self.passes = 0
+
+    def wake(self) -> None:
+        """New jobs were committed: look now rather than at the next timer."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Work through pending jobs forever (pending ones from before a
+        restart included: the first pass runs at once)."""
+        while True:
+            self._wake = trio.Event()  # before the pass: a wake during it is not lost
+            try:
+                wait = await self.run_once()
+            except Exception:
+                log.exception("storage job pass failed")
+                wait = self.max_delay
+            with trio.move_on_after(wait):
+                await self._wake.wait()
+
+    async def run_once(self) -> float:
+        """One pass over every job that is due. Returns the seconds until the
+        next retry is due (or the idle interval)."""
+        now = trio.current_time()
+        seen: set[tuple[str, int]] = set()
+        slots = trio.Semaphore(self.concurrency)
+
+        async def start(kind: str, ino: int, runner: Callable[[], Awaitable[None]]) -> None:
+            key = (kind, ino)
+            seen.add(key)
+            due = self._backoff.get(key)
+            if due is not None and due[0] > now:
+                return
+            await slots.acquire()
+            nursery.start_soon(self._guarded, runner, slots)
+
+        async with trio.open_nursery() as nursery:
+            for job in _all_jobs(self.store.gc_jobs):
+                await start("gc", job["ino"], functools.partial(self._gc, job))
+            for tjob in _all_jobs(self.store.truncate_jobs):
+                await start("truncate", tjob["ino"], functools.partial(self._truncate, tjob))
+        for key in set(self._backoff) - seen:  # the job is gone (done, or its file freed)
+            del self._backoff[key]
+        self.passes += 1
+        if not self._backoff:
+            return self.idle_interval
+        return max(0.0, min(due for due, _ in self._backoff.values()) - trio.current_time())
+
+    @staticmethod
+    async def _guarded(runner: Callable[[], Awaitable[None]], slots: trio.Semaphore) -> None:
+        try:
+            await runner()
+        finally:
+            slots.release()
+
+    # ---- GC: a freed file's chunks ----------------------------------------------
+
+    async def _gc(self, job: GcJob) -> None:
+        ino = job["ino"]
+        try:
+            removed, targets = await self._on_targets(
+                job["layout"], lambda stub, target: stub.remove_file(target, ino)
+            )
+        except FsError as exc:
+            self._failed(("gc", ino), f"gc ino={ino}", exc)
+            return
+        await self.writer(self.store.gc_done, ino)
+        self._backoff.pop(("gc", ino), None)
+        log.info("gc ino=%d removed chunks=%d targets=%d", ino, removed, targets)
+
+    # ---- truncation: a shrunk file's chunks ----------------------------------------
+
+    async def truncate_now(self, ino: int) -> None:
+        """Carry out *ino*'s pending truncation before a reply goes out; EIO if
+        a storage daemon cannot be reached (the job stays and is retried)."""
+        while True:
+            job = self.store.truncate_job(ino)
+            if job is None:
+                return
+            try:
+                await self._cut(job)
+            except FsError as exc:
+                self._failed(("truncate", ino), f"truncate ino={ino} size={job['size']}", exc)
+                self.wake()
+                raise FsError(
+                    errno.EIO,
+                    f"inode {ino} has size {job['size']} but cutting its chunks on storage "
+                    f"failed ({exc.message}); it is retried in the background",
+                ) from None
+            if await self.writer(self.store.truncate_done, ino, job["seq"]):
+                self._backoff.pop(("truncate", ino), None)
+                return
+            # a newer shrink was recorded meanwhile: carry that one out too
+
+    async def _truncate(self, job: TruncateJob) -> None:
+        ino = job["ino"]
+        try:
+            await self._cut(job)
+        except FsError as exc:
+            self._failed(("truncate", ino), f"truncate ino={ino} size={job['size']}", exc)
+            return
+        self._backoff.pop(("truncate", ino), None)
+        if not await self.writer(self.store.truncate_done, ino, job["seq"]):
+            self.wake()  # superseded by a newer job: the next pass runs it
+
+    async def _cut(self, job: TruncateJob) -> None:
+        ino, size, layout = job["ino"], job["size"], job["layout"]
+        changed, targets = await self._on_targets(
+            layout,
+            lambda stub, target: stub.truncate_file(target, ino, size, layout["chunk_size"]),
+        )
+        log.info("truncate ino=%d size=%d chunks=%d targets=%d", ino, size, changed, targets)
+
+    # ---- shared -----------------------------------------------------------------------
+
+    async def _on_targets(self, layout: Layout, call: TargetCall) -> tuple[int, int]:
+        """Run *call* on every target of every chain of *layout*, in parallel.
+        Returns (sum of the results, number of targets); raises if any failed.
+        A target known to be down fails at once instead of timing out."""
+        routing = self.routing()
+        targets: dict[int, TargetInfo] = {}
+        for chain in layout["chains"]:
+            for target in routing.all_chain_targets(chain):
+                targets[target["id"]] = target
+        results: dict[int, int] = {}
+        errors: dict[int, FsError] = {}
+
+        async def one(target: TargetInfo) -> None:
+            tid = target["id"]
+            try:
+                node = routing.node_of_target(tid)
+                if target["state"] == "offline" or node["state"] != "online":
+                    raise FsError(errno.EHOSTDOWN, f"target {tid} is offline")
+                stub = StorageStub(self.rpc, node["address"], timeout=self.timeout)
+                results[tid] = await call(stub, tid)
+            except FsError as exc:
+                errors[tid] = exc
+
+        async with trio.open_nursery() as nursery:
+            for target in targets.values():
+                nursery.start_soon(one, target)
+        if errors:
+            tid, exc = min(errors.items())
+            raise FsError(
+                exc.code,
+                f"{len(errors)} of {len(targets)} targets failed, target {tid}: {exc.message}",
+            )
+        return sum(results.values()), len(targets)
+
+    def _failed(self, key: tuple[str, int], what: str, exc: FsError) -> None:
+        _, delay = self._backoff.get(key, (0.0, self.base_delay / 2))
+        delay = min(self.max_delay, delay * 2)
+        self._backoff[key] = (trio.current_time() + delay, delay)
+        log.info("%s failed: %s; retry in %.1fs", what, exc.message, delay)
+
+    def pending_retries(self) -> int:
+        return len(self._backoff)
+
+
+class SessionReaper:
+    """Closes sessions whose lease ran out: a client that died without
+    closing its files must not keep unlinked files alive forever."""
+
+    def __init__(
+        self, store: Namespace, writer: Writer, jobs: StorageJobs, interval: float
+    ) -> None:
+        self.store = store
+        self.writer = writer
+        self.jobs = jobs
+        self.interval = interval
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(self.interval)
+            try:
+                await self.reap_once()
+            except FsError as exc:
+                log.warning("session reaping failed: %s", exc.message)
+
+    async def reap_once(self) -> list[ExpiredSession]:
+        expired = await self.writer(self.store.reap_sessions)
+        for s in expired:
+            log.info(
+                "session expired session=%d client=%s host=%s pid=%d handles=%d freed=%d",
+                s["session"],
+                s["client"],
+                s["host"],
+                s["pid"],
+                s["handles"],
+                s["freed"],
+            )
+        if any(s["freed"] for s in expired):
+            self.jobs.wake()
+        return expired

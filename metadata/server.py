@@ -1,0 +1,498 @@
+"""The metadata server: the namespace (`store.Namespace`) behind the rpc layer.
+
+Reads are served inline from an LMDB read transaction (a memory-mapped B-tree
+lookup: no reason to leave the event loop). Mutations run in a worker thread
+(`Writer`), one LMDB write transaction each. What a mutation owes the storage
+daemons is carried out by `gc.StorageJobs`: a shrink before the reply (so a
+client never sees cut bytes again), chunk deletion in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import functools
+import itertools
+import json
+import logging
+import os
+import random
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from shufflefs.cluster.agent import NodeAgent, unregister_node
+from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
+from shufflefs.cluster.routing import Routing, RoutingCache
+from shufflefs.metadata.config import MetaConfig
+from shufflefs.metadata.gc import SessionReaper, StorageJobs
+from shufflefs.metadata.protocol import (
+    Attr,
+    FsStats,
+    Layout,
+    OpenResult,
+    ReaddirPage,
+    Session,
+)
+from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.writer import Writer
+from shufflefs.rpc.auth import load_secret
+from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
+from shufflefs.rpc.config import load_config
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.runtime import hostname, run_service, setup_logging
+from shufflefs.rpc.schema import rpc_method
+from shufflefs.rpc.server import RpcServer
+
+log = logging.getLogger("shufflefs.metadata.server")
+
+T = TypeVar("T")
+
+NAMESPACE_DIR = "namespace"
+NODE_FILE = "node.json"
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def _kv(details: dict[str, Any]) -> str:
+    parts = []
+    for key, value in details.items():
+        if callable(value):
+            continue
+        text = repr(value)
+        parts.append(f"{key}={text[:80]}")
+    return " ".join(parts)
+
+
+def _writes(flags: int) -> bool:
+    return (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
+
+
+class MetaService:
+    """The rpc methods of `metadata.protocol.MetaStub`, over one Namespace.
+
+    *routing* returns the current routing map; it is consulted for the chains
+    of new files and for the storage targets that jobs are carried out on.
+    """
+
+    def __init__(
+        self,
+        store: Namespace,
+        routing: Callable[[], Routing],
+        rpc: RpcClient,
+        *,
+        storage_timeout: float = 5.0,
+        reap_interval: float | None = None,
+        refresh_routing: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        self.store = store
+        self.routing = routing
+        self.refresh_routing = refresh_routing
+        self.write = Writer()
+        self.jobs = StorageJobs(store, self.write, routing, rpc, timeout=storage_timeout)
+        if reap_interval is None:
+            reap_interval = max(0.05, min(5.0, store.session_timeout / 4))
+        self.reaper = SessionReaper(store, self.write, self.jobs, reap_interval)
+        # New files start on successive chains, so single-chunk files spread
+        # over all of them; a random start keeps restarts from favouring chain 0.
+        self._rotor = itertools.count(random.randrange(1 << 16))
+
+    async def run_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The storage-job worker and the session reaper, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.jobs.run)
+            nursery.start_soon(self.reaper.run)
+            task_status.started()
+
+    def new_layout(self) -> Layout:
+        """The layout of a file created now: up to `stripe` writable chains
+        starting at a rotating offset. Called inside a write transaction, so
+        it must not block: it only reads the routing snapshot."""
+        routing = self.routing()
+        chains = routing.writable_chains()
+        if not chains:
+            raise FsError(errno.ENOSPC, "no writable storage chains")
+        n = len(chains)
+        count = min(max(1, routing.config["stripe"]), n)
+        start = next(self._rotor) % n
+        return {
+            "chunk_size": routing.config["chunk_size"],
+            "chains": [chains[(start + i) % n] for i in range(count)],
+        }
+
+    async def _ensure_chains(self) -> None:
+        """Before creating a file: if our routing snapshot has no writable
+        chain, it may just be older than the storage nodes' registration
+        (right after a cluster start); fetch a fresh one before saying ENOSPC."""
+        if self.refresh_routing is not None and not self.routing().writable_chains():
+            with contextlib.suppress(FsError):
+                await self.refresh_routing()
+
+    async def _mutate(self, op: str, fn: Callable[..., T], **args: Any) -> T:
+        try:
+            return await self.write(fn, **args)
+        except FsError as exc:
+            log.debug("%s failed %s: %s", op, _kv(args), exc.message)
+            raise
+
+    async def _settle_open(self, result: OpenResult, flags: int, session: int) -> OpenResult:
+        """A writer must not get a file whose cut is still owed to storage:
+        the bytes cut would reappear under its writes. Carry the cut out now;
+        if that fails, give the handle back and fail the open."""
+        ino = result["attr"]["ino"]
+        if not _writes(flags):
+            return result
+        try:
+            await self.jobs.truncate_now(ino)
+        except FsError as exc:
+            with trio.CancelScope(shield=True):
+                await self.write(self.store.release, ino, result["handle"], session)
+            log.debug("open ino=%d failed: %s", ino, exc.message)
+            raise
+        return result
+
+    # ---- sessions -------------------------------------------------------------
+
+    @rpc_method
+    async def session_open(self, client: str, host: str, pid: int) -> Session:
+        result = await self._mutate(
+            "session_open", self.store.session_open, client=client, host=host, pid=pid
+        )
+        log.info(
+            "session opened session=%d client=%s host=%s pid=%d",
+            result["session"],
+            client,
+            host,
+            pid,
+        )
+        return result
+
+    @rpc_method
+    async def session_renew(self, session: int) -> None:
+        await self._mutate("session_renew", self.store.session_renew, session=session)
+
+    @rpc_method
+    async def session_close(self, session: int) -> None:
+        handles, freed = await self._mutate(
+            "session_close", self.store.session_close, session=session
+        )
+        log.info("session closed session=%d handles=%d freed=%d", session, handles, freed)
+        if freed:
+            self.jobs.wake()
+
+    # ---- names and attributes -------------------------------------------------
+
+    @rpc_method
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        return self.store.lookup(parent, name)
+
+    @rpc_method
+    async def getattr(self, ino: int) -> Attr:
+        return self.store.getattr(ino)
+
+    @rpc_method
+    async def resolve(self, path: bytes, follow: bool = True) -> Attr:
+        return self.store.resolve(path, follow)
+
+    @rpc_method
+    async def setattr(
+        self,
+        ino: int,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime: int | None = None,
+        mtime: int | None = None,
+    ) -> Attr:
+        attr = await self._mutate(
+            "setattr",
+            self.store.setattr,
+            ino=ino,
+            mode=mode,
+            uid=uid,
+            gid=gid,
+            size=size,
+            atime=atime,
+            mtime=mtime,
+        )
+        if size is not None:
+            await self.jobs.truncate_now(ino)
+        return attr
+
+    @rpc_method
+    async def update_length(self, ino: int, length: int, mtime: int | None = None) -> Attr:
+        return await self._mutate(
+            "update_length", self.store.update_length, ino=ino, length=length, mtime=mtime
+        )
+
+    # ---- creating and removing ------------------------------------------------
+
+    @rpc_method
+    async def mknod(
+        self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+    ) -> Attr:
+        if stat.S_ISREG(mode):
+            await self._ensure_chains()
+        return await self._mutate(
+            "mknod",
+            self.store.mknod,
+            parent=parent,
+            name=name,
+            mode=mode,
+            rdev=rdev,
+            uid=uid,
+            gid=gid,
+            layout=self.new_layout,
+        )
+
+    @rpc_method
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        return await self._mutate(
+            "mkdir", self.store.mkdir, parent=parent, name=name, mode=mode, uid=uid, gid=gid
+        )
+
+    @rpc_method
+    async def create(
+        self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int, session: int
+    ) -> OpenResult:
+        await self._ensure_chains()
+        result = await self._mutate(
+            "create",
+            self.store.create,
+            parent=parent,
+            name=name,
+            mode=mode,
+            flags=flags,
+            uid=uid,
+            gid=gid,
+            session=session,
+            layout=self.new_layout,
+        )
+        return await self._settle_open(result, flags, session)
+
+    @rpc_method
+    async def open(self, ino: int, flags: int, session: int) -> OpenResult:
+        result = await self._mutate("open", self.store.open, ino=ino, flags=flags, session=session)
+        return await self._settle_open(result, flags, session)
+
+    @rpc_method
+    async def release(self, ino: int, handle: int, session: int) -> None:
+        freed = await self._mutate(
+            "release", self.store.release, ino=ino, handle=handle, session=session
+        )
+        if freed:
+            log.debug("last handle closed ino=%d: freed", ino)
+            self.jobs.wake()
+
+    @rpc_method
+    async def unlink(self, parent: int, name: bytes) -> None:
+        if await self._mutate("unlink", self.store.unlink, parent=parent, name=name):
+            self.jobs.wake()
+
+    @rpc_method
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self._mutate("rmdir", self.store.rmdir, parent=parent, name=name)
+
+    @rpc_method
+    async def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> None:
+        freed = await self._mutate(
+            "rename",
+            self.store.rename,
+            parent=parent,
+            name=name,
+            new_parent=new_parent,
+            new_name=new_name,
+            flags=flags,
+        )
+        if freed:
+            self.jobs.wake()
+
+    @rpc_method
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
+        return await self._mutate(
+            "link", self.store.link, ino=ino, new_parent=new_parent, new_name=new_name
+        )
+
+    @rpc_method
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        return await self._mutate(
+            "symlink", self.store.symlink, parent=parent, name=name, target=target, uid=uid, gid=gid
+        )
+
+    @rpc_method
+    async def readlink(self, ino: int) -> bytes:
+        return self.store.readlink(ino)
+
+    @rpc_method
+    async def readdir(self, ino: int, after: bytes | None = None, limit: int = 256) -> ReaddirPage:
+        return self.store.readdir(ino, after, limit)
+
+    @rpc_method
+    async def statfs(self) -> FsStats:
+        return self.store.statfs()
+
+    # ---- extended attributes --------------------------------------------------
+
+    @rpc_method
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        return self.store.getxattr(ino, name)
+
+    @rpc_method
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        await self._mutate(
+            "setxattr", self.store.setxattr, ino=ino, name=name, value=value, flags=flags
+        )
+
+    @rpc_method
+    async def listxattr(self, ino: int) -> list[bytes]:
+        return self.store.listxattr(ino)
+
+    @rpc_method
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        await self._mutate("removexattr", self.store.removexattr, ino=ino, name=name)
+
+
+# ---- the process -------------------------------------------------------------------
+
+
+def load_node_state(data_dir: Path) -> dict[str, Any]:
+    """The node id and cluster id mgmtd gave this server, if it ran before."""
+    path = data_dir / NODE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise FsError(errno.EINVAL, f"{path} is unreadable: {exc}") from None
+    if not isinstance(state, dict):
+        raise FsError(errno.EINVAL, f"{path} is not a JSON object")
+    return state
+
+
+def save_node_state(data_dir: Path, result: RegisterResult) -> None:
+    """Keep the ids across restarts: the node rejoins as itself, and mgmtd
+    refuses it if the data dir belongs to another cluster."""
+    path = data_dir / NODE_FILE
+    tmp = path.with_name(NODE_FILE + ".tmp")
+    data = json.dumps({"node_id": result["node_id"], "cluster_id": result["cluster_id"]})
+    with open(tmp, "w") as f:
+        f.write(data + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_config(config: MetaConfig) -> None:
+    """What the types of the TOML file cannot say."""
+    if not config.session_timeout > 0:
+        raise FsError(errno.EINVAL, f"session_timeout must be positive: {config.session_timeout}")
+    if config.map_size < 1 << 20:
+        raise FsError(errno.EINVAL, f"map_size {config.map_size} is below 1 MiB")
+    listen_address(config.listen)
+    parse_address(config.mgmtd)
+    if config.advertise is not None:
+        parse_address(config.advertise)
+
+
+def listen_address(listen: str) -> tuple[str, int]:
+    """host:port to bind; port 0 picks a free one (tests, ad-hoc servers)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise FsError(errno.EINVAL, f"bad listen address {listen!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def advertised_address(config: MetaConfig, port: int) -> str:
+    if config.advertise:
+        return config.advertise
+    host, _ = listen_address(config.listen)
+    if host in WILDCARD_HOSTS:
+        host = config.host or hostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a metadata server until cancelled: open the namespace, serve rpc,
+    join the cluster, carry out storage jobs; on the way out, leave the
+    cluster cleanly and close the namespace. Reports the advertised address
+    through *task_status* once registered."""
+    check_config(config)
+    secret = load_secret(Path(config.secret_file))
+    data_dir = Path(config.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    host, port = listen_address(config.listen)
+    node = load_node_state(data_dir)
+    store = Namespace(
+        data_dir / NAMESPACE_DIR,
+        map_size=config.map_size,
+        sync=config.sync,
+        session_timeout=config.session_timeout,
+    )
+    try:
+        sessions = store.restart_leases()
+        counts = store.counts()
+        log.info(
+            "namespace opened path=%s inodes=%d sessions=%d handles=%d gc_jobs=%d truncate_jobs=%d",
+            store.path,
+            counts["inodes"],
+            sessions,
+            counts["handles"],
+            counts["gc"],
+            counts["truncates"],
+        )
+        async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
+            cache = RoutingCache(rpc, config.mgmtd)
+            service = MetaService(store, lambda: cache.current, rpc, refresh_routing=cache.refresh)
+            server = RpcServer(secret, [service], name="meta")
+            bound = await nursery.start(server.serve, host, port)
+            address = advertised_address(config, bound)
+
+            async def routing_changed(version: int) -> None:
+                await cache.refresh(min_version=version)
+
+            agent = NodeAgent(
+                MgmtdStub(rpc, config.mgmtd),
+                kind="meta",
+                address=address,
+                host=config.host or hostname(),
+                cluster_id=node.get("cluster_id"),
+                node_id=node.get("node_id"),
+                on_registered=functools.partial(save_node_state, data_dir),
+                on_routing_version=routing_changed,
+            )
+            try:
+                await nursery.start(agent.run)
+                routing = await cache.start(nursery)
+                agent.interval = routing.config["heartbeat_interval"]
+                await nursery.start(service.run_background)
+                log.info(
+                    "metadata server ready address=%s node=%s cluster=%s",
+                    address,
+                    agent.node_id,
+                    agent.cluster_id,
+                )
+                task_status.started(address)
+                await trio.sleep_forever()
+            finally:
+                if agent.registered.is_set() and agent.node_id is not None:
+                    with trio.CancelScope(shield=True):
+                        await unregister_node(secret, config.mgmtd, agent.node_id)
+    finally:
+        store.close()
+
+
+def main(config_path: str) -> int:
+    config = load_config(config_path, MetaConfig)
+    setup_logging("meta", config.log_file, config.log_level)
+    return run_service("meta", functools.partial(serve, config))
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """`shufflefs meta --config FILE`."""
+    return main(args.config)

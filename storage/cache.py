@@ -1,0 +1,170 @@
+"""Thread-safe LRU caches of decoded chunk records and open chunk files.
+
+Both caches are filled by readers that run without the chunk's lock, so a
+reader can look a record up (or open a file) just before a writer replaces it
+and insert the stale value just after the writer invalidated it. Each cache
+therefore has an *epoch* that every invalidation bumps: a reader notes the
+epoch before it goes to disk and its fill is dropped if the epoch moved.
+Coarse (any update anywhere discards fills in flight) but cheap and obviously
+correct; updates are rare next to reads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Final, Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Missing:
+    """Cached knowledge that a chunk does not exist (sparse regions are read
+    often and must not cost an LMDB lookup each time)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Final = Missing()
+
+
+class RecordCache(Generic[K, V]):
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._data: OrderedDict[K, V | Missing] = OrderedDict()
+        self._lock = threading.Lock()
+        self.epoch = 0
+
+    def get(self, key: K) -> V | Missing | None:
+        """The cached value, MISSING if known absent, None if not cached."""
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def fill(self, key: K, value: V | Missing, epoch: int) -> None:
+        """Insert what a reader loaded, unless an update happened since *epoch*."""
+        with self._lock:
+            if epoch != self.epoch:
+                return
+            self._insert(key, value)
+
+    def set(self, key: K, value: V | Missing) -> None:
+        """A writer's committed value (under the chunk's lock)."""
+        with self._lock:
+            self.epoch += 1
+            self._insert(key, value)
+
+    def _insert(self, key: K, value: V | Missing) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.capacity:
+            self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.epoch += 1
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class FdHandle:
+    """A reference to an open file descriptor; the fd stays open until every
+    holder released it, even if the cache evicted or invalidated it meanwhile
+    (closing it under a reader would let the number be reused for another
+    file and the reader pread the wrong chunk)."""
+
+    __slots__ = ("closed", "evicted", "fd", "refs")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.refs = 1
+        self.evicted = False
+        self.closed = False
+
+
+class FdCache(Generic[K]):
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._data: OrderedDict[K, FdHandle] = OrderedDict()
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self.opened = 0  # fds this cache has taken ownership of (for tests and stats)
+        self.closed = 0
+
+    def get(self, key: K) -> FdHandle | None:
+        """A referenced handle, or None if not cached. Release it after use."""
+        with self._lock:
+            handle = self._data.get(key)
+            if handle is not None:
+                self._data.move_to_end(key)
+                handle.refs += 1
+            return handle
+
+    def put(self, key: K, fd: int, epoch: int) -> FdHandle:
+        """Take ownership of *fd* (opened by the caller after it noted *epoch*)
+        and return a referenced handle for it. The fd is cached only if
+        nothing was invalidated meanwhile; if another thread cached the same
+        file first, that handle is returned and *fd* closed."""
+        with self._lock:
+            self.opened += 1
+            existing = self._data.get(key)
+            if existing is not None:
+                existing.refs += 1
+                self._data.move_to_end(key)
+                self._close(fd)
+                return existing
+            handle = FdHandle(fd)
+            if epoch != self.epoch:
+                handle.evicted = True  # used once, closed on release
+                return handle
+            self._data[key] = handle
+            while len(self._data) > self.capacity:
+                _, old = self._data.popitem(last=False)
+                self._retire(old)
+            return handle
+
+    def release(self, handle: FdHandle) -> None:
+        with self._lock:
+            handle.refs -= 1
+            if handle.evicted and handle.refs == 0 and not handle.closed:
+                handle.closed = True
+                self._close(handle.fd)
+
+    def invalidate(self, key: K) -> None:
+        """The file is being replaced or removed: forget it (closing the fd
+        once the last reader is done)."""
+        with self._lock:
+            self.epoch += 1
+            handle = self._data.pop(key, None)
+            if handle is not None:
+                self._retire(handle)
+
+    def _retire(self, handle: FdHandle) -> None:
+        handle.evicted = True
+        if handle.refs == 0 and not handle.closed:
+            handle.closed = True
+            self._close(handle.fd)
+
+    def _close(self, fd: int) -> None:
+        self.closed += 1
+        os.close(fd)
+
+    def close_all(self) -> None:
+        with self._lock:
+            self.epoch += 1
+            handles = list(self._data.values())
+            self._data.clear()
+            for handle in handles:
+                self._retire(handle)
+
+    def __len__(self) -> int:
+        return len(self._data)

@@ -1,0 +1,51 @@
+"""The storage daemon's settings (a TOML file read by `rpc.config.load_config`)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from shufflefs.rpc.config import load_config
+from shufflefs.rpc.errors import FsError
+from shufflefs.storage.layout import check_block_size
+
+
+@dataclass
+class StorageConfig:
+    listen: str  # host:port to serve rpc on (port 0: any free port)
+    mgmtd: str  # host:port of the cluster manager
+    data_dir: str  # node state: node.json (node_id, cluster_id)
+    secret_file: str  # the cluster secret (mode 0600)
+    targets: list[str]  # target directories, one per disk; formatted on first start
+    advertise: str | None = None  # host:port others reach us at (default: from listen)
+    host: str | None = None  # machine name reported for locality (default: hostname)
+    log_file: str | None = None  # default: stderr
+    log_level: str = "INFO"
+    fsync: bool = True  # durable writes; false survives a process crash but not power loss
+    reserve_bytes: int = 16 << 20  # free space kept back per target: below it writes get ENOSPC
+    block_size: int = 4096  # CRC block size of NEW targets (an existing one keeps its own)
+    io_threads: int = 16  # disk operations in flight at once
+    fd_cache: int = 1024  # open chunk files kept per target
+
+    def validate(self) -> None:
+        """Reject settings that would fail later in a less clear way."""
+        if not self.targets:
+            raise FsError(
+                errno.EINVAL, "storage config: 'targets' must list at least one directory"
+            )
+        paths = [os.path.realpath(t) for t in self.targets]
+        if len(set(paths)) != len(paths):
+            raise FsError(errno.EINVAL, "storage config: a target directory is listed twice")
+        check_block_size(self.block_size)
+        for name in ("io_threads", "fd_cache"):
+            if getattr(self, name) < 1:
+                raise FsError(errno.EINVAL, f"storage config: {name!r} must be at least 1")
+        if self.reserve_bytes < 0:
+            raise FsError(errno.EINVAL, "storage config: 'reserve_bytes' must not be negative")
+
+
+def load_storage_config(path: str | os.PathLike[str]) -> StorageConfig:
+    config = load_config(path, StorageConfig)
+    config.validate()
+    return config

@@ -1,0 +1,81 @@
+"""Shared fixtures: a real local cluster, mounted with FUSE, for end-to-end tests.
+
+The cluster is started with the real `shufflefs up` command (mgmtd, a metadata
+server and three storage daemons as separate processes on loopback) and stopped
+with `shufflefs down`, which signals them by pid. One cluster serves the whole
+session; tests that kill or restart processes make their own.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from harness import shufflefs
+
+
+@dataclass
+class Mounted:
+    data_dir: Path
+    mountpoint: Path
+
+    @property
+    def client_config(self) -> Path:
+        return self.data_dir / "client.toml"
+
+
+def require_fuse() -> None:
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.fail("end-to-end tests need root and /dev/fuse (run via `make test` as root)")
+
+
+@pytest.fixture(scope="session")
+def mounted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
+    require_fuse()
+    base = tmp_path_factory.mktemp("cluster")
+    m = Mounted(base / "data", base / "mnt")
+    shufflefs("up", "--data-dir", str(m.data_dir), "--mountpoint", str(m.mountpoint))
+    try:
+        wait_writable(m.mountpoint)
+        yield m
+    finally:
+        shufflefs("down", "--data-dir", str(m.data_dir), check=False)
+
+
+def wait_writable(mountpoint: Path, timeout: float = 30.0) -> None:
+    """Work around a startup race: `shufflefs up` returns once mgmtd lists every
+    service online, but the metadata server polls the routing map only once a
+    second, so for up to a second it knows no writable chain and every create
+    fails with ENOSPC ("no writable storage chains"). Wait until a create works."""
+    probe = mountpoint / ".ready-probe"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    probe.unlink()
+
+
+@pytest.fixture
+def mnt(mounted: Mounted, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh directory inside the shared mount, for one test."""
+    d = mounted.mountpoint / request.node.name.replace("/", "_")[:100]
+    d.mkdir()
+    yield d
+
+
+@pytest.fixture
+def native(mounted: Mounted) -> Iterator[object]:
+    from shufflefs.client import Client
+
+    with Client(mounted.client_config) as c:
+        yield c
