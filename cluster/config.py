@@ -23,10 +23,15 @@ class MgmtdConfig:
     # Cluster settings. `replicas` is fixed when the cluster is formatted;
     # the others may be changed here and apply from the next start.
     replicas: int = 1
+    min_replicas: int | None = None  # default: min(2, replicas)
     chunk_size: int = 1 << 20
     stripe: int = 16
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+
+    @property
+    def effective_min_replicas(self) -> int:
+        return self.min_replicas if self.min_replicas is not None else min(2, self.replicas)
 
     def check(self, where: str) -> None:
         cs = self.chunk_size
@@ -34,6 +39,8 @@ class MgmtdConfig:
             raise FsError(errno.EINVAL, f"{where}: chunk_size must be a power of two, 4K..64M")
         if not 1 <= self.replicas <= 16:
             raise FsError(errno.EINVAL, f"{where}: replicas must be 1..16")
+        if self.min_replicas is not None and not 1 <= self.min_replicas <= self.replicas:
+            raise FsError(errno.EINVAL, f"{where}: min_replicas must be 1..replicas")
         if self.stripe < 1:
             raise FsError(errno.EINVAL, f"{where}: stripe must be at least 1")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:

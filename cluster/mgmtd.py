@@ -28,8 +28,9 @@ from shufflefs.cluster.protocol import (
 from shufflefs.cluster.state import ClusterState
 from shufflefs.cluster.store import MgmtdStore
 from shufflefs.rpc.auth import load_secret
-from shufflefs.rpc.client import parse_address
+from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
 from shufflefs.rpc.config import load_config
+from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import hostname, run_service, setup_logging
 from shufflefs.rpc.schema import rpc_method
 from shufflefs.rpc.server import RpcServer
@@ -37,12 +38,16 @@ from shufflefs.rpc.server import RpcServer
 log = logging.getLogger("shufflefs.mgmtd")
 
 EXPIRY_CHECK_INTERVAL = 0.5
+UNREACHABLE_PROBE_TIMEOUT = 2.0
 
 
 class MgmtdService:
-    def __init__(self, state: ClusterState, store: MgmtdStore) -> None:
+    def __init__(
+        self, state: ClusterState, store: MgmtdStore, rpc: RpcClient | None = None
+    ) -> None:
         self.state = state
         self.store = store
+        self.rpc = rpc
         self._persist_lock = trio.Lock()
 
     async def persist(self) -> None:
@@ -80,6 +85,29 @@ class MgmtdService:
         await self.persist()
 
     @rpc_method
+    async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
+        self.state.sync_done(target_id, chain_id, chain_version)
+        await self.persist()
+
+    @rpc_method
+    async def report_unreachable(self, reporter: int, node_id: int) -> bool:
+        """Believe a peer's report only if we cannot reach the node either: a
+        link broken between two storage nodes alone must not take one out."""
+        node = self.state.nodes.get(node_id)
+        if node is None or node.state != "online" or self.rpc is None:
+            return False
+        try:
+            await self.rpc.call(node.address, "ping", timeout=UNREACHABLE_PROBE_TIMEOUT)
+            log.info("node %d reported node %d unreachable; it answers us", reporter, node_id)
+            return False
+        except FsError as exc:
+            why = f"unreachable from node {reporter} and from mgmtd ({exc.message})"
+        if self.state.mark_offline(node_id, why):
+            await self.persist()
+            return True
+        return False
+
+    @rpc_method
     async def get_routing(self, known_version: int) -> RoutingInfo | None:
         if known_version == self.state.version:
             return None
@@ -105,6 +133,7 @@ def cluster_config(config: MgmtdConfig) -> ClusterConfig:
         chunk_size=config.chunk_size,
         stripe=config.stripe,
         replicas=config.replicas,
+        min_replicas=config.effective_min_replicas,
         heartbeat_interval=config.heartbeat_interval,
         heartbeat_timeout=config.heartbeat_timeout,
     )
@@ -127,6 +156,7 @@ def open_state(config: MgmtdConfig, store: MgmtdStore) -> ClusterState:
             state.config["replicas"],
         )
         wanted["replicas"] = state.config["replicas"]
+        wanted["min_replicas"] = min(wanted["min_replicas"], wanted["replicas"])
     state.config = wanted
     log.info(
         "loaded cluster %s: %d nodes, %d targets, %d chains, routing version %d",
@@ -145,10 +175,13 @@ async def serve(config: MgmtdConfig) -> None:
     store = MgmtdStore(config.data_dir)
     try:
         state = open_state(config, store)
-        service = MgmtdService(state, store)
         host, port = parse_address(config.listen, listen=True)
-        server = RpcServer(secret, [service], name="mgmtd")
-        async with trio.open_nursery() as nursery:
+        async with (
+            open_rpc_client(secret, connect_timeout=1.0) as rpc,
+            trio.open_nursery() as nursery,
+        ):
+            service = MgmtdService(state, store, rpc)
+            server = RpcServer(secret, [service], name="mgmtd")
             bound = await nursery.start(server.serve, host, port)
             advertise = config.advertise or f"{host}:{bound}"
             state.register_self(advertise, config.host or hostname(), os.getpid(), time.time())

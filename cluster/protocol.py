@@ -18,9 +18,10 @@ from shufflefs.rpc.client import RpcClient
 
 NodeKind = Literal["mgmtd", "meta", "storage"]
 NodeState = Literal["online", "offline"]
-# serving: in its chain and up to date; offline: its node is down or it was cut
-# out; syncing: back and being brought up to date (issue 3).
-TargetState = Literal["serving", "offline", "syncing"]
+# serving: in its chain and up to date; syncing: back and being brought up to
+# date (receives new writes, serves no reads); waiting: back, but its chain has
+# no serving replica to sync from; offline: its node is down or it was cut out.
+TargetState = Literal["serving", "syncing", "waiting", "offline"]
 
 
 class TargetRegistration(TypedDict):
@@ -78,6 +79,7 @@ class ClusterConfig(TypedDict):
     chunk_size: int  # default chunk size of new files (power of two)
     stripe: int  # chains a new file is striped over (at most)
     replicas: int  # targets per chain
+    min_replicas: int  # writes are refused (EROFS) on a chain with fewer serving targets
     heartbeat_interval: float  # seconds between heartbeats
     heartbeat_timeout: float  # a node silent this long is offline
 
@@ -142,6 +144,19 @@ class MgmtdStub:
     async def unregister_node(self, node_id: int) -> None:
         """A clean shutdown: the node is offline at once, not after the timeout."""
         await self._call("unregister_node", node_id=node_id)
+
+    async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
+        """A syncing target has caught up with its chain (as of *chain_version*)
+        and may serve reads. ESTALE: the chain changed meanwhile; sync again."""
+        await self._call(
+            "sync_done", target_id=target_id, chain_id=chain_id, chain_version=chain_version
+        )
+
+    async def report_unreachable(self, reporter: int, node_id: int) -> bool:
+        """A peer could not reach *node_id*. mgmtd checks for itself and marks
+        the node offline if it cannot reach it either. Returns whether it did."""
+        result = await self._call("report_unreachable", reporter=reporter, node_id=node_id)
+        return bool(result)
 
     async def get_routing(self, known_version: int = -1) -> RoutingInfo | None:
         """The routing map, or None if it is still at *known_version*."""

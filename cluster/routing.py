@@ -69,17 +69,29 @@ class Routing:
     def all_chain_targets(self, chain_id: int) -> list[TargetInfo]:
         return [self.targets[t] for t in self.chain(chain_id)["targets"] if t in self.targets]
 
-    def writable_chains(self) -> list[int]:
-        """Chains whose every member serves (new files are laid out on these)."""
-        return sorted(
-            c["id"]
-            for c in self.chains.values()
-            if c["targets"] and all(self._serving(t) for t in c["targets"])
-        )
+    def write_targets(self, chain_id: int) -> list[TargetInfo]:
+        """Where a write to the chain goes, in order: the serving targets
+        (head first), then the syncing ones, which must see every new write."""
+        return [
+            t for t in self.all_chain_targets(chain_id) if t["state"] in ("serving", "syncing")
+        ]
 
-    def _serving(self, target_id: int) -> bool:
-        target = self.targets.get(target_id)
-        return target is not None and target["state"] == "serving"
+    def writable_chains(self) -> list[int]:
+        """Chains new files are laid out on: every member serving and none out
+        of space; if there are none such, chains with at least `min_replicas`
+        serving members and space left (a degraded cluster still takes files)."""
+        healthy, degraded = [], []
+        minimum = self.config["min_replicas"]
+        for c in self.chains.values():
+            members = [self.targets.get(t) for t in c["targets"]]
+            serving = [m for m in members if m is not None and m["state"] == "serving"]
+            if not serving or any(m["free"] <= 0 for m in serving):
+                continue
+            if len(serving) == len(members):
+                healthy.append(c["id"])
+            elif len(serving) >= minimum:
+                degraded.append(c["id"])
+        return sorted(healthy or degraded)
 
     def nodes_of_kind(self, kind: str, online_only: bool = True) -> list[NodeInfo]:
         return sorted(

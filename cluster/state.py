@@ -31,6 +31,16 @@ log = logging.getLogger("shufflefs.mgmtd")
 
 NODE_KINDS = ("mgmtd", "meta", "storage")
 
+# Target states. A chain lists its targets in the order writes flow (head
+# first): serving targets, then syncing ones (being brought up to date; they
+# receive every new write, but serve no reads), then waiting and offline ones
+# (no traffic at all).
+SERVING = "serving"
+SYNCING = "syncing"
+WAITING = "waiting"  # back, but its chain has no serving replica to sync from yet
+OFFLINE = "offline"
+_RANK = {SERVING: 0, SYNCING: 1, WAITING: 2, OFFLINE: 3}
+
 
 @dataclass
 class Node:
@@ -61,6 +71,10 @@ class Chain:
     id: int
     version: int
     targets: list[int] = field(default_factory=list)
+    # When the last serving target of a chain goes offline it holds the
+    # newest data: only it may serve again without a sync. Until it returns,
+    # the others wait (3FS calls this state "lastsrv").
+    last_serving: int | None = None
 
 
 @dataclass
@@ -195,22 +209,85 @@ class ClusterState:
         else:
             if tid is None:
                 tid = self.next_target
-            target = Target(tid, node.id, reg["path"])
+            target = Target(tid, node.id, reg["path"], state=OFFLINE)
             self.targets[tid] = target
             log.info("new target %d on node %d at %s", tid, node.id, reg["path"])
         self.next_target = max(self.next_target, tid + 1)
         target.path = reg["path"]
         target.capacity, target.free = reg["capacity"], reg["free"]
         target.device = reg["device"]
-        target.state = "serving"
+        self._rejoin(target)
         return tid
+
+    def chain_of(self, target_id: int) -> Chain | None:
+        for chain in self.chains.values():
+            if target_id in chain.targets:
+                return chain
+        return None
+
+    def _rejoin(self, target: Target) -> None:
+        """A registering target's state. One mgmtd never cut out of its chain
+        (a quick restart) missed no acknowledged write and keeps serving; one
+        that was cut out syncs from a serving replica first, or, if none is
+        left, serves again only if it was the chain's last serving target."""
+        chain = self.chain_of(target.id)
+        if chain is None:
+            target.state = SERVING  # a spare: chains are built from these
+            return
+        if target.state == SERVING:
+            return
+        others = [t for t in chain.targets if t != target.id and self._state(t) == SERVING]
+        if others:
+            target.state = SYNCING
+        elif chain.last_serving in (None, target.id):
+            target.state = SERVING
+            chain.last_serving = None
+        else:
+            target.state = WAITING
+        log.info("target %d rejoins chain %d as %s", target.id, chain.id, target.state)
+        self._chain_changed(chain)
+
+    def _state(self, target_id: int) -> str:
+        target = self.targets.get(target_id)
+        return target.state if target is not None else OFFLINE
+
+    def _chain_changed(self, chain: Chain) -> None:
+        """Re-derive a chain after a member changed state: waiting members
+        start syncing once someone serves, members are ordered serving,
+        syncing, waiting, offline (a returning target joins at the tail), and
+        the chain version rises."""
+        if any(self._state(t) == SERVING for t in chain.targets):
+            for t in chain.targets:
+                if self._state(t) == WAITING:
+                    self.targets[t].state = SYNCING
+        chain.targets.sort(
+            key=lambda t: _RANK[self._state(t)]
+        )  # stable: keeps order within a state
+        chain.version += 1
+
+    def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
+        """A syncing target caught up: it serves from now on. Refused (ESTALE)
+        if the chain changed since the sync started: the target syncs again."""
+        chain = self.chains.get(chain_id)
+        target = self.targets.get(target_id)
+        if chain is None or target is None or target_id not in chain.targets:
+            raise FsError(errno.ENOENT, f"target {target_id} is not in chain {chain_id}")
+        if chain.version != chain_version:
+            raise FsError(
+                errno.ESTALE, f"chain {chain_id} is at version {chain.version}, not {chain_version}"
+            )
+        if target.state != SYNCING:
+            raise FsError(errno.EINVAL, f"target {target_id} is {target.state}, not syncing")
+        target.state = SERVING
+        self._chain_changed(chain)
+        self.bump(f"target {target_id} synced: serving in chain {chain_id}")
 
     def build_chains(self) -> list[int]:
         """Put targets that are in no chain into new chains of `replicas`
         targets on distinct nodes, taking first from the nodes with the most
         unplaced targets (so chains spread evenly)."""
         placed = {t for c in self.chains.values() for t in c.targets}
-        free = [t for t in self.targets.values() if t.id not in placed and t.state == "serving"]
+        free = [t for t in self.targets.values() if t.id not in placed and t.state == SERVING]
         replicas = self.config["replicas"]
         made: list[int] = []
         while True:
@@ -234,6 +311,8 @@ class ClusterState:
         if node is None:
             raise FsError(errno.ENOENT, f"unknown node {node_id}")
         if node.state != "online" or node.pid != pid:
+            # marked offline meanwhile (or restarted): it must register again,
+            # which is where its targets' states are decided
             raise FsError(errno.ENOENT, f"node {node_id} must register again")
         node.last_seen = now
         for u in usage:
@@ -266,15 +345,29 @@ class ClusterState:
             self.bump("nodes offline: " + ", ".join(str(n.id) for n in gone))
         return [n.id for n in gone]
 
+    def mark_offline(self, node_id: int, why: str) -> bool:
+        node = self.nodes.get(node_id)
+        if node is None or node.state != "online" or node.kind == "mgmtd":
+            return False
+        self._set_offline(node, why)
+        self.bump(f"node {node_id} offline: {why}")
+        return True
+
     def _set_offline(self, node: Node, why: str) -> None:
         log.warning("node %d (%s at %s) offline: %s", node.id, node.kind, node.address, why)
         node.state = "offline"
         for target in self.targets.values():
-            if target.node == node.id and target.state != "offline":
-                target.state = "offline"
-                for chain in self.chains.values():
-                    if target.id in chain.targets:
-                        chain.version += 1
+            if target.node != node.id or target.state == OFFLINE:
+                continue
+            was_serving = target.state == SERVING
+            target.state = OFFLINE
+            chain = self.chain_of(target.id)
+            if chain is None:
+                continue
+            if was_serving and not any(self._state(t) == SERVING for t in chain.targets):
+                chain.last_serving = target.id
+                log.error("chain %d has no serving target left (last: %d)", chain.id, target.id)
+            self._chain_changed(chain)
 
     # ---- views --------------------------------------------------------------
 
@@ -322,7 +415,7 @@ class ClusterState:
         """Usable bytes over the serving targets, divided by the replica count.
         Targets on one filesystem (same host and device) share its space, so
         it is counted once (a local cluster has all its targets on one disk)."""
-        serving = [t for t in self.targets.values() if t.state == "serving"]
+        serving = [t for t in self.targets.values() if t.state == SERVING]
         replicas = max(1, self.config["replicas"])
         filesystems: dict[tuple[str, int], tuple[int, int]] = {}
         for t in serving:

@@ -16,6 +16,7 @@ def config(replicas: int = 1) -> ClusterConfig:
         chunk_size=1 << 20,
         stripe=16,
         replicas=replicas,
+        min_replicas=min(2, replicas),
         heartbeat_interval=1.0,
         heartbeat_timeout=10.0,
     )
@@ -147,3 +148,114 @@ def test_capacity_counts_a_shared_filesystem_once() -> None:
     s.register(None, "storage", "127.0.0.1:3", "h", 3, None, same_disk, now=0)
     s.register(None, "storage", "127.0.0.1:4", "other-host", 4, None, targets(1), now=0)
     assert s.capacity()["capacity"] == 200 and s.capacity()["free"] == 100
+
+
+def three_nodes(replicas: int = 3) -> tuple[ClusterState, list[dict[str, int]]]:
+    s = ClusterState.new(config(replicas=replicas))
+    regs = []
+    for i in range(3):
+        r = s.register(
+            None, "storage", f"127.0.0.1:{i + 1}", f"h{i}", 100 + i, None, targets(1), now=0
+        )
+        regs.append({"node": r["node_id"], "target": r["target_ids"][0], "pid": 100 + i})
+    return s, regs
+
+
+def reregister(s: ClusterState, reg: dict[str, int], now: float, pid: int | None = None) -> None:
+    s.register(
+        s.cluster_id,
+        "storage",
+        f"127.0.0.1:{reg['node']}",
+        "h",
+        pid or reg["pid"],
+        reg["node"],
+        [TargetRegistration(target_id=reg["target"], path="/t", capacity=100, free=50, device=9)],
+        now=now,
+    )
+
+
+def chain_states(s: ClusterState) -> list[tuple[int, str]]:
+    (chain,) = s.chains.values()
+    return [(t, s.targets[t].state) for t in chain.targets]
+
+
+def test_failed_target_leaves_and_rejoins_at_tail_after_sync() -> None:
+    s, regs = three_nodes()
+    (chain,) = s.chains.values()
+    head = chain.targets[0]
+    head_reg = next(r for r in regs if r["target"] == head)
+    v = chain.version
+    for r in regs:
+        if r is not head_reg:
+            s.heartbeat(r["node"], r["pid"], [], now=20)
+    assert s.expire(now=20) == [head_reg["node"]]
+    assert chain.version > v and chain.targets[-1] == head
+    assert [st for _, st in chain_states(s)] == ["serving", "serving", "offline"]
+    reregister(s, head_reg, now=21, pid=999)
+    assert chain_states(s)[-1] == (head, "syncing")
+    with pytest.raises(FsError) as info:
+        s.sync_done(head, chain.id, chain.version - 1)
+    assert info.value.errno == errno.ESTALE
+    s.sync_done(head, chain.id, chain.version)
+    assert [st for _, st in chain_states(s)] == ["serving"] * 3 and chain.targets[-1] == head
+
+
+def test_quick_restart_keeps_serving() -> None:
+    s, regs = three_nodes()
+    (chain,) = s.chains.values()
+    order = list(chain.targets)
+    reregister(s, regs[1], now=1, pid=555)  # restarted before the timeout: never cut out
+    assert chain.targets == order and all(st == "serving" for _, st in chain_states(s))
+
+
+def test_last_serving_target_must_return_first() -> None:
+    s, regs = three_nodes()
+    (chain,) = s.chains.values()
+    t = 0.0
+    alive = list(regs)
+    order_of_death = []
+    while alive:  # kill one node at a time
+        dying = alive.pop(0)
+        order_of_death.append(dying)
+        t += 20
+        for r in alive:
+            s.heartbeat(r["node"], r["pid"], [], now=t)
+        s.expire(now=t)
+    last = order_of_death[-1]["target"]
+    assert chain.last_serving == last
+    first_dead = order_of_death[0]
+    reregister(s, first_dead, now=t + 1, pid=1)
+    assert dict(chain_states(s))[first_dead["target"]] == "waiting"  # stale: may not serve
+    reregister(s, order_of_death[-1], now=t + 2, pid=2)
+    states = dict(chain_states(s))
+    assert states[last] == "serving" and states[first_dead["target"]] == "syncing"
+    assert chain.last_serving is None
+
+
+def test_mark_offline_by_report() -> None:
+    s, regs = three_nodes()
+    assert s.mark_offline(regs[0]["node"], "unreachable from node 2")
+    assert s.targets[regs[0]["target"]].state == "offline"
+    assert not s.mark_offline(regs[0]["node"], "again")
+
+
+def test_writable_chains_prefer_healthy_then_min_replicas() -> None:
+    from shufflefs.cluster.routing import Routing
+
+    s = ClusterState.new(config(replicas=2))
+    regs = []
+    for i in range(4):
+        r = s.register(None, "storage", f"127.0.0.1:{i + 1}", f"h{i}", i, None, targets(1), now=0)
+        regs.append(r)
+    assert len(s.chains) == 2
+    r = Routing(s.routing())
+    assert r.writable_chains() == sorted(s.chains)
+    victim = next(iter(s.chains.values())).targets[0]
+    s.mark_offline(s.targets[victim].node, "test")
+    r = Routing(s.routing())
+    healthy = [c.id for c in s.chains.values() if victim not in c.targets]
+    assert r.writable_chains() == healthy  # healthy chains first
+    for c in healthy:
+        s.mark_offline(s.targets[s.chains[c].targets[0]].node, "test")
+    assert Routing(s.routing()).writable_chains() == []  # min_replicas 2: none left
+    assert [t["id"] for t in Routing(s.routing()).write_targets(next(iter(s.chains)))] != []

@@ -56,6 +56,7 @@ def routing_info(storage_address: str, version: int = 1) -> RoutingInfo:
             "chunk_size": 1 << 20,
             "stripe": 2,
             "replicas": 2,
+            "min_replicas": 2,
             "heartbeat_interval": 0.2,
             "heartbeat_timeout": 5.0,
         },

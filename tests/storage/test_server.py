@@ -211,6 +211,7 @@ def routing_info(version: int, chains: dict[int, tuple[int, list[int]]]) -> Rout
             "chunk_size": CS,
             "stripe": 1,
             "replicas": 1,
+            "min_replicas": 1,
             "heartbeat_interval": 1.0,
             "heartbeat_timeout": 5.0,
         },
