@@ -35,8 +35,9 @@ import trio
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.protocol import MgmtdStub
+from shufflefs.metadata.protocol import MetaStub
 from shufflefs.rpc.auth import generate_secret
-from shufflefs.rpc.client import open_rpc_client
+from shufflefs.rpc.client import RpcClient, open_rpc_client
 from shufflefs.rpc.config import load_config, write_toml
 from shufflefs.rpc.errors import FsError
 
@@ -232,8 +233,9 @@ def unmount(mountpoint: Path, lazy: bool = False) -> None:
 
 
 async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeout: float) -> None:
-    """Wait until mgmtd answers and every meta/storage process we know the pid
-    of is registered and online."""
+    """Wait until mgmtd answers, every meta/storage process we know the pid of
+    is registered and online, and the metadata server has seen the routing
+    map that includes them (new files are laid out on the chains it knows)."""
     _, secret = load_client_config(cluster.client_config)
     layout = cluster.layout()
     address = f"{layout.host}:{layout.mgmtd_port}"
@@ -245,16 +247,27 @@ async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeo
             if dead:
                 raise FsError(errno.ECHILD, f"{dead[0]} exited during startup")
             try:
-                status = await mgmtd.status()
-                online = {n["pid"] for n in status["nodes"] if n["state"] == "online"}
-                waiting = [name for name, pid in pids.items() if pid not in online]
-                if not waiting:
-                    return
+                waiting = await _not_ready(rpc, mgmtd, pids)
             except FsError:
-                waiting = ["mgmtd"]
+                waiting = "mgmtd"
+            if waiting is None:
+                return
             if trio.current_time() > deadline:
-                raise FsError(errno.ETIMEDOUT, f"{waiting[0]} did not come up within {timeout:g}s")
+                raise FsError(errno.ETIMEDOUT, f"{waiting} did not come up within {timeout:g}s")
             await trio.sleep(0.1)
+
+
+async def _not_ready(rpc: RpcClient, mgmtd: MgmtdStub, pids: dict[str, int]) -> str | None:
+    """What is still missing, or None."""
+    status = await mgmtd.status()
+    online = {n["pid"]: n for n in status["nodes"] if n["state"] == "online"}
+    for name, pid in pids.items():
+        if pid not in online:
+            return name
+    metas = [n for n in online.values() if n["kind"] == "meta"]
+    if metas and await MetaStub(rpc, metas[0]["address"]).routing_version() < status["version"]:
+        return "meta (routing map)"
+    return None
 
 
 def wait_mounted(mountpoint: Path, pid: int, timeout: float) -> None:

@@ -5,15 +5,23 @@ Kernel caching policy (close-to-open, like NFS):
 * attributes and entries are cached for ``attr_timeout``/``entry_timeout``;
 * on every open the metadata server is asked for fresh attributes; if the
   file changed since this mount last cached its data (size, mtime or ctime
-  differ) the kernel's page cache for it is dropped (``keep_cache=False``)
-  and its cached attributes invalidated, else the page cache is kept, so
-  re-reading unchanged training data costs no network round trip;
+  differ) the kernel's page cache for it is dropped (``keep_cache=False``),
+  else the page cache is kept, so re-reading unchanged training data costs
+  no network round trip; the kernel's cached attributes are invalidated
+  whenever they differ from the fresh ones (also for a file this mount only
+  stat'ed), so reads are not clamped to a stale size;
+* an O_APPEND open while the kernel's size is stale writes at the real end
+  (see `file_info` and `write`);
 * a file written through this mount drops its cache marker on release, so
-  the next open re-validates.
+  the next open re-validates;
+* the absence of ``security.capability`` (asked before every write) is
+  cached for ``attr_timeout``.
 
 Errors: every handler turns FsError into ``FUSEError(errno)``; ENOSYS is
 sent as EIO, because the kernel would take ENOSYS to mean "never call this
-operation again" for the rest of the mount.
+operation again" for the rest of the mount. An operation addressing one inode
+by number answers ESTALE, not ENOENT, when that inode is gone (see
+`stale_when_gone`).
 """
 
 from __future__ import annotations
@@ -21,12 +29,14 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import stat
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
+import trio
 
 from shufflefs.client.fs import FileSystem
 from shufflefs.metadata.protocol import Attr
@@ -37,6 +47,7 @@ log = logging.getLogger("shufflefs.fuse")
 P = ParamSpec("P")
 R = TypeVar("R")
 
+CAPS_XATTR = b"security.capability"
 BLOCK_SIZE = 4096  # st_blksize: small, so buffered readers do not turn a 2 KiB read into 1 MiB
 READDIR_PAGE = 256
 
@@ -69,6 +80,29 @@ def fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutin
     return wrapper
 
 
+def stale_when_gone(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """ENOENT -> ESTALE, for operations that address a single inode by number.
+
+    The kernel reaches an inode through names it caches for entry_timeout; if
+    another client removed or replaced the name meanwhile (unlink, rename of a
+    new version over it) the inode may be gone, and ENOENT would then fail the
+    open or stat of a name that does exist. ESTALE makes the VFS walk the path
+    again with LOOKUP_REVAL, which re-validates the cached names (a fresh
+    lookup), so the caller gets the file that has the name now, or a true
+    ENOENT. (Apply under `fuse_errors`.)"""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except FsError as exc:
+            if exc.code == errno.ENOENT:
+                raise FsError(errno.ESTALE, exc.message) from None
+            raise
+
+    return wrapper
+
+
 @dataclass
 class DirHandle:
     ino: int
@@ -91,12 +125,20 @@ class ShuffleOps(pyfuse3.Operations):
         self.cached: dict[
             int, tuple[int, int, int]
         ] = {}  # inode -> (size, mtime, ctime) of its cached data
+        # inode -> (size, mtime, ctime) of the attributes last handed to the kernel
+        self.reported: dict[int, tuple[int, int, int]] = {}
+        # inode -> trio time until which it is taken to have no security.capability
+        self.no_caps: dict[int, float] = {}
+        self.append_direct: set[int] = set()  # O_APPEND handles that write at the real end
+        self.kernel_size: dict[int, int] = {}  # inode -> i_size as the kernel has it
         self.dirs: dict[int, DirHandle] = {}
         self._next_dir = 1
 
     # ---- conversions ----------------------------------------------------------
 
     def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        self.reported[attr["ino"]] = (attr["size"], attr["mtime"], attr["ctime"])
+        self.kernel_size[attr["ino"]] = attr["size"]
         e = pyfuse3.EntryAttributes()
         e.st_ino = attr["ino"]
         e.generation = 0
@@ -137,12 +179,17 @@ class ShuffleOps(pyfuse3.Operations):
             else:
                 self.lookups.pop(ino, None)
                 self.cached.pop(ino, None)
+                self.reported.pop(ino, None)
+                self.kernel_size.pop(ino, None)
+                self.no_caps.pop(ino, None)
 
     @fuse_errors
+    @stale_when_gone
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self.entry(await self.fs.getattr(inode))
 
     @fuse_errors
+    @stale_when_gone
     async def setattr(
         self,
         inode: int,
@@ -206,6 +253,7 @@ class ShuffleOps(pyfuse3.Operations):
         return self.remember(await self.fs.link(inode, new_parent_inode, new_name))
 
     @fuse_errors
+    @stale_when_gone
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         return await self.fs.readlink(inode)
 
@@ -231,31 +279,49 @@ class ShuffleOps(pyfuse3.Operations):
 
     # ---- files ------------------------------------------------------------------
 
-    def file_info(self, fh: int, attr: Attr) -> pyfuse3.FileInfo:
-        """keep_cache only if the data the kernel may hold is still current."""
+    def file_info(self, fh: int, attr: Attr, flags: int) -> pyfuse3.FileInfo:
+        """keep_cache only if the data the kernel may hold is still current;
+        the kernel's cached attributes dropped if they are not."""
         ino = attr["ino"]
         version = (attr["size"], attr["mtime"], attr["ctime"])
         previous = self.cached.get(ino)
         keep = previous == version
-        if previous is not None and not keep:
-            try:  # cached attributes (i_size) are stale too
+        # The kernel may hold attributes from a lookup/getattr/readdir even if
+        # this mount never opened the file (previous is None): compare with what
+        # it was last told, else a file another client extended right after
+        # our stat reads short (the kernel clamps reads to its cached i_size).
+        stale = (previous is not None and not keep) or self.reported.get(ino) != version
+        if stale:
+            try:
                 pyfuse3.invalidate_inode(ino, attr_only=True)
+                self.reported.pop(ino, None)
             except OSError as exc:
                 log.debug("invalidate_inode(%d): %s", ino, exc)
         self.cached[ino] = version
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=False)
+        # An O_APPEND write goes to the kernel's cached i_size, which it does
+        # not refresh first (only with the writeback cache): if that size is
+        # not the real one, `write` puts such a handle's writes at the real
+        # end, and direct_io keeps the kernel from copying them into its page
+        # cache at the stale offset. (Only then: direct_io handles cannot be
+        # mmapped MAP_SHARED.)
+        direct = bool(flags & os.O_APPEND) and self.kernel_size.get(ino) != attr["size"]
+        if direct:
+            self.append_direct.add(fh)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
 
     @fuse_errors
+    @stale_when_gone
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         f, attr = await self.fs.open(inode, flags)
-        return self.file_info(f.fh, attr)
+        return self.file_info(f.fh, attr, flags)
 
     @fuse_errors
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         f, attr = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
-        return self.file_info(f.fh, attr), self.remember(attr)
+        entry = self.remember(attr)  # first, so file_info sees the kernel is told these
+        return self.file_info(f.fh, attr, flags), entry
 
     @fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -264,7 +330,20 @@ class ShuffleOps(pyfuse3.Operations):
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self.fs.write(fh, off, buf)
+        f = self.fs.file(fh)
+        at = off
+        if fh in self.append_direct:
+            # an O_APPEND handle opened while the kernel's i_size was stale
+            # (see file_info): after another client changed the length, the
+            # kernel's offset would overwrite that client's tail or leave a
+            # hole. The client's size (fresh from the open, plus this mount's
+            # own writes) is the real end; the kernel sends one inode's
+            # writes one at a time, so each lands after the previous.
+            at = self.fs.known_size(f.ino)
+        n = await self.fs.write(fh, at, buf)
+        # the kernel grows its i_size to the end of the write as it placed it
+        self.kernel_size[f.ino] = max(self.kernel_size.get(f.ino, 0), off + n)
+        return n
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
@@ -276,6 +355,7 @@ class ShuffleOps(pyfuse3.Operations):
 
     @fuse_errors
     async def release(self, fh: int) -> None:
+        self.append_direct.discard(fh)
         f = self.fs.files.get(fh)
         if f is not None and f.writable:
             self.cached.pop(f.ino, None)
@@ -284,6 +364,7 @@ class ShuffleOps(pyfuse3.Operations):
     # ---- directories ------------------------------------------------------------------
 
     @fuse_errors
+    @stale_when_gone
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         attr = await self.fs.getattr(inode)
         if not stat.S_ISDIR(attr["mode"]):
@@ -344,21 +425,40 @@ class ShuffleOps(pyfuse3.Operations):
     # ---- extended attributes -------------------------------------------------------
 
     @fuse_errors
+    @stale_when_gone
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        return await self.fs.getxattr(inode, name)
+        # The kernel asks for security.capability before every write(2) (must
+        # the write drop file capabilities?), since a FUSE inode never gets
+        # S_NOSEC. Its absence is remembered for attr_timeout, as attributes
+        # are, so small writes do not each cost a metadata round trip.
+        caps = name == CAPS_XATTR
+        if caps and self.no_caps.get(inode, 0.0) > trio.current_time():
+            raise FsError(errno.ENODATA, "no security.capability (cached)")
+        try:
+            return await self.fs.getxattr(inode, name)
+        except FsError as exc:
+            if caps and exc.code == errno.ENODATA:
+                self.no_caps[inode] = trio.current_time() + self.options.attr_timeout
+            raise
 
     @fuse_errors
+    @stale_when_gone
     async def setxattr(
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
     ) -> None:
         # pyfuse3 checks XATTR_CREATE/XATTR_REPLACE itself (with getxattr)
         # before calling us, so what is left is a plain set
+        self.no_caps.pop(inode, None)
         await self.fs.setxattr(inode, name, value, 0)
+        self.no_caps.pop(inode, None)  # and any absence cached while we set it
 
     @fuse_errors
+    @stale_when_gone
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         return await self.fs.listxattr(inode)
 
     @fuse_errors
+    @stale_when_gone
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.removexattr(inode, name)
+        self.no_caps.pop(inode, None)

@@ -254,6 +254,10 @@ class MetaStub:
         result: FsStats = await self._call("statfs")
         return result
 
+    async def routing_version(self) -> int:
+        """The routing map version the server lays out new files by."""
+        return int(await self._call("routing_version"))
+
     # ---- extended attributes ----------------------------------------------
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:

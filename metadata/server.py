@@ -337,6 +337,12 @@ class MetaService:
     async def statfs(self) -> FsStats:
         return self.store.statfs()
 
+    @rpc_method
+    async def routing_version(self) -> int:
+        """The version of the routing map this server lays new files out by
+        (the launcher waits for it to catch up with mgmtd before mounting)."""
+        return self.routing().version
+
     # ---- extended attributes --------------------------------------------------
 
     @rpc_method

@@ -8,9 +8,7 @@ session; tests that kill or restart processes make their own.
 
 from __future__ import annotations
 
-import errno
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,28 +39,9 @@ def mounted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
     m = Mounted(base / "data", base / "mnt")
     shufflefs("up", "--data-dir", str(m.data_dir), "--mountpoint", str(m.mountpoint))
     try:
-        wait_writable(m.mountpoint)
         yield m
     finally:
         shufflefs("down", "--data-dir", str(m.data_dir), check=False)
-
-
-def wait_writable(mountpoint: Path, timeout: float = 30.0) -> None:
-    """Work around a startup race: `shufflefs up` returns once mgmtd lists every
-    service online, but the metadata server polls the routing map only once a
-    second, so for up to a second it knows no writable chain and every create
-    fails with ENOSPC ("no writable storage chains"). Wait until a create works."""
-    probe = mountpoint / ".ready-probe"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
-            break
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    probe.unlink()
 
 
 @pytest.fixture
