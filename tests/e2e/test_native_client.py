@@ -1,0 +1,93 @@
+"""The native client (no mount): the same files seen through it and the mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Mounted
+
+
+def test_native_file_api(native: Any, mounted: Mounted) -> None:
+    fs = native
+    fs.makedirs("/native/sub", exist_ok=True)
+    data = os.urandom(3 * (1 << 20) + 123)
+    assert fs.write_bytes("/native/sub/a.bin", data) == len(data)
+    assert fs.read_bytes("/native/sub/a.bin") == data
+    assert (
+        fs.pread("/native/sub/a.bin", (1 << 20) - 10, 100) == data[(1 << 20) - 10 : (1 << 20) + 90]
+    )
+    st = fs.stat("/native/sub/a.bin")
+    assert st.st_size == len(data)
+    # the mount sees what the native client wrote, and the other way round
+    assert (mounted.mountpoint / "native" / "sub" / "a.bin").read_bytes() == data
+    (mounted.mountpoint / "native" / "from-mount").write_bytes(b"hello")
+    assert fs.read_bytes("/native/from-mount") == b"hello"
+    assert sorted(fs.listdir("/native")) == ["from-mount", "sub"]
+
+    with fs.open("/native/text.txt", "w") as f:
+        f.write("line one\nline two\n")
+    with fs.open("/native/text.txt", "a") as f:
+        f.write("three\n")
+    with fs.open("/native/text.txt") as f:
+        assert f.read().splitlines() == ["line one", "line two", "three"]
+    with fs.open("/native/sub/a.bin", "rb") as f:
+        f.seek(-3, os.SEEK_END)
+        assert f.read() == data[-3:]
+
+    fs.rename("/native/text.txt", "/native/renamed.txt")
+    assert not fs.exists("/native/text.txt") and fs.exists("/native/renamed.txt")
+    fs.symlink("renamed.txt", "/native/link")
+    assert fs.readlink("/native/link") == "renamed.txt"
+    fs.truncate("/native/renamed.txt", 4)
+    assert fs.read_bytes("/native/link") == b"line"
+    fs.unlink("/native/link")
+    fs.unlink("/native/renamed.txt")
+    fs.unlink("/native/from-mount")
+
+
+@pytest.mark.parametrize(
+    "call,code",
+    [
+        (lambda fs: fs.stat("/no/such/file"), errno.ENOENT),
+        (lambda fs: fs.listdir("/native-errors/file"), errno.ENOTDIR),
+        (lambda fs: fs.mkdir("/native-errors"), errno.EEXIST),
+        (lambda fs: fs.rmdir("/native-errors"), errno.ENOTEMPTY),
+        (lambda fs: fs.open("/native-errors", "wb"), errno.EISDIR),
+        (lambda fs: fs.write_bytes("/native-errors/" + "n" * 256, b""), errno.ENAMETOOLONG),
+        (lambda fs: fs.open("/native-errors/file", "xb"), errno.EEXIST),
+    ],
+)
+def test_native_errors_are_oserrors(native: Any, call: Any, code: int) -> None:
+    if not native.exists("/native-errors"):
+        native.mkdir("/native-errors")
+        native.write_bytes("/native-errors/file", b"x")
+    with pytest.raises(OSError) as info:
+        call(native)
+    assert info.value.errno == code
+
+
+def test_native_client_survives_fork(native: Any) -> None:
+    native.write_bytes("/forked.bin", b"parent wrote this")
+    pid = os.fork()
+    if pid == 0:  # the child reconnects on its first call
+        try:
+            ok = native.read_bytes("/forked.bin") == b"parent wrote this"
+            native.write_bytes("/forked-child.bin", b"child")
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert native.read_bytes("/forked-child.bin") == b"child"
+
+
+def test_config_not_found_is_a_clear_error(tmp_path: Path) -> None:
+    from shufflefs.client import Client
+
+    with pytest.raises(OSError) as info:
+        Client(tmp_path / "missing.toml")
+    assert info.value.errno == errno.ENOENT and "missing.toml" in str(info.value)
