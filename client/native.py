@@ -141,8 +141,7 @@ class Client:
             raise os_error(exc) if isinstance(exc, FsError) else exc
 
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        if os.getpid() != self._pid:  # forked: the loop thread did not come along
-            self._start()
+        self._after_fork()
         if self._token is None:
             raise OSError(errno.ESHUTDOWN, "client is closed")
         try:
@@ -150,8 +149,18 @@ class Client:
         except FsError as exc:
             raise os_error(exc) from None
 
+    def _after_fork(self) -> None:
+        """In a forked child (a DataLoader worker) the loop thread did not come
+        along: start a fresh one with its own connections. Files opened before
+        the fork stay with the parent."""
+        if os.getpid() != self._pid:
+            self._start()
+
     @property
     def _fs(self) -> FileSystem:
+        # callers evaluate `self._fs.method` before `_run`: reconnect here too,
+        # so the method is the child's, bound to the child's loop
+        self._after_fork()
         if self.fs is None:
             raise OSError(errno.ESHUTDOWN, "client is closed")
         return self.fs
@@ -273,7 +282,7 @@ class Client:
 
     # ---- files ----------------------------------------------------------------
 
-    def open(self, path: PathLike, mode: str = "rb", buffering: int = -1) -> Any:
+    def open(self, path: PathLike, mode: str = "r", buffering: int = -1) -> Any:
         """Like the builtin open(): binary modes give a buffered binary file,
         text modes a TextIOWrapper; buffering=0 gives the raw `File`."""
         flags = _flags(mode)
