@@ -108,7 +108,9 @@ def run(d: Path, size: int, n: int) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mount", required=True, help="a directory on the shufflefs mount")
     p.add_argument("--local", required=True, help="a directory on a local disk")
     p.add_argument("--size-mb", type=int, default=256)
