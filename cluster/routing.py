@@ -72,9 +72,7 @@ class Routing:
     def write_targets(self, chain_id: int) -> list[TargetInfo]:
         """Where a write to the chain goes, in order: the serving targets
         (head first), then the syncing ones, which must see every new write."""
-        return [
-            t for t in self.all_chain_targets(chain_id) if t["state"] in ("serving", "syncing")
-        ]
+        return [t for t in self.all_chain_targets(chain_id) if t["state"] in ("serving", "syncing")]
 
     def writable_chains(self) -> list[int]:
         """Chains new files are laid out on: every member serving and none out
