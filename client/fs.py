@@ -122,6 +122,7 @@ class FileSystem:
     # ---- lifecycle ------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
+        self.storage.background = nursery
         await self.routing.start(nursery)
         lease = await self._open_session()
         nursery.start_soon(self._keep_session, lease)

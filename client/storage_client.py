@@ -1,34 +1,102 @@
 """Reading and writing file bytes on the storage daemons.
 
-Reads are split at chunk boundaries, each range is given to one serving
-replica of its chain, and all ranges bound for the same storage node travel
-in ONE request; the requests to different nodes run concurrently. Writes go
-to the head of each chunk's chain. Transient failures (a node restarting, a
-stale routing map) are retried on a fresh routing map within a time budget.
+Reads: every requested range is split at chunk boundaries, each piece goes to
+one serving replica of its chain (the one with the fewest requests in flight
+from us), and all pieces bound for the same storage node travel in ONE
+request (cut only where the wire limits demand); the requests to different
+nodes run concurrently. The same engine serves one `pread` and a whole
+training batch of ranges over many files.
+
+Failures: a replica that fails (dead, cut off, or a block whose checksum did
+not match) is avoided for the rest of the read and for a few seconds after,
+its pieces are read again from another replica, and mgmtd is told so that it
+can take a dead node out of its chains at once rather than after the
+heartbeat timeout. The caller sees an error only when no replica can serve.
+
+Writes go to the head of each chunk's chain, which replicates down the chain
+and acknowledges once every replica holds the data.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 
 import trio
 
-from shufflefs.client.layout import ChunkRange, chunk_ranges
-from shufflefs.client.retry import retrying
+from shufflefs.client.layout import MAX_CHUNKS, ChunkRange, chunk_ranges
+from shufflefs.client.retry import TRANSIENT, retrying
 from shufflefs.cluster.protocol import TargetInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.rpc.transport import Buffer
-from shufflefs.storage.protocol import StorageStub
+from shufflefs.storage.protocol import StorageStub, chunk_id
 
 log = logging.getLogger("shufflefs.client.storage")
 
 MAX_PARALLEL_CHUNK_WRITES = 8
+SUSPECT_SECONDS = 5.0  # how long a replica that failed is avoided
+REPORT_INTERVAL = 2.0  # at most one unreachable-report per node per interval
+# Well under the reply payload limit (64 MiB) and the request body limit
+# (1 MiB of msgpack, about 30 bytes per item), so no request is refused.
+MAX_REQUEST_BYTES = min(16 << 20, DEFAULT_LIMITS.max_payload // 2)
+MAX_REQUEST_ITEMS = 8192
+
+Extent = tuple[int, Layout, int, int]  # (inode, layout, offset, length)
+# (chain, chunk id, offset in the chunk, length, where the bytes go in the output)
+Piece = tuple[int, bytes, int, int, int]
+
+
+def plan(extents: Sequence[Extent]) -> list[Piece]:
+    """The chunk pieces of *extents*, each with the position its bytes take
+    in the output buffer (ranges laid end to end). Plain tuples and inline
+    arithmetic: a batch is thousands of extents, and this runs per batch."""
+    pieces: list[Piece] = []
+    append = pieces.append
+    dst = 0
+    for ino, layout, offset, length in extents:
+        if offset < 0 or length < 0:
+            raise FsError(errno.EINVAL, "negative offset or length")
+        size = layout["chunk_size"]
+        chains = layout["chains"]
+        if not chains:
+            raise FsError(errno.EIO, f"file {ino} has a layout without chains")
+        pos, end = offset, offset + length
+        while pos < end:
+            index = pos // size
+            if index >= MAX_CHUNKS:
+                raise FsError(errno.EFBIG, "offset beyond the largest possible file")
+            within = pos - index * size
+            n = min(size - within, end - pos)
+            append(
+                (chains[index % len(chains)], chunk_id(ino, index), within, n, dst + pos - offset)
+            )
+            pos += n
+        dst += length
+    return pieces
+
+
+def split_requests(items: list[tuple[Piece, int]]) -> list[list[tuple[Piece, int]]]:
+    """Cut one node's items into requests within the wire limits."""
+    requests: list[list[tuple[Piece, int]]] = []
+    current: list[tuple[Piece, int]] = []
+    size = 0
+    for item in items:
+        n = item[0][3]
+        if current and (size + n > MAX_REQUEST_BYTES or len(current) >= MAX_REQUEST_ITEMS):
+            requests.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current:
+        requests.append(current)
+    return requests
 
 
 class StorageClient:
@@ -37,7 +105,7 @@ class StorageClient:
         rpc: RpcClient,
         routing: RoutingCache,
         *,
-        read_timeout: float = 10.0,
+        read_timeout: float = 5.0,
         write_timeout: float = 30.0,
         retry_budget: float = 30.0,
     ) -> None:
@@ -47,16 +115,53 @@ class StorageClient:
         self.write_timeout = write_timeout
         self.retry_budget = retry_budget
         self.outstanding: dict[int, int] = defaultdict(int)  # target id -> requests in flight
+        self.suspect: dict[int, float] = {}  # target id -> avoid until (monotonic)
+        self._reported: dict[int, float] = {}  # node id -> when we last reported it
+        self.background: trio.Nursery | None = None  # set by the owner, for reports
 
     def stub(self, address: str) -> StorageStub:
         return StorageStub(self.rpc, address, timeout=self.read_timeout)
 
-    def pick_replica(self, routing: Routing, chain: int) -> TargetInfo:
-        """The serving replica with the fewest requests in flight from us."""
+    # ---- replica choice and failure bookkeeping ------------------------------
+
+    def pick_replica(
+        self, routing: Routing, chain: int, avoid: set[int] | frozenset[int] = frozenset()
+    ) -> TargetInfo:
+        """The serving replica with the fewest of our requests in flight,
+        preferring ones that have not failed lately."""
         targets = routing.serving_targets(chain)
         if not targets:
             raise FsError(errno.ENXIO, f"chain {chain} has no serving target")
-        return min(targets, key=lambda t: self.outstanding[t["id"]])
+        now = time.monotonic()
+        healthy = [
+            t for t in targets if t["id"] not in avoid and self.suspect.get(t["id"], 0) <= now
+        ]
+        untried = healthy or [t for t in targets if t["id"] not in avoid] or targets
+        return min(untried, key=lambda t: self.outstanding[t["id"]])
+
+    def failed(self, routing: Routing, target_id: int, exc: FsError) -> None:
+        """A replica failed us: avoid it for a while; if it looked dead, tell
+        mgmtd (which checks for itself before taking it out)."""
+        self.suspect[target_id] = time.monotonic() + SUSPECT_SECONDS
+        if exc.code not in TRANSIENT or exc.code in (errno.ESTALE, errno.ENXIO):
+            return
+        try:
+            node = routing.node_of_target(target_id)["id"]
+        except FsError:
+            return
+        now = time.monotonic()
+        if self.background is None or now - self._reported.get(node, -1e9) < REPORT_INTERVAL:
+            return
+        self._reported[node] = now
+        self.background.start_soon(self._report, node)
+
+    async def _report(self, node: int) -> None:
+        try:
+            if await self.routing.mgmtd.report_unreachable(0, node):
+                log.warning("storage node %d reported unreachable; mgmtd took it out", node)
+                await self.routing.refresh()
+        except FsError as exc:
+            log.info("reporting node %d unreachable failed: %s", node, exc.message)
 
     async def _refresh(self, exc: FsError) -> None:
         await self.routing.refresh()
@@ -68,73 +173,108 @@ class StorageClient:
         the caller clamps to the file size)."""
         buf = bytearray(length)
         if length:
-            await self.read_into(ino, layout, offset, memoryview(buf))
+            await self.read_extents_into([(ino, layout, offset, length)], memoryview(buf))
         return buf
 
-    async def read_into(self, ino: int, layout: Layout, offset: int, out: memoryview) -> None:
-        pending = chunk_ranges(ino, layout, offset, len(out))
+    async def read_extents_into(self, extents: Sequence[Extent], out: memoryview) -> None:
+        """Read *extents* into *out*, laid end to end in the order given. The
+        caller clamps every extent to its file's size: bytes past the end of a
+        chunk read as zeros, as a hole does."""
+        total = sum(e[3] for e in extents)
+        if len(out) < total:
+            raise FsError(errno.EINVAL, f"output buffer of {len(out)} bytes for {total} bytes")
+        out = out.cast("B") if out.format != "B" else out
+        pending = plan(extents)
+        avoid: dict[int, set[int]] = defaultdict(set)  # chain -> replicas that failed this read
 
         async def attempt() -> None:
             nonlocal pending
-            pending = await self._read_once(pending, offset, out)
+            pending = await self._read_round(pending, out, avoid)
             if pending:
-                raise FsError(errno.ECONNRESET, f"{len(pending)} chunk ranges of file {ino} unread")
+                raise FsError(errno.ECONNRESET, f"{len(pending)} chunk ranges unread")
 
-        await retrying(
-            f"read ino={ino} off={offset}",
-            attempt,
-            budget=self.retry_budget,
-            on_failure=self._refresh,
-        )
+        if pending:
+            await retrying(
+                f"read of {len(extents)} ranges",
+                attempt,
+                budget=self.retry_budget,
+                on_failure=self._refresh,
+            )
 
-    async def _read_once(
-        self, ranges: Sequence[ChunkRange], base: int, out: memoryview
-    ) -> list[ChunkRange]:
-        """One round: a request per storage node. Returns the ranges that hit a
-        transient failure (to retry); raises for a definitive one."""
+    async def _read_round(
+        self, pieces: Sequence[Piece], out: memoryview, avoid: dict[int, set[int]]
+    ) -> list[Piece]:
+        """One round: the pieces grouped per storage node. Returns the pieces
+        to read again (from another replica where there is one); raises for a
+        definitive failure."""
         routing = self.routing.current
-        groups: dict[str, list[tuple[ChunkRange, int]]] = defaultdict(list)
-        for r in ranges:
-            target = self.pick_replica(routing, r.chain)
-            groups[routing.target_address(target["id"])].append((r, target["id"]))
-        failed: list[ChunkRange] = []
+        where: dict[int, tuple[str, int]] = {}  # chain -> (address, target) for this round
+        groups: dict[str, list[tuple[Piece, int]]] = defaultdict(list)
+        for piece in pieces:
+            chain = piece[0]
+            place = where.get(chain)
+            if place is None:
+                target = self.pick_replica(routing, chain, avoid[chain])
+                place = where[chain] = (routing.target_address(target["id"]), target["id"])
+            groups[place[0]].append((piece, place[1]))
+        retry: list[Piece] = []
         errors: list[FsError] = []
 
-        async def one_node(address: str, items: list[tuple[ChunkRange, int]]) -> None:
+        def bad_replica(piece: Piece, tid: int, exc: FsError) -> None:
+            """Read the piece elsewhere if the chain has a replica not yet tried."""
+            chain = piece[0]
+            avoid[chain].add(tid)
+            self.failed(routing, tid, exc)
+            others = [t for t in routing.serving_targets(chain) if t["id"] not in avoid[chain]]
+            if others or exc.code in TRANSIENT:
+                retry.append(piece)
+            else:
+                errors.append(exc)
+
+        async def one_request(address: str, items: list[tuple[Piece, int]]) -> None:
             for _, tid in items:
                 self.outstanding[tid] += 1
             try:
                 lengths, payload = await self.stub(address).read(
-                    [(tid, r.chunk, r.offset, r.length) for r, tid in items]
+                    [(tid, p[1], p[2], p[3]) for p, tid in items]
                 )
             except FsError as exc:
                 if exc.code in (errno.EINVAL, errno.EMSGSIZE):
                     errors.append(exc)
                 else:
-                    failed.extend(r for r, _ in items)
                     log.info("read from %s failed: %s", address, exc.message)
+                    for p, tid in items:
+                        bad_replica(p, tid, exc)
                 return
             finally:
                 for _, tid in items:
                     self.outstanding[tid] -= 1
             src = memoryview(payload)
             pos = 0
-            for (r, tid), n in zip(items, lengths, strict=True):
+            for (p, tid), n in zip(items, lengths, strict=True):
                 if n < 0:
-                    errors.append(FsError(-n, f"reading chunk {r.chunk.hex()} on target {tid}"))
+                    item_error = FsError(-n, f"reading chunk {p[1].hex()} on target {tid}")
+                    if -n == errno.EIO:  # a checksum failed: never the bytes; another replica
+                        log.warning("%s; trying another replica", item_error.message)
+                        bad_replica(p, tid, item_error)
+                    elif -n in TRANSIENT:
+                        bad_replica(p, tid, item_error)
+                    else:
+                        errors.append(item_error)
                     continue
-                dst = r.file_offset - base
+                dst = p[4]
                 out[dst : dst + n] = src[pos : pos + n]
-                if n < r.length:  # past the chunk's end: zeros
-                    out[dst + n : dst + r.length] = bytes(r.length - n)
+                if n < p[3]:  # past the chunk's end (a hole or the file's tail): zeros
+                    out[dst + n : dst + p[3]] = bytes(p[3] - n)
                 pos += n
 
         async with trio.open_nursery() as nursery:
             for address, items in groups.items():
-                nursery.start_soon(one_node, address, items)
+                for request in split_requests(items):
+                    nursery.start_soon(one_request, address, request)
         if errors:
             raise errors[0]
-        return failed
+        return retry
 
     # ---- writes ---------------------------------------------------------------
 
@@ -165,15 +305,20 @@ class StorageClient:
                 raise FsError(errno.ENXIO, f"chain {r.chain} has no serving target")
             head = serving[0]
             stub = StorageStub(self.rpc, routing.target_address(head["id"]), self.write_timeout)
-            await stub.write(
-                head["id"],
-                chain["id"],
-                chain["version"],
-                r.chunk,
-                r.offset,
-                layout["chunk_size"],
-                data,
-            )
+            try:
+                await stub.write(
+                    head["id"],
+                    chain["id"],
+                    chain["version"],
+                    r.chunk,
+                    r.offset,
+                    layout["chunk_size"],
+                    data,
+                )
+            except FsError as exc:
+                if exc.code in TRANSIENT:
+                    self.failed(routing, head["id"], exc)
+                raise
 
         await retrying(
             f"write chunk {r.chunk.hex()}",

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from shufflefs.rpc.config import load_config, write_toml
 from shufflefs.rpc.errors import FsError
 
 START_TIMEOUT = 60.0
+NETNS_STORAGE_PORT = 9400
 
 
 @dataclass
@@ -54,6 +55,15 @@ class ClusterLayout:
     storage_ports: list[int]
     replicas: int
     chunk_size: int
+    # Storage nodes on their own (test) hosts: each one's address, and the
+    # network namespace it runs in. Empty: every node on `host`.
+    storage_hosts: list[str] = field(default_factory=list)
+    storage_netns: list[str] = field(default_factory=list)
+
+    def storage_address(self, i: int) -> str:
+        """host:port of storage node i (0-based)."""
+        host = self.storage_hosts[i] if self.storage_hosts else self.host
+        return f"{host}:{self.storage_ports[i]}"
 
 
 class LocalCluster:
@@ -76,8 +86,20 @@ class LocalCluster:
     # ---- format --------------------------------------------------------------
 
     def format(
-        self, storage_nodes: int, replicas: int, chunk_size: int, host: str
+        self,
+        storage_nodes: int,
+        replicas: int,
+        chunk_size: int,
+        host: str,
+        *,
+        storage_hosts: list[str] | None = None,
+        storage_netns: list[str] | None = None,
+        mgmtd_settings: dict[str, Any] | None = None,
     ) -> ClusterLayout:
+        """Write a new cluster's configs. *storage_hosts*/*storage_netns* put
+        each storage node on its own address inside its own network namespace
+        (the multi-host test harness); *mgmtd_settings* overrides mgmtd.toml
+        keys (heartbeat timeouts, min_replicas)."""
         if self.exists():
             raise FsError(errno.EEXIST, f"{self.dir} already holds a cluster")
         if storage_nodes < 1:
@@ -88,8 +110,23 @@ class LocalCluster:
             raise FsError(
                 errno.EINVAL, f"--replicas {replicas} needs at least {replicas} storage nodes"
             )
-        ports = free_ports(host, 2 + storage_nodes)
-        layout = ClusterLayout(host, ports[0], ports[1], ports[2:], replicas, chunk_size)
+        ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes))
+        if storage_hosts:
+            if len(storage_hosts) != storage_nodes or len(storage_netns or []) != storage_nodes:
+                raise FsError(errno.EINVAL, "need one host address and namespace per storage node")
+            storage_ports = [NETNS_STORAGE_PORT] * storage_nodes  # each host has its own ports
+        else:
+            storage_ports = ports[2:]
+        layout = ClusterLayout(
+            host,
+            ports[0],
+            ports[1],
+            storage_ports,
+            replicas,
+            chunk_size,
+            list(storage_hosts or []),
+            list(storage_netns or []),
+        )
         self.dir.mkdir(parents=True, exist_ok=True)
         generate_secret(self.secret_file)
         mgmtd = f"{host}:{layout.mgmtd_port}"
@@ -103,6 +140,7 @@ class LocalCluster:
                 "replicas": replicas,
                 "chunk_size": chunk_size,
                 **common,
+                **(mgmtd_settings or {}),
             },
         )
         write_toml(
@@ -115,16 +153,18 @@ class LocalCluster:
                 **common,
             },
         )
-        for i, port in enumerate(layout.storage_ports, start=1):
+        for i in range(1, storage_nodes + 1):
             node = self.dir / f"storage{i}"
+            own_host = {"host": f"host{i}"} if storage_hosts else {}
             write_toml(
                 node / "storage.toml",
                 {
-                    "listen": f"{host}:{port}",
+                    "listen": layout.storage_address(i - 1),
                     "mgmtd": mgmtd,
                     "data_dir": str(node / "node"),
                     "targets": [str(node / "target1")],
                     "log_file": str(self.logs / f"storage{i}.log"),
+                    **own_host,
                     **common,
                 },
             )
@@ -139,18 +179,21 @@ class LocalCluster:
         out = [self._service("mgmtd", "mgmtd", self.dir / "mgmtd" / "mgmtd.toml")]
         out.append(self._service("meta", "meta", self.dir / "meta" / "meta.toml"))
         for i in range(1, len(layout.storage_ports) + 1):
-            out.append(
-                self._service(f"storage{i}", "storage", self.dir / f"storage{i}" / "storage.toml")
-            )
+            netns = layout.storage_netns[i - 1] if layout.storage_netns else None
+            config = self.dir / f"storage{i}" / "storage.toml"
+            out.append(self._service(f"storage{i}", "storage", config, netns))
         return out
 
-    def _service(self, name: str, kind: str, config: Path) -> procs.ServiceProcess:
+    def _service(
+        self, name: str, kind: str, config: Path, netns: str | None = None
+    ) -> procs.ServiceProcess:
         return procs.ServiceProcess(
             name=name,
             argv=(kind, "--config", str(config)),
             marker=str(config),
             pid_file=self.run / f"{name}.pid",
             out_file=self.logs / f"{name}.out",
+            netns=netns,
         )
 
     def mount_process(self, mountpoint: Path) -> procs.ServiceProcess:

@@ -27,9 +27,13 @@ class ServiceProcess:
     marker: str  # a string the command line must contain (the config path)
     pid_file: Path
     out_file: Path  # stdout/stderr of the process (tracebacks before logging starts)
+    netns: str | None = None  # run inside this network namespace (test hosts)
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "shufflefs.cluster.cli", *self.argv]
+        # `ip netns exec` enters the namespace and execs the command in the same
+        # process, so the pid we record is the service's own
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        return [*prefix, sys.executable, "-m", "shufflefs.cluster.cli", *self.argv]
 
 
 def cmdline(pid: int) -> str:

@@ -25,7 +25,7 @@ import trio
 from shufflefs.rpc import framing
 from shufflefs.rpc.auth import client_handshake
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.transport import Buffer, ConnectionClosed, FrameStream, tune_socket
+from shufflefs.rpc.transport import Buffer, ConnectionClosed, FrameStream, raw_socket
 
 log = logging.getLogger("shufflefs.rpc.client")
 
@@ -188,9 +188,6 @@ class RpcClient:
                 raise FsError(errno.EHOSTUNREACH, f"cannot resolve {address}: {exc}") from None
             try:
                 await sock.connect(sockaddr)
-                tune_socket(sock)
-                stream = FrameStream(sock, self.limits)
-                await client_handshake(stream, self.secret)
             except OSError as exc:
                 sock.close()
                 code = exc.errno or errno.ECONNREFUSED
@@ -198,8 +195,13 @@ class RpcClient:
             except BaseException:
                 sock.close()
                 raise
-        if scope.cancelled_caught:
-            sock.close()
+            stream = FrameStream(raw_socket(sock), self.limits)
+            try:
+                await client_handshake(stream, self.secret)
+            except BaseException:
+                stream.close()
+                raise
+        if scope.cancelled_caught:  # whatever was opened was closed on the way out
             raise FsError(errno.ETIMEDOUT, f"connecting to {address} timed out")
         return PeerConnection(stream, address)
 
@@ -231,7 +233,7 @@ class RpcClient:
         conn = self._conns.pop(address, None)
         if conn is not None and conn.broken is None:
             conn._fail_all(ConnectionClosed("connection dropped"))
-            conn.stream.sock.close()
+            conn.stream.close()
 
     async def aclose(self) -> None:
         self.closed = True

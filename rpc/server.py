@@ -25,7 +25,7 @@ from shufflefs.rpc import framing
 from shufflefs.rpc.auth import server_handshake
 from shufflefs.rpc.errors import FsError, as_fs_error
 from shufflefs.rpc.schema import CallContext, MethodSpec, Reply, collect_methods, rpc_method
-from shufflefs.rpc.transport import ConnectionClosed, FrameStream, tune_socket
+from shufflefs.rpc.transport import ConnectionClosed, FrameStream, raw_socket
 
 log = logging.getLogger("shufflefs.rpc.server")
 
@@ -82,14 +82,13 @@ class RpcServer:
                     continue
                 nursery.start_soon(self._serve_connection, stream.socket)
 
-    async def _serve_connection(self, sock: trio.socket.SocketType) -> None:
+    async def _serve_connection(self, trio_sock: trio.socket.SocketType) -> None:
         try:
-            host, port = sock.getpeername()[:2]
+            host, port = trio_sock.getpeername()[:2]
             peer = f"{host}:{port}"
         except OSError:
             peer = "?"
-        tune_socket(sock)
-        stream = FrameStream(sock, self.limits)
+        stream = FrameStream(raw_socket(trio_sock), self.limits)
         try:
             await server_handshake(stream, self.secret)
         except FsError as exc:

@@ -4,6 +4,14 @@ Small frames are parsed out of one receive buffer, so a single ``recv`` can
 deliver many replies; bulk payloads are received straight into a caller-owned
 ``bytearray`` with ``recv_into`` and sent with ``sendmsg`` from the caller's
 buffers, so bulk bytes are copied by the kernel only.
+
+The socket is a plain non-blocking stdlib socket driven with trio's readiness
+waits (``wait_readable``/``wait_writable``) rather than ``trio.socket``: an
+operation that can complete at once (a send into a socket buffer with room,
+a receive of bytes already there) completes without a trip through the
+scheduler, which is most of the cost of a small RPC. A frame is sent with
+one ``sendmsg`` when it fits, which is almost always; only a partial send
+takes the send lock and waits, so frames never interleave.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from shufflefs.rpc.errors import FsError
 Buffer = bytes | bytearray | memoryview
 
 RECV_BUFFER = 256 * 1024
+MAX_IOV = 512
 
 
 class ConnectionClosed(FsError):
@@ -30,16 +39,23 @@ class ConnectionClosed(FsError):
         super().__init__(errno.ECONNRESET, message)
 
 
-def tune_socket(sock: trio.socket.SocketType) -> None:
+def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
-class FrameStream:
-    """One socket carrying frames. One reader task at a time; senders are
-    serialized by an internal lock so a frame is never interleaved."""
+def raw_socket(sock: trio.socket.SocketType) -> socket.socket:
+    """Take the OS socket out of a trio socket (which gives it up)."""
+    raw = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.detach())
+    raw.setblocking(False)
+    tune_socket(raw)
+    return raw
 
-    def __init__(self, sock: trio.socket.SocketType, limits: framing.Limits) -> None:
+
+class FrameStream:
+    """One socket carrying frames. One reader task at a time; senders may be many."""
+
+    def __init__(self, sock: socket.socket, limits: framing.Limits) -> None:
         self.sock = sock
         self.limits = limits
         self._buf = bytearray(RECV_BUFFER)
@@ -51,19 +67,31 @@ class FrameStream:
 
     # ---- receive ---------------------------------------------------------
 
+    async def _recv_into(self, view: memoryview) -> int:
+        while True:
+            if self.closed:
+                raise ConnectionClosed("connection closed")
+            try:
+                got = self.sock.recv_into(view)
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_readable(self.sock)
+                except (trio.ClosedResourceError, OSError) as exc:
+                    raise ConnectionClosed(f"receive failed: {exc!r}") from None
+                continue
+            except OSError as exc:
+                raise ConnectionClosed(f"receive failed: {exc!r}") from None
+            if got == 0:
+                raise ConnectionClosed("peer closed the connection")
+            return got
+
     async def _recv_some(self) -> None:
         """Receive more bytes into the buffer (compacting it first if needed)."""
         if self._end == len(self._buf):
             n = self._end - self._start
             self._view[:n] = self._view[self._start : self._end]
             self._start, self._end = 0, n
-        try:
-            got = await self.sock.recv_into(self._view[self._end :])
-        except (OSError, trio.ClosedResourceError) as exc:
-            raise ConnectionClosed(f"receive failed: {exc!r}") from None
-        if got == 0:
-            raise ConnectionClosed("peer closed the connection")
-        self._end += got
+        self._end += await self._recv_into(self._view[self._end :])
 
     async def receive_exactly(self, n: int) -> bytes:
         if n > len(self._buf):
@@ -89,39 +117,52 @@ class FrameStream:
         pos = have
         total = len(dest)
         while pos < total:
-            try:
-                got = await self.sock.recv_into(dest[pos:])
-            except (OSError, trio.ClosedResourceError) as exc:
-                raise ConnectionClosed(f"receive failed: {exc!r}") from None
-            if got == 0:
-                raise ConnectionClosed("peer closed the connection mid-frame")
-            pos += got
+            pos += await self._recv_into(dest[pos:])
 
     async def receive_frame(self) -> tuple[dict[Any, Any], bytearray | None]:
         """Wait for the next frame. Raises FsError for a bad header (the
         connection must then be closed: the stream is out of sync) and
         returns the decoded body (raising EBADMSG for malformed msgpack,
         after which the stream is still in sync)."""
-        header = await self.receive_exactly(framing.HEADER_SIZE)
+        if self._end - self._start >= framing.HEADER_SIZE:  # already here: no scheduler trip
+            header = bytes(self._view[self._start : self._start + framing.HEADER_SIZE])
+            self._start += framing.HEADER_SIZE
+        else:
+            header = await self.receive_exactly(framing.HEADER_SIZE)
         body_len, payload_len = framing.unpack_header(header, self.limits)
+        available = self._end - self._start
+        if not payload_len and available >= body_len:  # the common small frame, all buffered
+            body = self._view[self._start : self._start + body_len]
+            self._start += body_len
+            return framing.unpack_body(body), None
         with trio.move_on_after(self.limits.frame_timeout) as scope:
-            body = await self.receive_exactly(body_len)
+            data = await self.receive_exactly(body_len)
             payload: bytearray | None = None
             if payload_len:
                 payload = bytearray(payload_len)
                 await self.receive_into(memoryview(payload))
         if scope.cancelled_caught:
             raise ConnectionClosed("frame not completed within the frame timeout")
-        return framing.unpack_body(body), payload
+        return framing.unpack_body(data), payload
 
     # ---- send ------------------------------------------------------------
+
+    def _check_limits(self, body: bytes, payload_len: int) -> None:
+        if len(body) > self.limits.max_body:
+            raise FsError(errno.EMSGSIZE, f"frame body {len(body)} > limit {self.limits.max_body}")
+        if payload_len > self.limits.max_payload:
+            raise FsError(
+                errno.EMSGSIZE, f"frame payload {payload_len} > limit {self.limits.max_payload}"
+            )
 
     async def send_frame(
         self, body: bytes, payload: Buffer | Sequence[Buffer] | None = None
     ) -> None:
-        """Send one frame. Shielded from cancellation (a half-sent frame would
-        desynchronize the stream) but bounded by the send timeout, after which
-        the connection is closed."""
+        """Send one frame. If the socket takes it whole at once (the usual
+        case) this never yields. Otherwise the rest is sent under the send
+        lock, shielded from cancellation (a half-sent frame would desynchronize
+        the stream) but bounded by the send timeout, after which the
+        connection is closed."""
         parts: list[memoryview]
         if payload is None:
             parts = []
@@ -130,49 +171,72 @@ class FrameStream:
         else:
             parts = [memoryview(p) for p in payload if len(p)]
         payload_len = sum(p.nbytes for p in parts)
-        if len(body) > self.limits.max_body:
-            raise FsError(errno.EMSGSIZE, f"frame body {len(body)} > limit {self.limits.max_body}")
-        if payload_len > self.limits.max_payload:
-            raise FsError(
-                errno.EMSGSIZE, f"frame payload {payload_len} > limit {self.limits.max_payload}"
-            )
-        head = framing.pack_header(len(body), payload_len) + body
-        bufs = [memoryview(head), *parts]
-        with trio.CancelScope(shield=True):
-            async with self._send_lock:
-                if self.closed:
-                    raise ConnectionClosed("connection already closed")
+        self._check_limits(body, payload_len)
+        if self.closed:
+            raise ConnectionClosed("connection already closed")
+        bufs = [memoryview(framing.pack_header(len(body), payload_len) + body), *parts]
+        if not self._send_lock.locked():
+            first = self._send_nowait(bufs, 0)
+            if first == len(bufs):
+                return
+            self._send_lock.acquire_nowait()  # no yield since the check: it is free
+        else:
+            await self._send_lock.acquire()
+            first = 0
+        try:
+            with trio.CancelScope(shield=True):
                 with trio.move_on_after(self.limits.send_timeout) as scope:
-                    await self._send_all(bufs)
+                    await self._send_rest(bufs, first)
                 if scope.cancelled_caught:
-                    await self.aclose()
+                    self.close()
                     raise ConnectionClosed("send timed out; connection closed")
+        finally:
+            self._send_lock.release()
+
+    def _send_nowait(self, bufs: list[memoryview], first: int) -> int:
+        """Send what the socket takes now; returns the index of the first
+        buffer not yet sent completely (partly sent buffers are trimmed)."""
+        while first < len(bufs):
+            try:
+                sent = self.sock.sendmsg(bufs[first : first + MAX_IOV])
+            except BlockingIOError:
+                return first
+            except OSError as exc:
+                self.close()
+                raise ConnectionClosed(f"send failed: {exc}") from None
+            while sent:
+                head = bufs[first]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    first += 1
+                else:
+                    bufs[first] = head[sent:]
+                    sent = 0
+        return first
+
+    async def _send_rest(self, bufs: list[memoryview], first: int) -> None:
+        while first < len(bufs):
+            if self.closed:
+                raise ConnectionClosed("connection closed while sending")
+            try:
+                await trio.lowlevel.wait_writable(self.sock)
+            except (trio.ClosedResourceError, OSError) as exc:
+                raise ConnectionClosed(f"send failed: {exc!r}") from None
+            first = self._send_nowait(bufs, first)
 
     async def send_raw(self, data: bytes) -> None:
         """Send unframed bytes (the auth handshake only)."""
         async with self._send_lock:
-            await self._send_all([memoryview(data)])
+            bufs = [memoryview(data)]
+            await self._send_rest(bufs, self._send_nowait(bufs, 0))
 
-    async def _send_all(self, bufs: list[memoryview]) -> None:
-        try:
-            first = 0
-            while first < len(bufs):
-                sent = await self.sock.sendmsg(bufs[first : first + 512])
-                while sent:
-                    head = bufs[first]
-                    if sent >= head.nbytes:
-                        sent -= head.nbytes
-                        first += 1
-                    else:
-                        bufs[first] = head[sent:]
-                        sent = 0
-        except (OSError, trio.ClosedResourceError) as exc:
-            self.closed = True
-            self.sock.close()
-            raise ConnectionClosed(f"send failed: {exc}") from None
-
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Close now; tasks waiting on the socket wake up with ConnectionClosed."""
         if not self.closed:
             self.closed = True
+            trio.lowlevel.notify_closing(self.sock)
             self.sock.close()
+
+    async def aclose(self) -> None:
+        self.close()
         await trio.lowlevel.checkpoint()
