@@ -353,6 +353,21 @@ class FileSystem:
             return b""
         return await self.storage.read(f.ino, f.layout, offset, end - offset)
 
+    async def read_many(self, fh: int, ranges: list[tuple[int, int]]) -> bytearray:
+        """Many (offset, length) reads of one open file in one go (one request
+        per storage node): their bytes end to end, each clamped to the file."""
+        f = self.file(fh)
+        if f.layout is None:
+            raise FsError(errno.EINVAL, "not a regular file")
+        size = self.known_size(f.ino)
+        extents = [
+            (f.ino, f.layout, off, max(0, min(length, size - off))) for off, length in ranges
+        ]
+        out = bytearray(sum(e[3] for e in extents))
+        if out:
+            await self.storage.read_extents_into(extents, memoryview(out))
+        return out
+
     async def write(self, fh: int, offset: int, data: Buffer) -> int:
         f = self.file(fh)
         if f.layout is None:

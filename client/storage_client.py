@@ -99,6 +99,26 @@ def split_requests(items: list[tuple[Piece, int]]) -> list[list[tuple[Piece, int
     return requests
 
 
+def scatter(
+    items: Sequence[tuple[Piece, int]], lengths: Sequence[int], payload: Buffer, out: memoryview
+) -> list[tuple[Piece, int, int]]:
+    """Copy one read reply into place (zeros past a chunk's end, as a hole
+    reads); returns (piece, target, errno) of the items that failed."""
+    src = memoryview(payload)
+    failures: list[tuple[Piece, int, int]] = []
+    pos = 0
+    for (p, tid), n in zip(items, lengths, strict=True):
+        if n < 0:
+            failures.append((p, tid, -n))
+            continue
+        dst = p[4]
+        out[dst : dst + n] = src[pos : pos + n]
+        if n < p[3]:
+            out[dst + n : dst + p[3]] = bytes(p[3] - n)
+        pos += n
+    return failures
+
+
 class StorageClient:
     def __init__(
         self,
@@ -163,6 +183,22 @@ class StorageClient:
         except FsError as exc:
             log.info("reporting node %d unreachable failed: %s", node, exc.message)
 
+    def assign(
+        self, routing: Routing, pieces: Sequence[Piece], avoid: dict[int, set[int]] | None = None
+    ) -> dict[str, list[tuple[Piece, int]]]:
+        """Group pieces per storage node: one replica per chain for the whole
+        batch (so grouping costs a dict lookup per piece)."""
+        where: dict[int, tuple[str, int]] = {}  # chain -> (address, target)
+        groups: dict[str, list[tuple[Piece, int]]] = defaultdict(list)
+        for piece in pieces:
+            chain = piece[0]
+            place = where.get(chain)
+            if place is None:
+                target = self.pick_replica(routing, chain, avoid[chain] if avoid else frozenset())
+                place = where[chain] = (routing.target_address(target["id"]), target["id"])
+            groups[place[0]].append((piece, place[1]))
+        return groups
+
     async def _refresh(self, exc: FsError) -> None:
         await self.routing.refresh()
 
@@ -208,15 +244,7 @@ class StorageClient:
         to read again (from another replica where there is one); raises for a
         definitive failure."""
         routing = self.routing.current
-        where: dict[int, tuple[str, int]] = {}  # chain -> (address, target) for this round
-        groups: dict[str, list[tuple[Piece, int]]] = defaultdict(list)
-        for piece in pieces:
-            chain = piece[0]
-            place = where.get(chain)
-            if place is None:
-                target = self.pick_replica(routing, chain, avoid[chain])
-                place = where[chain] = (routing.target_address(target["id"]), target["id"])
-            groups[place[0]].append((piece, place[1]))
+        groups = self.assign(routing, pieces, avoid)
         retry: list[Piece] = []
         errors: list[FsError] = []
 
@@ -249,24 +277,15 @@ class StorageClient:
             finally:
                 for _, tid in items:
                     self.outstanding[tid] -= 1
-            src = memoryview(payload)
-            pos = 0
-            for (p, tid), n in zip(items, lengths, strict=True):
-                if n < 0:
-                    item_error = FsError(-n, f"reading chunk {p[1].hex()} on target {tid}")
-                    if -n == errno.EIO:  # a checksum failed: never the bytes; another replica
-                        log.warning("%s; trying another replica", item_error.message)
-                        bad_replica(p, tid, item_error)
-                    elif -n in TRANSIENT:
-                        bad_replica(p, tid, item_error)
-                    else:
-                        errors.append(item_error)
-                    continue
-                dst = p[4]
-                out[dst : dst + n] = src[pos : pos + n]
-                if n < p[3]:  # past the chunk's end (a hole or the file's tail): zeros
-                    out[dst + n : dst + p[3]] = bytes(p[3] - n)
-                pos += n
+            for p, tid, code in scatter(items, lengths, payload, out):
+                item_error = FsError(code, f"reading chunk {p[1].hex()} on target {tid}")
+                if code == errno.EIO:  # a checksum failed: never the bytes; another replica
+                    log.warning("%s; trying another replica", item_error.message)
+                    bad_replica(p, tid, item_error)
+                elif code in TRANSIENT:
+                    bad_replica(p, tid, item_error)
+                else:
+                    errors.append(item_error)
 
         async with trio.open_nursery() as nursery:
             for address, items in groups.items():

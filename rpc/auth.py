@@ -31,7 +31,8 @@ MAC = hashlib.sha256().digest_size
 HANDSHAKE_TIMEOUT = 5.0
 
 
-def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+def proof(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    """HMAC(secret, role | a | b): what each side sends to prove it holds the secret."""
     return hmac.new(secret, role + a + b, hashlib.sha256).digest()
 
 
@@ -42,9 +43,11 @@ async def server_handshake(stream: FrameStream, secret: bytes) -> None:
         await stream.send_raw(GREETING + server_nonce)
         reply = await stream.receive_exactly(NONCE + MAC)
         client_nonce, client_mac = reply[:NONCE], reply[NONCE:]
-        if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce)):
+        if not hmac.compare_digest(
+            client_mac, proof(secret, b"client", server_nonce, client_nonce)
+        ):
             raise FsError(errno.EACCES, "authentication failed: wrong cluster secret")
-        await stream.send_raw(b"OK" + _mac(secret, b"server", client_nonce, server_nonce))
+        await stream.send_raw(b"OK" + proof(secret, b"server", client_nonce, server_nonce))
     if scope.cancelled_caught:
         raise FsError(errno.ETIMEDOUT, "authentication handshake timed out")
 
@@ -57,10 +60,10 @@ async def client_handshake(stream: FrameStream, secret: bytes) -> None:
             raise FsError(errno.EPROTO, "peer is not a shufflefs server")
         server_nonce = hello[len(GREETING) :]
         client_nonce = secrets.token_bytes(NONCE)
-        await stream.send_raw(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
+        await stream.send_raw(client_nonce + proof(secret, b"client", server_nonce, client_nonce))
         answer = await stream.receive_exactly(2 + MAC)
         if answer[:2] != b"OK" or not hmac.compare_digest(
-            answer[2:], _mac(secret, b"server", client_nonce, server_nonce)
+            answer[2:], proof(secret, b"server", client_nonce, server_nonce)
         ):
             raise FsError(errno.EACCES, "server failed authentication: wrong cluster secret")
     if scope.cancelled_caught:

@@ -98,7 +98,15 @@ class TestHosts:
                 self.created.append(f"link:{veth}")
                 ip("link", "set", veth, "master", self.bridge)
                 ip("link", "set", veth, "up")
-                ip("-n", ns, "addr", "add", f"{self.address(i)}/{self.subnet.prefixlen}", "dev", "eth0")
+                ip(
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    f"{self.address(i)}/{self.subnet.prefixlen}",
+                    "dev",
+                    "eth0",
+                )
                 ip("-n", ns, "link", "set", "eth0", "up")
                 ip("-n", ns, "link", "set", "lo", "up")
         except BaseException:

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from shufflefs.rpc import FsError, Reply, RpcServer, framing, open_rpc_client, rpc_method
-from shufflefs.rpc.auth import GREETING, MAC, NONCE, _mac
+from shufflefs.rpc.auth import GREETING, MAC, NONCE, proof
 from shufflefs.rpc.framing import Limits
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -180,7 +180,7 @@ async def raw_connect(addr: str) -> trio.SocketStream:
     hello = await receive_exactly(stream, len(GREETING) + NONCE)
     server_nonce = hello[len(GREETING) :]
     client_nonce = b"n" * NONCE
-    await stream.send_all(client_nonce + _mac(SECRET, b"client", server_nonce, client_nonce))
+    await stream.send_all(client_nonce + proof(SECRET, b"client", server_nonce, client_nonce))
     await receive_exactly(stream, 2 + MAC)
     return stream
 

@@ -1,0 +1,65 @@
+"""Reads from the native client's calling thread, without the trio thread.
+
+The native client's async core lives on a trio loop in a background thread,
+and handing a call to it and back costs two thread switches: most of the
+latency of a small read. A read needs nothing that lives only there: the
+layout and the routing map are plain data it can look at, and a read is
+idempotent. So reads are made from the caller's own thread over blocking
+connections that thread owns (`rpc.blocking`), all the requests of a batch
+sent before any reply is awaited, so storage nodes work in parallel.
+
+This is the fast path only: any failure (a dead replica, a checksum error,
+a stale map) returns False and the caller repeats the read on the async path,
+which fails over, retries and reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from shufflefs.client.storage_client import Extent, StorageClient, plan, scatter, split_requests
+from shufflefs.rpc.blocking import BlockingPeers
+from shufflefs.rpc.errors import FsError
+
+log = logging.getLogger("shufflefs.client.blocking_read")
+
+
+class BlockingReader:
+    def __init__(self, storage: StorageClient, secret: bytes) -> None:
+        self.storage = storage
+        self.peers = BlockingPeers(secret, timeout=storage.read_timeout)
+
+    def read_into(self, extents: Sequence[Extent], out: memoryview) -> bool:
+        """Read *extents* into *out* end to end; False if the async path must."""
+        try:
+            pieces = plan(extents)
+            groups = self.storage.assign(self.storage.routing.current, pieces)
+        except FsError:
+            return False
+        sent = []
+        ok = True
+        for address, items in groups.items():
+            for request in split_requests(items):
+                try:
+                    conn = self.peers.connection(address)
+                    call = conn.send_request(
+                        "read", {"items": [[tid, p[1], p[2], p[3]] for p, tid in request]}
+                    )
+                except FsError as exc:
+                    log.debug("blocking read to %s: %s", address, exc.message)
+                    self.peers.drop(address)
+                    ok = False
+                    continue
+                sent.append((address, conn, call, request))
+        for address, conn, call, request in sent:  # receive every reply, even after a failure
+            try:
+                result, payload = conn.receive_reply(call)
+            except FsError as exc:
+                log.debug("blocking read from %s: %s", address, exc.message)
+                self.peers.drop(address)
+                ok = False
+                continue
+            if scatter(request, result["lengths"], payload or b"", out):
+                ok = False
+        return ok
