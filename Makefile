@@ -28,7 +28,7 @@ sysdeps:
 $(VENV)/.installed: pyproject.toml
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,torch]'
 	@touch $@
 
 venv: sysdeps $(VENV)/.installed

@@ -15,28 +15,13 @@ from typing import TypeVar
 
 import trio
 
-from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.errors import CONNECTION_FAILURES, FsError
 
 log = logging.getLogger("shufflefs.client")
 
 T = TypeVar("T")
 
-TRANSIENT = frozenset(
-    {
-        errno.ECONNREFUSED,
-        errno.ECONNRESET,
-        errno.ECONNABORTED,
-        errno.ETIMEDOUT,
-        errno.EHOSTDOWN,
-        errno.EHOSTUNREACH,
-        errno.ENETUNREACH,
-        errno.EPIPE,
-        errno.ESTALE,
-        errno.ENXIO,
-        errno.ESHUTDOWN,
-        errno.EAGAIN,
-    }
-)
+TRANSIENT = CONNECTION_FAILURES | {errno.ESTALE, errno.ENXIO, errno.EAGAIN}
 
 # Not sent at all, so safe to retry even for calls that are not idempotent.
 NOT_SENT = frozenset({errno.ECONNREFUSED, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETUNREACH})

@@ -128,9 +128,10 @@ async def unregister_node(secret: bytes, mgmtd_address: str, node_id: int) -> No
     opens a client of its own, because on a stop the service's client is being
     cancelled with everything else and its connection may already be closed."""
     with trio.move_on_after(2.0):
-        try:
-            async with open_rpc_client(secret) as rpc:
+        async with open_rpc_client(secret) as rpc:
+            try:  # inside the client's nursery: outside it, trio wraps the error in a group
                 await MgmtdStub(rpc, mgmtd_address).unregister_node(node_id)
-            log.info("unregistered node=%d from mgmtd", node_id)
-        except FsError as exc:
-            log.warning("unregistering node=%d failed: %s", node_id, exc.message)
+            except FsError as exc:
+                log.warning("unregistering node=%d failed: %s", node_id, exc.message)
+                return
+        log.info("unregistered node=%d from mgmtd", node_id)

@@ -30,8 +30,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("shufflefs.cluster.launcher", "cli_down"),
     "format": ("shufflefs.cluster.launcher", "cli_format"),
     "status": ("shufflefs.cluster.admin", "cli_status"),
+    "scrub": ("shufflefs.cluster.scrub", "cli_scrub"),
+    "target": ("shufflefs.cluster.targets", "cli_target"),
     "mount": ("shufflefs.fuse.mount", "cli_mount"),
     "umount": ("shufflefs.fuse.mount", "cli_umount"),
+    "sample": ("shufflefs.client.data.explain", "cli_sample"),
+    "bench": ("shufflefs.client.bench", "cli_bench"),
 }
 
 
@@ -86,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    add_storage_admin_parsers(sub)
+
     p = sub.add_parser("mount", help="mount the filesystem")
     p.add_argument("mountpoint")
     p.add_argument(
@@ -102,7 +108,101 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("umount", help="unmount the filesystem")
     p.add_argument("mountpoint")
+
+    add_sample_parser(sub)
+    add_bench_parser(sub)
     return parser
+
+
+def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    config_help = "client config (default: $SHUFFLEFS_CONFIG or ./.shufflefs/client.toml)"
+    p = sub.add_parser(
+        "scrub", help="verify every chunk's checksums and replicas, repair what is damaged"
+    )
+    p.add_argument("--config", help=config_help)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("target", help="storage targets (`shufflefs target add`)")
+    actions = p.add_subparsers(dest="target_command", metavar="ACTION", required=True)
+    a = actions.add_parser(
+        "add",
+        help="format a directory on a storage node as a new target and put it into a chain",
+        description="The node formats PATH (on its own host) as a target; mgmtd puts it into "
+        "chain C, or the chain with the member offline longest, as syncing; resync brings it "
+        "up to date. Without such a chain it stays a spare.",
+    )
+    a.add_argument("--node", type=int, required=True, help="storage node id (see `status`)")
+    a.add_argument("path", help="directory on that node (relative: to the current directory)")
+    a.add_argument("--chain", type=int, default=None, help="the chain to join")
+    a.add_argument("--config", help=config_help)
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_sample_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("sample", help="the training-data sampler: name the samples of a step")
+    modes = p.add_subparsers(dest="sample_command", metavar="SUBCOMMAND", required=True)
+    e = modes.add_parser(
+        "explain",
+        help="print file, byte offset and length of every sample of a global step",
+        description="Name every sample of a global step (each rank's batch STEP), so a "
+        "record that broke a run can be found and replayed.",
+    )
+    e.add_argument("paths", nargs="+", metavar="PATH", help="the dataset's files or URLs")
+    e.add_argument("--seed", type=int, required=True)
+    e.add_argument("--epoch", type=int, required=True)
+    e.add_argument("--step", type=int, required=True, help="global step (each rank's batch K)")
+    e.add_argument("--batch-size", type=int, required=True, help="per-rank batch size")
+    e.add_argument("--seq-len", type=int, default=1024)
+    e.add_argument("--dtype", default=None, help="token dtype of .bin files (default uint16)")
+    e.add_argument("--stride", type=int, default=None, help="window stride (default: seq-len)")
+    e.add_argument("--rank", type=int, default=None, help="only this rank's samples")
+    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--drop-last", action="store_true", help="the run used drop_last")
+    e.add_argument("--files", action="store_true", help="one sample per file (FileDataset)")
+    e.add_argument(
+        "--config", help="client config for shufflefs:// paths (default: $SHUFFLEFS_CONFIG ...)"
+    )
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bench", help="benchmarks (`shufflefs bench loader`: training-data reads)")
+    modes = p.add_subparsers(dest="bench_mode", metavar="MODE")
+    modes.required = False
+    b = modes.add_parser(
+        "loader",
+        help="shuffled token windows per second: local disk, FUSE, native; with readahead",
+        description="Sweep the batch size at a fixed seq_len and report tokens/s, samples/s "
+        "and p99 batch latency for a local copy, the FUSE mount (plain reads) and the native "
+        "client without and with readahead along the shuffle; cold (page caches dropped, as "
+        "root) and warm.",
+    )
+    b.add_argument(
+        "--config", help="client config of a running cluster (default: $SHUFFLEFS_CONFIG ...)"
+    )
+    b.add_argument("--mountpoint", help="where that cluster is mounted (for the FUSE rows)")
+    b.add_argument(
+        "--embedded", action="store_true", help="start a cluster in a temp dir, stop it after"
+    )
+    b.add_argument("--local-dir", help="where the local copy lives (default: a temp dir)")
+    b.add_argument("--remote-dir", default="/bench-loader", help="dataset folder on the cluster")
+    b.add_argument("--dataset-size", default="2G", help="total size of the token files (2G)")
+    b.add_argument("--files", type=int, default=8, help="number of token files")
+    b.add_argument("--seq-len", type=int, default=1024)
+    b.add_argument("--dtype", default="uint16")
+    b.add_argument("--batch-sizes", default="8,32,128,512,2048,4096", help="comma-separated sweep")
+    b.add_argument("--readahead", type=int, default=4, help="batches in flight (readahead rows)")
+    b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    b.add_argument(
+        "--configs",
+        default="local,local+ra,fuse,fuse+ra,native,native+ra",
+        help="which rows: local, local+ra, fuse, fuse+ra, native, native+ra",
+    )
+    b.add_argument("--no-cold", action="store_true", help="skip the cold-cache pass")
+    b.add_argument("--no-warm", action="store_true", help="skip the warm-cache pass")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--plot", metavar="FILE.png", help="draw tokens/s against batch size")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

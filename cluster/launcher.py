@@ -104,8 +104,8 @@ class LocalCluster:
             raise FsError(errno.EEXIST, f"{self.dir} already holds a cluster")
         if storage_nodes < 1:
             raise FsError(errno.EINVAL, "--storage-nodes must be at least 1")
-        if replicas > 1:
-            raise FsError(errno.EINVAL, "a replication factor above 1 is not supported yet")
+        if replicas < 1:
+            raise FsError(errno.EINVAL, "--replicas must be at least 1")
         if replicas > storage_nodes:
             raise FsError(
                 errno.EINVAL, f"--replicas {replicas} needs at least {replicas} storage nodes"
@@ -218,6 +218,13 @@ class LocalCluster:
             return Path((self.run / "mountpoint").read_text().strip())
         except OSError:
             return None
+
+
+def default_replicas(storage_nodes: int, replicas: int | None) -> int:
+    """Three copies when there are three nodes to hold them, else one."""
+    if replicas is not None:
+        return replicas
+    return 3 if storage_nodes >= 3 else 1
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -338,7 +345,7 @@ def up(
 ) -> LocalCluster:
     cluster = LocalCluster(data_dir)
     if not cluster.exists():
-        cluster.format(storage_nodes, replicas or 1, chunk_size, host)
+        cluster.format(storage_nodes, default_replicas(storage_nodes, replicas), chunk_size, host)
         print(f"formatted a new cluster in {cluster.dir}", file=out)
     started: dict[str, int] = {}
     for service in cluster.services():
@@ -422,7 +429,10 @@ def down(data_dir: str | Path, out: Any = sys.stdout) -> None:
 def cli_format(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args.data_dir)
     layout = cluster.format(
-        args.storage_nodes, args.replicas or 1, parse_size(args.chunk_size), args.host
+        args.storage_nodes,
+        default_replicas(args.storage_nodes, args.replicas),
+        parse_size(args.chunk_size),
+        args.host,
     )
     print(
         f"formatted a new cluster in {cluster.dir}: mgmtd at {layout.host}:{layout.mgmtd_port}, "

@@ -18,6 +18,7 @@ import trio
 
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.protocol import (
+    AssignResult,
     Capacity,
     ClusterConfig,
     RegisterResult,
@@ -88,6 +89,13 @@ class MgmtdService:
     async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
         self.state.sync_done(target_id, chain_id, chain_version)
         await self.persist()
+
+    @rpc_method
+    async def assign_target(self, target_id: int, chain_id: int | None) -> AssignResult:
+        result = self.state.assign_target(target_id, chain_id)
+        if result["chain"] is not None:
+            await self.persist()
+        return result
 
     @rpc_method
     async def report_unreachable(self, reporter: int, node_id: int) -> bool:

@@ -84,6 +84,12 @@ class ClusterConfig(TypedDict):
     heartbeat_timeout: float  # a node silent this long is offline
 
 
+class AssignResult(TypedDict):
+    chain: int | None  # the chain the target joined, None: it stays a spare
+    replaced: int | None  # the offline member it took the place of
+    state: str  # its state now (syncing; waiting if nobody in the chain serves)
+
+
 class RoutingInfo(TypedDict):
     version: int
     cluster_id: str
@@ -157,6 +163,16 @@ class MgmtdStub:
         the node offline if it cannot reach it either. Returns whether it did."""
         result = await self._call("report_unreachable", reporter=reporter, node_id=node_id)
         return bool(result)
+
+    async def assign_target(self, target_id: int, chain_id: int | None = None) -> AssignResult:
+        """Put a spare target into chain *chain_id* (or the chain whose
+        offline member has been offline longest), at the tail as syncing,
+        replacing an offline member of a full chain. ``chain`` None in the
+        result: no chain needed it, it stays a spare."""
+        result: AssignResult = await self._call(
+            "assign_target", target_id=target_id, chain_id=chain_id
+        )
+        return result
 
     async def get_routing(self, known_version: int = -1) -> RoutingInfo | None:
         """The routing map, or None if it is still at *known_version*."""

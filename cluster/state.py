@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shufflefs.cluster.protocol import (
+    AssignResult,
     Capacity,
     ChainInfo,
     ClusterConfig,
@@ -64,6 +65,9 @@ class Target:
     used: int = 0
     chunks: int = 0
     device: int = 0
+    # the routing version at which the target last went offline: the one
+    # offline longest has the smallest (`assign_target` replaces it first)
+    offline_version: int = 0
 
 
 @dataclass
@@ -282,6 +286,95 @@ class ClusterState:
         self._chain_changed(chain)
         self.bump(f"target {target_id} synced: serving in chain {chain_id}")
 
+    def assign_target(self, target_id: int, chain_id: int | None) -> AssignResult:
+        """Put a spare target (one in no chain, e.g. just added with
+        ``shufflefs target add``) into a chain, at its tail as `syncing`
+        (resync then brings it up to date; `waiting` if no member serves).
+        Into *chain_id*, or else into the chain whose offline member has been
+        offline longest. A chain that already has `replicas` members loses an
+        offline member to make room (one on the new target's node first,
+        else the one offline longest; never the chain's last serving target,
+        which holds the only up-to-date copy). With no such chain the target
+        stays a spare. Refused: unknown target (ENOENT), a target already in
+        a chain (EEXIST) or on an offline node (EHOSTDOWN), a full chain
+        without an offline member to replace (EBUSY), two members on one
+        node (EINVAL)."""
+        target = self.targets.get(target_id)
+        if target is None:
+            raise FsError(errno.ENOENT, f"unknown target {target_id}")
+        current = self.chain_of(target_id)
+        if current is not None:
+            raise FsError(errno.EEXIST, f"target {target_id} is already in chain {current.id}")
+        node = self.nodes.get(target.node)
+        if node is None or node.state != "online" or target.state == OFFLINE:
+            raise FsError(errno.EHOSTDOWN, f"target {target_id} is on an offline node")
+        if chain_id is None:
+            chain = self._chain_to_refill(target)
+            if chain is None:
+                log.info("target %d stays a spare: no chain has an offline member", target_id)
+                return {"chain": None, "replaced": None, "state": target.state}
+        else:
+            found = self.chains.get(chain_id)
+            if found is None:
+                raise FsError(errno.ENOENT, f"unknown chain {chain_id}")
+            chain = found
+        replaced = self._member_to_replace(chain, target)
+        if replaced is None and len(chain.targets) >= self.config["replicas"]:
+            raise FsError(
+                errno.EBUSY,
+                f"chain {chain.id} has {len(chain.targets)} members and no offline one to replace",
+            )
+        others = [t for t in chain.targets if t != replaced]
+        if any(self.targets[t].node == target.node for t in others if t in self.targets):
+            raise FsError(
+                errno.EINVAL, f"chain {chain.id} already has a target on node {target.node}"
+            )
+        if replaced is not None:
+            chain.targets.remove(replaced)
+            log.warning("target %d leaves chain %d (replaced by %d)", replaced, chain.id, target_id)
+        chain.targets.append(target_id)
+        serving = any(self._state(t) == SERVING for t in chain.targets if t != target_id)
+        target.state = SYNCING if serving else WAITING
+        self._chain_changed(chain)
+        self.bump(f"target {target_id} joins chain {chain.id} as {target.state}")
+        return {"chain": chain.id, "replaced": replaced, "state": target.state}
+
+    def _chain_to_refill(self, target: Target) -> Chain | None:
+        best: tuple[int, int] | None = None
+        chosen: Chain | None = None
+        for chain in self.chains.values():
+            if any(
+                self.targets[t].node == target.node and self._state(t) != OFFLINE
+                for t in chain.targets
+                if t in self.targets
+            ):
+                continue
+            for t in chain.targets:
+                if self._state(t) != OFFLINE or t == chain.last_serving:
+                    continue
+                key = (self.targets[t].offline_version if t in self.targets else 0, chain.id)
+                if best is None or key < best:
+                    best, chosen = key, chain
+        return chosen
+
+    def _member_to_replace(self, chain: Chain, target: Target) -> int | None:
+        """The offline member a full chain gives up for *target* (None if the
+        chain has room, or nothing it may give up)."""
+        if len(chain.targets) < self.config["replicas"]:
+            return None
+        offline = [
+            t for t in chain.targets if self._state(t) == OFFLINE and t != chain.last_serving
+        ]
+        if not offline:
+            return None
+
+        def key(t: int) -> tuple[int, int, int]:
+            member = self.targets.get(t)
+            same_node = member is not None and member.node == target.node
+            return (0 if same_node else 1, member.offline_version if member else 0, t)
+
+        return min(offline, key=key)
+
     def build_chains(self) -> list[int]:
         """Put targets that are in no chain into new chains of `replicas`
         targets on distinct nodes, taking first from the nodes with the most
@@ -361,6 +454,7 @@ class ClusterState:
                 continue
             was_serving = target.state == SERVING
             target.state = OFFLINE
+            target.offline_version = self.version
             chain = self.chain_of(target.id)
             if chain is None:
                 continue

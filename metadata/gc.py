@@ -2,10 +2,14 @@
 
 Freeing a file and shrinking one are committed in the namespace first, with a
 job recorded in the same transaction (see `store`); the calls to the storage
-daemons come after. A job is deleted only once every target of every chain of
-the file's layout has confirmed, so a crash, a restart or an unreachable
-daemon only delays the work: it is retried with backoff until it is done.
-Both storage calls are idempotent, so doing one twice is harmless.
+daemons come after. Each is one call per chain of the file's layout, to the
+chain's head, which carries it out on every replica in chain order (so it is
+ordered with the writes on every replica). A job is deleted only once every
+chain has confirmed, so a crash, a restart, an unreachable daemon or a chain
+without a serving target only delays the work: it is retried with backoff
+until it is done. Replicas that were offline meanwhile are made consistent by
+resync when they return. Both storage calls are idempotent, so doing one
+twice is harmless.
 
 The session reaper lives here too: an expired session's handles are closed,
 which may free unlinked files and so create GC jobs.
@@ -21,7 +25,6 @@ from typing import TypeVar
 
 import trio
 
-from shufflefs.cluster.protocol import TargetInfo
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import Layout
 from shufflefs.metadata.store import ExpiredSession, GcJob, Namespace, TruncateJob
@@ -32,8 +35,12 @@ from shufflefs.storage.protocol import StorageStub
 
 log = logging.getLogger("shufflefs.metadata.gc")
 
-TargetCall = Callable[[StorageStub, int], Awaitable[int]]
+# (stub of the head's node, head target, chain, chain version) -> chunks changed
+ChainCall = Callable[[StorageStub, int, int, int], Awaitable[int]]
 PAGE = 256
+CHAIN_ATTEMPTS = 3  # tries per chain within one job attempt while the chain is changing
+# answers that mean "the chain is changing": refresh the routing map and try again at once
+_REROUTE = frozenset({errno.ESTALE, errno.ENXIO})
 J = TypeVar("J", GcJob, TruncateJob)
 
 
@@ -59,6 +66,7 @@ class StorageJobs:
         routing: Callable[[], Routing],
         rpc: RpcClient,
         *,
+        refresh_routing: Callable[[], Awaitable[object]] | None = None,
         timeout: float = 5.0,
         base_delay: float = 0.5,
         max_delay: float = 30.0,
@@ -68,6 +76,7 @@ class StorageJobs:
         self.store = store
         self.writer = writer
         self.routing = routing
+        self.refresh_routing = refresh_routing
         self.rpc = rpc
         self.timeout = timeout
         self.base_delay = base_delay
@@ -136,15 +145,16 @@ class StorageJobs:
     async def _gc(self, job: GcJob) -> None:
         ino = job["ino"]
         try:
-            removed, targets = await self._on_targets(
-                job["layout"], lambda stub, target: stub.remove_file(target, ino)
+            removed, chains = await self._on_chains(
+                job["layout"],
+                lambda stub, head, chain, version: stub.remove_file(head, chain, version, ino),
             )
         except FsError as exc:
             self._failed(("gc", ino), f"gc ino={ino}", exc)
             return
         await self.writer(self.store.gc_done, ino)
         self._backoff.pop(("gc", ino), None)
-        log.info("gc ino=%d removed chunks=%d targets=%d", ino, removed, targets)
+        log.info("gc ino=%d removed chunks=%d chains=%d", ino, removed, chains)
 
     # ---- truncation: a shrunk file's chunks ----------------------------------------
 
@@ -183,47 +193,67 @@ class StorageJobs:
 
     async def _cut(self, job: TruncateJob) -> None:
         ino, size, layout = job["ino"], job["size"], job["layout"]
-        changed, targets = await self._on_targets(
+        changed, chains = await self._on_chains(
             layout,
-            lambda stub, target: stub.truncate_file(target, ino, size, layout["chunk_size"]),
+            lambda stub, head, chain, version: stub.truncate_file(
+                head, chain, version, ino, size, layout["chunk_size"]
+            ),
         )
-        log.info("truncate ino=%d size=%d chunks=%d targets=%d", ino, size, changed, targets)
+        log.info("truncate ino=%d size=%d chunks=%d chains=%d", ino, size, changed, chains)
 
     # ---- shared -----------------------------------------------------------------------
 
-    async def _on_targets(self, layout: Layout, call: TargetCall) -> tuple[int, int]:
-        """Run *call* on every target of every chain of *layout*, in parallel.
-        Returns (sum of the results, number of targets); raises if any failed.
-        A target known to be down fails at once instead of timing out."""
-        routing = self.routing()
-        targets: dict[int, TargetInfo] = {}
-        for chain in layout["chains"]:
-            for target in routing.all_chain_targets(chain):
-                targets[target["id"]] = target
+    async def _on_chains(self, layout: Layout, call: ChainCall) -> tuple[int, int]:
+        """Run *call* once per chain of *layout*, at the chain's head, all
+        chains in parallel. Returns (sum of the results, number of chains);
+        raises if any chain failed. A chain without a serving target fails at
+        once (the job waits until one serves); a chain that is changing
+        (ESTALE: a replica died, the map is old) is tried again with a fresh
+        routing map."""
+        chains = list(dict.fromkeys(layout["chains"]))
         results: dict[int, int] = {}
         errors: dict[int, FsError] = {}
 
-        async def one(target: TargetInfo) -> None:
-            tid = target["id"]
-            try:
-                node = routing.node_of_target(tid)
-                if target["state"] == "offline" or node["state"] != "online":
-                    raise FsError(errno.EHOSTDOWN, f"target {tid} is offline")
-                stub = StorageStub(self.rpc, node["address"], timeout=self.timeout)
-                results[tid] = await call(stub, tid)
-            except FsError as exc:
-                errors[tid] = exc
+        async def one(chain: int) -> None:
+            for attempt in range(CHAIN_ATTEMPTS):
+                try:
+                    results[chain] = await self._at_head(chain, call)
+                    errors.pop(chain, None)
+                    return
+                except FsError as exc:
+                    errors[chain] = exc
+                    if exc.code not in _REROUTE or attempt + 1 == CHAIN_ATTEMPTS:
+                        return
+                if self.refresh_routing is not None:
+                    try:
+                        await self.refresh_routing()
+                    except FsError as exc:
+                        log.debug("routing refresh failed: %s", exc.message)
+                await trio.sleep(0.05 * (attempt + 1))
 
         async with trio.open_nursery() as nursery:
-            for target in targets.values():
-                nursery.start_soon(one, target)
+            for chain in chains:
+                nursery.start_soon(one, chain)
         if errors:
-            tid, exc = min(errors.items())
+            chain, exc = min(errors.items())
             raise FsError(
                 exc.code,
-                f"{len(errors)} of {len(targets)} targets failed, target {tid}: {exc.message}",
+                f"{len(errors)} of {len(chains)} chains failed, chain {chain}: {exc.message}",
             )
-        return sum(results.values()), len(targets)
+        return sum(results.values()), len(chains)
+
+    async def _at_head(self, chain: int, call: ChainCall) -> int:
+        routing = self.routing()
+        info = routing.chain(chain)
+        serving = routing.serving_targets(chain)
+        if not serving:
+            raise FsError(errno.EHOSTDOWN, f"chain {chain} has no serving target")
+        head = serving[0]
+        node = routing.node_of_target(head["id"])
+        if node["state"] != "online":
+            raise FsError(errno.EHOSTDOWN, f"the head of chain {chain} is offline")
+        stub = StorageStub(self.rpc, node["address"], timeout=self.timeout)
+        return await call(stub, head["id"], chain, info["version"])
 
     def _failed(self, key: tuple[str, int], what: str, exc: FsError) -> None:
         _, delay = self._backoff.get(key, (0.0, self.base_delay / 2))

@@ -92,7 +92,14 @@ class MetaService:
         self.routing = routing
         self.refresh_routing = refresh_routing
         self.write = Writer()
-        self.jobs = StorageJobs(store, self.write, routing, rpc, timeout=storage_timeout)
+        self.jobs = StorageJobs(
+            store,
+            self.write,
+            routing,
+            rpc,
+            refresh_routing=refresh_routing,
+            timeout=storage_timeout,
+        )
         if reap_interval is None:
             reap_interval = max(0.05, min(5.0, store.session_timeout / 4))
         self.reaper = SessionReaper(store, self.write, self.jobs, reap_interval)

@@ -12,6 +12,22 @@ import errno
 import os
 from typing import Any
 
+# Failures of a call that mean "the peer is not there" (refused, reset, timed
+# out, unreachable), as opposed to an answer from it.
+CONNECTION_FAILURES = frozenset(
+    {
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.EPIPE,
+        errno.ESHUTDOWN,
+    }
+)
+
 
 class FsError(OSError):
     """An error with a POSIX errno; subclass of OSError so native callers can

@@ -19,6 +19,14 @@ chunk crash safe:
 * at open, files whose generation is not the committed one are deleted
   (they are the remains of a write or a removal that a crash interrupted).
 
+A write is two steps, so that chain replication can make an update durable
+on every replica before any replica shows it: `stage_write` (or
+`stage_replace`, whole-chunk content from another replica) does all the
+disk work above except the LMDB commit and returns a `Staged`; `commit`
+is the one transaction that makes it visible, `abort` removes it. A staged
+update is invisible to readers (they read committed records only) and
+leaves no trace after an abort or a crash. `write` is stage + commit.
+
 So after a crash at any instant each chunk is, whole, either as before or as
 after the write in flight, and its checksums match.
 """
@@ -34,6 +42,7 @@ import struct
 import threading
 from array import array
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +50,13 @@ import lmdb
 
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.cache import MISSING, FdCache, FdHandle, Missing, RecordCache
-from shufflefs.storage.crc import CRC_TYPECODE, crc32c, first_bad_block, zero_block_crc
+from shufflefs.storage.crc import (
+    CRC_TYPECODE,
+    block_crcs,
+    crc32c,
+    first_bad_block,
+    zero_block_crc,
+)
 from shufflefs.storage.layout import (
     CHUNKS_DIR,
     FORMAT_VERSION,
@@ -61,7 +76,13 @@ from shufflefs.storage.layout import (
     read_json,
     write_json_durably,
 )
-from shufflefs.storage.protocol import ChunkInfo, ChunkPage, TargetStats, WriteResult
+from shufflefs.storage.protocol import (
+    NEED_FULL,
+    ChunkInfo,
+    ChunkPage,
+    TargetStats,
+    WriteResult,
+)
 
 log = logging.getLogger("shufflefs.storage.chunks")
 
@@ -116,6 +137,51 @@ def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
             raise FsError(errno.EIO, f"chunk file ends at {pos}, expected {end} bytes")
         _pwrite_all(dst, piece, pos)
         pos += len(piece)
+
+
+# What a staged update does on disk (and so how commit and abort finish it).
+NOOP = "noop"  # a zero-length write: nothing at all
+APPEND = "append"  # bytes written in place past the committed length of the chunk's file
+CREATE = "create"  # a new chunk: a new file
+COW = "cow"  # an overwrite: a new generation file holding the whole new chunk
+REPLACE = "replace"  # whole-chunk content from another replica: a new generation file
+
+
+@dataclass(eq=False)
+class Staged:
+    """An update that is durable on disk but not committed: readers see the
+    committed record only, so they never see it. `ChunkStore.commit` makes it
+    visible in one LMDB transaction; `ChunkStore.abort` removes it. The
+    caller serializes updates of one chunk from stage to commit (the storage
+    service holds the chunk's lock); commit refuses an update whose base is
+    no longer the committed record."""
+
+    cid: bytes
+    kind: str
+    base: ChunkRecord | None  # the committed record the update was built on
+    new: ChunkRecord | None  # the record commit installs (None: a zero-length write)
+    fd: int = -1  # the new file (CREATE, COW, REPLACE), owned until commit or abort
+    handle: FdHandle | None = None  # the committed file appended to (APPEND)
+    d_used: int = 0
+    d_chunks: bool = False
+    done: bool = False
+
+    @property
+    def version(self) -> int:
+        """The version this update produces."""
+        if self.new is not None:
+            return self.new.version
+        return self.base.version if self.base is not None else 0
+
+    @property
+    def base_version(self) -> int:
+        return self.base.version if self.base is not None else 0
+
+
+def _same_record(a: ChunkRecord | None, b: ChunkRecord | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (a.version, a.generation, a.length) == (b.version, b.generation, b.length)
 
 
 def _check_range(offset: int, length: int) -> None:
@@ -507,11 +573,103 @@ class ChunkStore:
             return None
         return memoryview(buf)[offset - start : end - start]
 
-    # ---- writes ----------------------------------------------------------
+    # ---- writes: stage, then commit or abort -------------------------------
 
     def write(self, cid: bytes, offset: int, chunk_size: int, data: Data) -> WriteResult:
         """Write *data* at *offset*; durable (if fsync) and committed on return.
-        A gap between the chunk's end and *offset* reads as zeros."""
+        A gap between the chunk's end and *offset* reads as zeros. The same
+        as `stage_write` + `commit`, under the chunk's lock throughout."""
+        with self._lock(cid):
+            staged = self._stage_write_locked(cid, offset, data, chunk_size, None)
+            return self._commit_locked(staged)
+
+    def stage_write(
+        self, cid: bytes, offset: int, data: Data, chunk_size: int, version: int | None = None
+    ) -> Staged:
+        """Make the chunk's next version (*data* at *offset*) durable on disk,
+        invisible to readers until `commit`. *version* is the version the
+        update produces: it must be the committed version + 1 (else
+        `NEED_FULL`: this replica holds another base than the sender);
+        None means exactly that. Appends go in place, past the committed
+        length; overwrites into a new generation file. A zero-length write
+        stages nothing (committing it changes nothing)."""
+        with self._lock(cid):
+            return self._stage_write_locked(cid, offset, data, chunk_size, version)
+
+    def stage_replace(self, cid: bytes, data: Data, chunk_size: int, version: int) -> Staged:
+        """Stage *data* as the chunk's whole content at *version* (a full
+        resend along the chain, a resync or a repair copies a chunk from
+        another replica), in a new generation file: whatever this target held
+        before is replaced on commit, whatever its version was."""
+        check_chunk_id(cid)
+        check_chunk_size(chunk_size)
+        if len(data) > chunk_size:
+            raise FsError(errno.EINVAL, f"{len(data)} bytes do not fit the chunk size {chunk_size}")
+        if version < 1:
+            raise FsError(errno.EINVAL, f"chunk version {version} must be positive")
+        with self._lock(cid):
+            rec = self._record(cid)
+            self._check_space(len(data))
+            generation = next(self._next_gen)
+            path = self._path(cid, generation)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise self._os_error(exc, f"replace of chunk {cid.hex()}") from None
+            try:
+                _pwrite_all(fd, data, 0)
+                if self.fsync:
+                    os.fsync(fd)
+                    fsync_dir(os.path.dirname(path))
+            except BaseException as exc:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                if isinstance(exc, OSError) and not isinstance(exc, FsError):
+                    raise self._os_error(exc, f"replace of chunk {cid.hex()}") from None
+                raise
+            crcs = block_crcs(data, self.block_size)
+            new = ChunkRecord(version, generation, len(data), chunk_size, crcs)
+            old_len = rec.length if rec is not None else 0
+            return Staged(
+                cid, REPLACE, rec, new, fd=fd, d_used=len(data) - old_len, d_chunks=rec is None
+            )
+
+    def commit(self, staged: Staged) -> WriteResult:
+        """Make a staged update the chunk's committed state (one LMDB
+        transaction). If the commit fails the update is aborted."""
+        with self._lock(staged.cid):
+            return self._commit_locked(staged)
+
+    def abort(self, staged: Staged) -> None:
+        """Drop a staged update without a trace: the bytes it appended past
+        the committed length are cut, its new generation file is deleted.
+        Aborting twice, or after a commit, does nothing."""
+        with self._lock(staged.cid):
+            self._abort_locked(staged)
+
+    def staged_content(self, staged: Staged) -> bytes:
+        """The whole chunk as the staged update makes it (for a full resend
+        to a replica that lacks the base), verified against the new
+        checksums: damage in blocks a copy-on-write carried over is refused
+        with EIO rather than sent on."""
+        if staged.done:
+            raise FsError(errno.EINVAL, "the staged update is already committed or aborted")
+        new = staged.new
+        if new is None:
+            raise FsError(errno.EINVAL, "a zero-length write has no content to send")
+        fd = staged.fd if staged.handle is None else staged.handle.fd
+        data = os.pread(fd, new.length, 0)
+        if len(data) != new.length:
+            raise self._corrupt(staged.cid, new, len(data) // self.block_size, "staged file short")
+        bad = first_bad_block(data, 0, new.crcs, self.block_size)
+        if bad >= 0:
+            raise self._corrupt(staged.cid, new, bad, "checksum mismatch in staged update")
+        return data
+
+    def _stage_write_locked(
+        self, cid: bytes, offset: int, data: Data, chunk_size: int, version: int | None
+    ) -> Staged:
         check_chunk_id(cid)
         check_chunk_size(chunk_size)
         n = len(data)
@@ -519,27 +677,39 @@ class ChunkStore:
             raise FsError(
                 errno.EINVAL, f"write {offset}+{n} does not fit the chunk size {chunk_size}"
             )
-        with self._lock(cid):
-            rec = self._record(cid)
-            if rec is not None and rec.chunk_size != chunk_size:
-                raise FsError(
-                    errno.EINVAL,
-                    f"chunk {cid.hex()} has chunk size {rec.chunk_size}, not {chunk_size}",
-                )
-            if n == 0:
-                return {"version": rec.version if rec else 0, "length": rec.length if rec else 0}
-            try:
-                if rec is None or offset >= rec.length:
-                    return self._write_in_place(cid, rec, offset, chunk_size, data)
-                return self._write_cow(cid, rec, offset, data)
-            except FsError:
-                raise
-            except OSError as exc:
-                raise self._os_error(exc, f"write to chunk {cid.hex()}") from None
+        rec = self._record(cid)
+        if rec is not None and rec.chunk_size != chunk_size:
+            raise FsError(
+                errno.EINVAL,
+                f"chunk {cid.hex()} has chunk size {rec.chunk_size}, not {chunk_size}",
+            )
+        current = rec.version if rec is not None else 0
+        if version is not None and version != current + 1:
+            raise FsError(
+                NEED_FULL,
+                f"chunk {cid.hex()} is at version {current} on target {self.label}; "
+                f"an update to version {version} needs the whole chunk",
+            )
+        if n == 0:
+            return Staged(cid, NOOP, rec, None)
+        try:
+            if rec is None or offset >= rec.length:
+                return self._stage_in_place(cid, rec, offset, chunk_size, data, current + 1)
+            return self._stage_cow(cid, rec, offset, data, current + 1)
+        except FsError:
+            raise
+        except OSError as exc:
+            raise self._os_error(exc, f"write to chunk {cid.hex()}") from None
 
-    def _write_in_place(
-        self, cid: bytes, rec: ChunkRecord | None, offset: int, chunk_size: int, data: Data
-    ) -> WriteResult:
+    def _stage_in_place(
+        self,
+        cid: bytes,
+        rec: ChunkRecord | None,
+        offset: int,
+        chunk_size: int,
+        data: Data,
+        version: int,
+    ) -> Staged:
         old_len = rec.length if rec is not None else 0
         new_len = offset + len(data)
         self._check_space(new_len - old_len)
@@ -556,7 +726,7 @@ class ChunkStore:
             except FileNotFoundError:
                 raise self._corrupt(cid, rec, 0, "chunk file missing") from None
             fd = handle.fd
-        wrote = committed = False
+        wrote = staged = False
         try:
             if rec is not None:
                 size = os.fstat(fd).st_size
@@ -564,7 +734,7 @@ class ChunkStore:
                     raise self._corrupt(
                         cid, rec, size // self.block_size, "chunk file shorter than committed"
                     )
-                if size > old_len:  # the untrusted remains of a write that did not commit
+                if size > old_len:  # the untrusted remains of an update that did not commit
                     os.ftruncate(fd, old_len)
             crcs = self._updated_crcs(cid, rec, fd, offset, data, new_len)
             wrote = True
@@ -575,26 +745,34 @@ class ChunkStore:
                     fsync_dir(os.path.dirname(path))
                 else:
                     os.fdatasync(fd)
-            new = ChunkRecord(
-                (rec.version if rec else 0) + 1, generation, new_len, chunk_size, crcs
+            new = ChunkRecord(version, generation, new_len, chunk_size, crcs)
+            result = Staged(
+                cid,
+                APPEND if rec is not None else CREATE,
+                rec,
+                new,
+                fd=fd if handle is None else -1,
+                handle=handle,
+                d_used=new_len - old_len,
+                d_chunks=rec is None,
             )
-            self._commit([(cid, new)], [], new_len - old_len, 1 if rec is None else 0)
-            committed = True
+            staged = True
+            return result
         finally:
-            if handle is not None:
-                if wrote and not committed:  # drop what did not commit
+            if not staged:
+                if handle is not None:
+                    if wrote:  # drop what will never commit
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(fd, old_len)
+                    self._fds.release(handle)
+                else:
+                    os.close(fd)
                     with contextlib.suppress(OSError):
-                        os.ftruncate(fd, old_len)
-                self._fds.release(handle)
-            elif committed:
-                self._fds.release(self._fds.put((cid, generation), fd, self._fds.epoch))
-            else:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        return {"version": new.version, "length": new.length}
+                        os.unlink(path)
 
-    def _write_cow(self, cid: bytes, rec: ChunkRecord, offset: int, data: Data) -> WriteResult:
+    def _stage_cow(
+        self, cid: bytes, rec: ChunkRecord, offset: int, data: Data, version: int
+    ) -> Staged:
         end = offset + len(data)
         new_len = max(rec.length, end)
         self._check_space(new_len)
@@ -604,7 +782,6 @@ class ChunkStore:
             raise self._corrupt(cid, rec, 0, "chunk file missing") from None
         generation = next(self._next_gen)
         path = self._path(cid, generation)
-        committed = False
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
@@ -616,20 +793,65 @@ class ChunkStore:
                 if self.fsync:
                     os.fsync(fd)
                     fsync_dir(os.path.dirname(path))
-                new = ChunkRecord(rec.version + 1, generation, new_len, rec.chunk_size, crcs)
-                self._commit([(cid, new)], [], new_len - rec.length, 0)
-                committed = True
-            finally:
-                if committed:
-                    self._fds.release(self._fds.put((cid, generation), fd, self._fds.epoch))
-                else:
-                    os.close(fd)
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
         finally:
             self._fds.release(old)
-        self._discard_file(cid, rec.generation)
+        new = ChunkRecord(version, generation, new_len, rec.chunk_size, crcs)
+        return Staged(cid, COW, rec, new, fd=fd, d_used=new_len - rec.length)
+
+    def _commit_locked(self, staged: Staged) -> WriteResult:
+        if staged.done:
+            raise FsError(errno.EINVAL, "the staged update is already committed or aborted")
+        new = staged.new
+        if new is None:  # a zero-length write: nothing changes
+            staged.done = True
+            base = staged.base
+            return {
+                "version": base.version if base else 0,
+                "length": base.length if base else 0,
+            }
+        try:
+            current = self._record(staged.cid)
+            if not _same_record(current, staged.base):
+                raise FsError(
+                    errno.EAGAIN,
+                    f"chunk {staged.cid.hex()} changed on target {self.label} while an update "
+                    "was staged",
+                )
+            self._commit([(staged.cid, new)], [], staged.d_used, int(staged.d_chunks))
+        except BaseException:
+            self._abort_locked(staged)
+            raise
+        staged.done = True
+        if staged.handle is not None:  # an append: the file stays the same
+            self._fds.release(staged.handle)
+        else:
+            self._fds.release(
+                self._fds.put((staged.cid, new.generation), staged.fd, self._fds.epoch)
+            )
+            if staged.base is not None:
+                self._discard_file(staged.cid, staged.base.generation)
         return {"version": new.version, "length": new.length}
+
+    def _abort_locked(self, staged: Staged) -> None:
+        if staged.done:
+            return
+        staged.done = True
+        if staged.new is None:
+            return
+        if staged.handle is not None:
+            base_len = staged.base.length if staged.base is not None else 0
+            with contextlib.suppress(OSError):
+                os.ftruncate(staged.handle.fd, base_len)
+            self._fds.release(staged.handle)
+            return
+        os.close(staged.fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self._path(staged.cid, staged.new.generation))
 
     def _updated_crcs(
         self,
@@ -887,6 +1109,63 @@ class ChunkStore:
         if rec is None:
             raise FsError(errno.ENOENT, f"no chunk {cid.hex()} on target {self.label}")
         return self._info(cid, rec)
+
+    def committed(self, cid: bytes) -> ChunkRecord | None:
+        """The chunk's committed record (None if it does not exist)."""
+        check_chunk_id(cid)
+        return self._record(cid)
+
+    def read_full(self, cid: bytes) -> tuple[ChunkRecord, bytes]:
+        """The whole committed chunk and the record it belongs to, every block
+        verified (EIO on damage, ENOENT if the chunk does not exist): what a
+        replica sends when another one copies the chunk."""
+        check_chunk_id(cid)
+        for _ in range(READ_RETRIES):
+            rec = self._record(cid)
+            if rec is None:
+                raise FsError(errno.ENOENT, f"no chunk {cid.hex()} on target {self.label}")
+            data = bytes(self.read(cid, 0, rec.chunk_size))
+            if len(data) == rec.length and _same_record(self._record(cid), rec):
+                return rec, data
+        raise FsError(errno.EAGAIN, f"chunk {cid.hex()} kept changing during the read")
+
+    def verify(self, cid: bytes) -> str | None:
+        """Check every block of a committed chunk against its checksums;
+        None if it is intact (or gone), else what is wrong (scrub)."""
+        try:
+            self.read_full(cid)
+        except FsError as exc:
+            if exc.code == errno.ENOENT:
+                return None
+            if exc.code == errno.EIO:
+                return exc.message
+            raise
+        return None
+
+    def remove_chunk(self, cid: bytes) -> bool:
+        """Delete one chunk (a replica's copy that its chain no longer holds);
+        returns whether it existed."""
+        check_chunk_id(cid)
+        with self._lock(cid):
+            try:
+                return self._remove_batch([cid]) > 0
+            except FsError:
+                raise
+            except OSError as exc:
+                raise self._os_error(exc, f"removal of chunk {cid.hex()}") from None
+
+    def list_range(self, after: bytes | None, until: bytes | None) -> dict[bytes, ChunkInfo]:
+        """Every chunk with after < id <= until (None: unbounded), by id."""
+        out: dict[bytes, ChunkInfo] = {}
+        while True:
+            page = self.list_chunks(after, LIST_MAX)
+            for info in page["chunks"]:
+                if until is not None and info["chunk"] > until:
+                    return out
+                out[info["chunk"]] = info
+            if not page["more"] or not page["chunks"]:
+                return out
+            after = page["chunks"][-1]["chunk"]
 
     def list_chunks(self, after: bytes | None = None, limit: int = 1000) -> ChunkPage:
         """A page of chunks in id order, starting after *after*. Pages are

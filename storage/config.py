@@ -27,6 +27,8 @@ class StorageConfig:
     block_size: int = 4096  # CRC block size of NEW targets (an existing one keeps its own)
     io_threads: int = 16  # disk operations in flight at once
     fd_cache: int = 1024  # open chunk files kept per target
+    forward_timeout: float = 10.0  # seconds per replica still ahead to wait for a forwarded update
+    scrub_interval: float = 0.0  # seconds between background scrubs of every target; 0: off
 
     def validate(self) -> None:
         """Reject settings that would fail later in a less clear way."""
@@ -41,6 +43,10 @@ class StorageConfig:
         for name in ("io_threads", "fd_cache"):
             if getattr(self, name) < 1:
                 raise FsError(errno.EINVAL, f"storage config: {name!r} must be at least 1")
+        if self.forward_timeout <= 0:
+            raise FsError(errno.EINVAL, "storage config: 'forward_timeout' must be positive")
+        if self.scrub_interval < 0:
+            raise FsError(errno.EINVAL, "storage config: 'scrub_interval' must not be negative")
         if self.reserve_bytes < 0:
             raise FsError(errno.EINVAL, "storage config: 'reserve_bytes' must not be negative")
 

@@ -3,6 +3,24 @@
 A chunk is identified by (inode, chunk index), packed as 12 bytes big-endian;
 its hex form names the chunk's file on a target. Bulk bytes always travel as
 the frame's raw payload, never inside msgpack.
+
+Chain replication (docs/storage.md): clients send `write`, and the metadata
+server `truncate_file`/`remove_file`, to the head of a chain (the first of
+its write targets: serving ones, then syncing ones). Each replica stages the
+update and forwards it to its successor with `replicate` /
+`replicate_truncate` / `replicate_remove`; the tail commits first, the head
+last, and only then does the client get its answer. Errors a caller acts on:
+
+* ``ESTALE``: the chain version is not the daemon's (the caller refreshes its
+  routing map and retries), the target is not where the call belongs in the
+  chain, or a successor was unreachable (it has been reported to mgmtd; retry
+  once the chain changed).
+* ``EROFS``: the chain has fewer serving targets than the cluster's
+  ``min_replicas``; writes wait until a replica is back.
+* `NEED_FULL` (``EBADE``): answered by a replica to a `replicate` whose
+  ``base_version`` is not its committed version (it missed an update, or is
+  being resynced and has not verified the chunk yet). The sender resends the
+  whole new chunk with ``full=True``.
 """
 
 from __future__ import annotations
@@ -15,6 +33,10 @@ from typing import Any, TypedDict
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer
+
+# A replica's answer to an update built on a version it does not hold: send
+# the whole chunk instead ("invalid exchange").
+NEED_FULL = errno.EBADE
 
 CHUNK_ID = struct.Struct(">QI")
 CHUNK_ID_LEN = CHUNK_ID.size  # 12
@@ -51,6 +73,23 @@ class ChunkInfo(TypedDict):
 class ChunkPage(TypedDict):
     chunks: list[ChunkInfo]
     more: bool
+
+
+class ChunkMeta(TypedDict):
+    """What `read_chunk` returns beside the chunk's bytes."""
+
+    version: int
+    length: int
+    chunk_size: int
+
+
+class ScrubResult(TypedDict):
+    checked: int  # chunks whose every block was verified
+    corrupt: int  # of those, chunks with a damaged or missing block
+    divergent: int  # chunks whose version or checksums differ from the chain's head
+    repaired: int  # corrupt or divergent chunks fixed from another replica
+    unrecoverable: int  # damaged chunks no healthy replica could fix
+    next: bytes | None  # cursor for the next page (the last chunk checked), None at the end
 
 
 class TargetStats(TypedDict):
@@ -116,20 +155,132 @@ class StorageStub:
         )
         return result
 
-    async def truncate_file(self, target: int, ino: int, size: int, chunk_size: int) -> int:
-        """Cut every chunk of file *ino* held by *target* to a file size of
-        *size*: chunks wholly past it are removed, the one it falls in is
-        shortened. Returns the number of chunks changed."""
+    async def replicate(
+        self,
+        target: int,
+        chain: int,
+        chain_version: int,
+        chunk: bytes,
+        offset: int,
+        chunk_size: int,
+        version: int,
+        base_version: int,
+        full: bool,
+        data: Buffer,
+        timeout: float | None = None,
+    ) -> WriteResult:
+        """Storage to storage: stage an update of a chunk on the next replica
+        of the chain, which forwards it to its own successor and commits once
+        that one acknowledged. *version* is the version the update produces;
+        a delta (``full=False``: *data* at *offset*) applies only on
+        *base_version*, else the replica answers `NEED_FULL` and the caller
+        resends the whole new chunk (``full=True``, *offset* 0)."""
+        result: WriteResult = await self.rpc.call(
+            self.address,
+            "replicate",
+            {
+                "target": target,
+                "chain": chain,
+                "chain_version": chain_version,
+                "chunk": chunk,
+                "offset": offset,
+                "chunk_size": chunk_size,
+                "version": version,
+                "base_version": base_version,
+                "full": full,
+            },
+            payload=data,
+            timeout=timeout or self.timeout,
+        )
+        return result
+
+    async def truncate_file(
+        self, target: int, chain: int, chain_version: int, ino: int, size: int, chunk_size: int
+    ) -> int:
+        """Cut every chunk of file *ino* on *chain* to a file size of *size*
+        (chunks wholly past it are removed, the one it falls in is shortened),
+        on every replica: sent to the chain's head (*target*), ordered with
+        writes. Returns the number of chunks the head changed."""
         result = await self._call(
-            "truncate_file", target=target, ino=ino, size=size, chunk_size=chunk_size
+            "truncate_file",
+            target=target,
+            chain=chain,
+            chain_version=chain_version,
+            ino=ino,
+            size=size,
+            chunk_size=chunk_size,
         )
         return int(result["changed"])
 
-    async def remove_file(self, target: int, ino: int) -> int:
-        """Remove every chunk of file *ino* held by *target* (garbage
-        collection after the last unlink and close). Returns how many."""
-        result = await self._call("remove_file", target=target, ino=ino)
+    async def remove_file(self, target: int, chain: int, chain_version: int, ino: int) -> int:
+        """Remove every chunk of file *ino* on *chain*, on every replica (sent
+        to the chain's head, *target*; garbage collection after the last
+        unlink and close). Returns how many chunks the head removed."""
+        result = await self._call(
+            "remove_file", target=target, chain=chain, chain_version=chain_version, ino=ino
+        )
         return int(result["removed"])
+
+    async def replicate_truncate(
+        self, target: int, chain: int, chain_version: int, ino: int, size: int, chunk_size: int
+    ) -> int:
+        """Storage to storage: `truncate_file` on the next replica of the chain."""
+        result = await self._call(
+            "replicate_truncate",
+            target=target,
+            chain=chain,
+            chain_version=chain_version,
+            ino=ino,
+            size=size,
+            chunk_size=chunk_size,
+        )
+        return int(result["changed"])
+
+    async def replicate_remove(self, target: int, chain: int, chain_version: int, ino: int) -> int:
+        """Storage to storage: `remove_file` on the next replica of the chain."""
+        result = await self._call(
+            "replicate_remove", target=target, chain=chain, chain_version=chain_version, ino=ino
+        )
+        return int(result["removed"])
+
+    async def read_chunk(
+        self, target: int, chunk: bytes, timeout: float | None = None
+    ) -> tuple[ChunkMeta, bytearray]:
+        """A whole committed chunk, every block verified, with its version
+        (resync and repair copy chunks with it). Waits for an update of the
+        chunk in flight on this replica. ENOENT if the chunk does not exist,
+        EIO if it is damaged here."""
+        resp = await self.rpc.request(
+            self.address,
+            "read_chunk",
+            {"target": target, "chunk": chunk},
+            timeout=timeout or self.timeout,
+        )
+        meta: ChunkMeta = resp.result
+        return meta, resp.payload or bytearray()
+
+    async def scrub(
+        self, target: int, after: bytes | None = None, limit: int = 64, timeout: float | None = None
+    ) -> ScrubResult:
+        """Verify every block of up to *limit* chunks after *after* (id
+        order), compare them with the chain's head, repair what is damaged or
+        divergent from a healthy replica. Page on with the returned ``next``."""
+        result: ScrubResult = await self.rpc.call(
+            self.address,
+            "scrub",
+            {"target": target, "after": after, "limit": limit},
+            timeout=timeout or self.timeout,
+        )
+        return result
+
+    async def add_target(self, path: str, timeout: float | None = None) -> int:
+        """Format (or open) the directory *path* on this storage node as a new
+        target, keep serving it across restarts, and register it with mgmtd.
+        Returns its target id."""
+        result = await self.rpc.call(
+            self.address, "add_target", {"path": path}, timeout=timeout or self.timeout
+        )
+        return int(result["target_id"])
 
     async def chunk_info(self, target: int, chunk: bytes) -> ChunkInfo:
         """One chunk's version, length and block checksums (ENOENT if absent)."""

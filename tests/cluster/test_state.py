@@ -259,3 +259,81 @@ def test_writable_chains_prefer_healthy_then_min_replicas() -> None:
         s.mark_offline(s.targets[s.chains[c].targets[0]].node, "test")
     assert Routing(s.routing()).writable_chains() == []  # min_replicas 2: none left
     assert [t["id"] for t in Routing(s.routing()).write_targets(next(iter(s.chains)))] != []
+
+
+def add_spare(s: ClusterState, node: int, pid: int, now: float = 50) -> int:
+    """Register a node with one new target (a spare: no chain has room)."""
+    r = s.register(
+        s.cluster_id,
+        "storage",
+        f"127.0.0.1:{node}",
+        "h",
+        pid,
+        node if node in s.nodes else None,
+        [TargetRegistration(target_id=None, path=f"/spare{pid}", capacity=100, free=50, device=5)],
+        now=now,
+    )
+    return r["target_ids"][-1]
+
+
+def test_assign_target_replaces_the_member_offline_longest() -> None:
+    s, regs = three_nodes()
+    (chain,) = s.chains.values()
+    spare = add_spare(s, 40, pid=40)
+    assert s.chain_of(spare) is None and s.targets[spare].state == "serving"
+    # nothing is offline: no chain needs it, it stays a spare
+    assert s.assign_target(spare, None) == {"chain": None, "replaced": None, "state": "serving"}
+    with pytest.raises(FsError) as info:  # full, nobody to replace
+        s.assign_target(spare, chain.id)
+    assert info.value.errno == errno.EBUSY
+    first, second = regs[0], regs[1]
+    s.mark_offline(first["node"], "disk died")
+    s.mark_offline(second["node"], "later")
+    v = s.version
+    result = s.assign_target(spare, None)
+    assert result == {"chain": chain.id, "replaced": first["target"], "state": "syncing"}
+    assert s.version > v
+    assert first["target"] not in chain.targets
+    # the tail of the write order (offline members are listed after everyone)
+    assert chain_states(s) == [
+        (regs[2]["target"], "serving"),
+        (spare, "syncing"),
+        (second["target"], "offline"),
+    ]
+    s.sync_done(spare, chain.id, chain.version)
+    assert dict(chain_states(s))[spare] == "serving"
+    with pytest.raises(FsError) as info:
+        s.assign_target(spare, chain.id)
+    assert info.value.errno == errno.EEXIST
+    with pytest.raises(FsError) as info:
+        s.assign_target(999, None)
+    assert info.value.errno == errno.ENOENT
+    # the replaced target's node comes back: its target is a spare now
+    reregister(s, first, now=60, pid=77)
+    assert s.chain_of(first["target"]) is None and s.targets[first["target"]].state == "serving"
+
+
+def test_assign_target_keeps_chains_on_distinct_nodes_and_the_last_serving() -> None:
+    s, regs = three_nodes()
+    (chain,) = s.chains.values()
+    s.mark_offline(regs[0]["node"], "gone")
+    # a second target on a node that still serves in the chain may not join it
+    same_node = add_spare(s, regs[1]["node"], pid=regs[1]["pid"])
+    with pytest.raises(FsError) as info:
+        s.assign_target(same_node, chain.id)
+    assert info.value.errno == errno.EINVAL
+    assert s.assign_target(same_node, None)["chain"] is None  # no chain it may join
+    # every member down: the last serving one holds the only current copy
+    s.mark_offline(regs[1]["node"], "gone")
+    s.mark_offline(regs[2]["node"], "gone")
+    last = chain.last_serving
+    assert last is not None
+    spare = add_spare(s, 50, pid=50)
+    result = s.assign_target(spare, chain.id)
+    assert result["replaced"] not in (None, last) and result["state"] == "waiting"
+    assert last in chain.targets
+    offline_node = add_spare(s, 60, pid=60)
+    s.mark_offline(s.targets[offline_node].node, "gone")
+    with pytest.raises(FsError) as info:
+        s.assign_target(offline_node, None)
+    assert info.value.errno == errno.EHOSTDOWN

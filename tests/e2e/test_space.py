@@ -8,8 +8,14 @@ from pathlib import Path
 
 from conftest import Mounted
 
+from shufflefs.cluster.launcher import LocalCluster
+
 CHUNK = 1 << 20
 SLACK = 1 << 30  # free space is reported by heartbeat: allow for what changed since
+
+
+def replicas(data_dir: Path) -> int:
+    return LocalCluster(data_dir).layout().replicas
 
 
 def chunk_files(data_dir: Path, ino: int) -> list[Path]:
@@ -47,7 +53,8 @@ def test_unlinked_open_file_chunks_freed_after_last_close(mounted: Mounted, mnt:
     data = os.urandom(3 * CHUNK + 77)
     p.write_bytes(data)
     ino = p.stat().st_ino
-    assert len(chunk_files(mounted.data_dir, ino)) == 4  # one per chunk, replicas = 1
+    copies = 4 * replicas(mounted.data_dir)  # 4 chunks, on every replica
+    assert len(chunk_files(mounted.data_dir, ino)) == copies
     first = os.open(p, os.O_RDONLY)
     second = os.open(p, os.O_RDWR)
     try:
@@ -55,7 +62,7 @@ def test_unlinked_open_file_chunks_freed_after_last_close(mounted: Mounted, mnt:
         assert os.pread(first, len(data), 0) == data
         os.close(first)
         # one holder left: the data must still be there and usable
-        assert len(chunk_files(mounted.data_dir, ino)) == 4
+        assert len(chunk_files(mounted.data_dir, ino)) == copies
         os.pwrite(second, b"still writable", 5)
         assert os.pread(second, 14, 5) == b"still writable"
     finally:
@@ -67,7 +74,7 @@ def test_unlinked_closed_file_chunks_freed(mounted: Mounted, mnt: Path) -> None:
     p = mnt / "plain.bin"
     p.write_bytes(os.urandom(2 * CHUNK))
     ino = p.stat().st_ino
-    assert len(chunk_files(mounted.data_dir, ino)) == 2
+    assert len(chunk_files(mounted.data_dir, ino)) == 2 * replicas(mounted.data_dir)
     os.unlink(p)
     assert wait_until_gone(mounted.data_dir, ino) == []
 
@@ -85,10 +92,11 @@ def test_shrink_cuts_chunks(mounted: Mounted, mnt: Path) -> None:
     data = os.urandom(4 * CHUNK)
     p.write_bytes(data)
     ino = p.stat().st_ino
-    assert len(chunk_files(mounted.data_dir, ino)) == 4
+    r = replicas(mounted.data_dir)
+    assert len(chunk_files(mounted.data_dir, ino)) == 4 * r
     os.truncate(p, CHUNK + 10)
     deadline = time.monotonic() + 10
-    while len(chunk_files(mounted.data_dir, ino)) > 2 and time.monotonic() < deadline:
+    while len(chunk_files(mounted.data_dir, ino)) > 2 * r and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(chunk_files(mounted.data_dir, ino)) == 2
+    assert len(chunk_files(mounted.data_dir, ino)) == 2 * r
     assert p.read_bytes() == data[: CHUNK + 10]

@@ -107,23 +107,28 @@ class RoutingHolder:
 
 
 class FakeStorage:
-    """The two storage methods the metadata server calls."""
+    """The two storage methods the metadata server calls, at a chain's head
+    (a real chain of storage daemons: tests/metadata/test_storage_jobs.py)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.broken: set[int] = set()
 
     @rpc_method
-    async def truncate_file(self, target: int, ino: int, size: int, chunk_size: int) -> Any:
+    async def truncate_file(
+        self, target: int, chain: int, chain_version: int, ino: int, size: int, chunk_size: int
+    ) -> Any:
         if target in self.broken:
             raise FsError(errno.EIO, f"target {target} is broken")
+        assert target == CHAINS[chain][0], "sent to a chain's head only"
         self.calls.append(("truncate", target, ino, size, chunk_size))
         return {"changed": 1}
 
     @rpc_method
-    async def remove_file(self, target: int, ino: int) -> Any:
+    async def remove_file(self, target: int, chain: int, chain_version: int, ino: int) -> Any:
         if target in self.broken:
             raise FsError(errno.EIO, f"target {target} is broken")
+        assert target == CHAINS[chain][0], "sent to a chain's head only"
         self.calls.append(("remove", target, ino))
         return {"removed": 3}
 
@@ -337,7 +342,7 @@ async def test_shrink_cuts_chunks_before_the_reply(env: Env) -> None:
     ino, handle = await env.create(ROOT, b"f")
     layout = (await env.meta.open(ino, os.O_RDONLY, env.session))["layout"]
     assert layout is not None
-    targets = {t for c in layout["chains"] for t in CHAINS[c]}
+    targets = {CHAINS[c][0] for c in layout["chains"]}  # each chain's head
     await env.meta.update_length(ino, 10 << 20)
     await env.meta.setattr(ino, size=20 << 20)  # growing: nothing to do on storage
     assert env.storage.calls == []
@@ -382,7 +387,7 @@ async def test_gc_after_last_name_and_handle(env: Env) -> None:
     ino, handle = await env.create(ROOT, b"f")
     layout = (await env.meta.open(ino, os.O_RDONLY, env.session))["layout"]
     assert layout is not None
-    targets = {t for c in layout["chains"] for t in CHAINS[c]}
+    targets = {CHAINS[c][0] for c in layout["chains"]}  # each chain's head
     await env.meta.unlink(ROOT, b"f")
     assert (await env.meta.getattr(ino))["nlink"] == 0
     await trio.sleep(0.1)
@@ -400,21 +405,25 @@ async def test_gc_waits_for_unreachable_targets(env: Env) -> None:
     ino = (await env.meta.mknod(ROOT, b"f", 0o644, 0, 0, 0))["ino"]
     layout = (await env.meta.open(ino, os.O_RDONLY, env.session))["layout"]
     assert layout is not None
-    sick, offline = CHAINS[layout["chains"][0]][0], CHAINS[layout["chains"][1]][1]
+    sick = CHAINS[layout["chains"][0]][0]  # the head of one chain fails
+    down = CHAINS[layout["chains"][1]]  # another chain has no serving target at all
     env.storage.broken.add(sick)
-    env.routing.set_target_state(offline, "offline")
+    for t in down:
+        env.routing.set_target_state(t, "offline")
     await env.meta.session_close(env.session)
     await env.meta.rename(ROOT, b"f", ROOT, b"g")
     await env.meta.unlink(ROOT, b"g")
-    await eventually(lambda: bool(env.storage.calls))
     await trio.sleep(0.3)
-    assert [j["ino"] for j in env.store.gc_jobs()] == [ino]  # kept while a target fails
-    assert offline not in env.storage.targets_called("remove", ino)  # known down: not called
+    assert [j["ino"] for j in env.store.gc_jobs()] == [ino]  # kept while a chain fails
+    assert env.storage.targets_called("remove", ino) == set()  # nobody serves: not called
     env.storage.broken.clear()
-    env.routing.set_target_state(offline, "serving")
+    await trio.sleep(0.3)
+    assert [j["ino"] for j in env.store.gc_jobs()] == [ino]  # still waits for the dead chain
+    for t in down:
+        env.routing.set_target_state(t, "serving")
     env.service.jobs.wake()
     await eventually(lambda: env.store.gc_jobs() == [])
-    assert {sick, offline} <= env.storage.targets_called("remove", ino)
+    assert env.storage.targets_called("remove", ino) == {sick, down[0]}
 
 
 async def test_expired_session_frees_its_files(env: Env) -> None:
@@ -529,7 +538,7 @@ async def test_serve_registers_recovers_and_unregisters(tmp_path: Path) -> None:
             ns.setattr(f["ino"], size=10)
 
         def cut_done() -> bool:
-            return storage.targets_called("truncate", f["ino"]) == {101, 102}  # chain 1
+            return storage.targets_called("truncate", f["ino"]) == {101}  # chain 1's head
 
         for run in range(2):
             async with trio.open_nursery() as server_nursery:

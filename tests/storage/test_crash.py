@@ -1,7 +1,9 @@
 """Crash consistency: a writer process is SIGKILLed at random moments; after
 each kill every chunk must match its checksums and equal either the state the
 writer had acknowledged or the state after the operation in flight, never a
-mix (the in-flight operation is all-or-nothing across the chunks it touches)."""
+mix (the in-flight operation is all-or-nothing across the chunks it touches).
+An update that was staged but not committed (or was being aborted) when the
+kill landed must never become visible."""
 
 from __future__ import annotations
 
@@ -38,7 +40,10 @@ def data_for(seed: int, n: int) -> bytes:
 
 def apply(model: Model, op: list[str]) -> Model:
     out = dict(model)
-    if op[0] == "W":
+    if op[0] == "R":
+        ino, idx, n, seed = map(int, op[1:])
+        out[chunk_id(ino, idx)] = data_for(seed, n)
+    elif op[0] == "W":
         ino, idx, offset, n, seed = map(int, op[1:])
         cid = chunk_id(ino, idx)
         old = bytearray(out[cid])
@@ -54,23 +59,29 @@ def apply(model: Model, op: list[str]) -> Model:
     return out
 
 
-def replay(log: Path, model: Model) -> tuple[Model, list[str] | None, int]:
+def replay(log: Path, model: Model) -> tuple[Model, list[str] | None, str, int]:
     """Apply the acknowledged operations; return the model, the operation in
-    flight (begun, not acknowledged) and how many were acknowledged."""
+    flight (begun, not acknowledged), how far it got (``begun``; for a staged
+    one ``staged``, ``committing`` or ``aborting``) and how many operations
+    were acknowledged. An aborted operation changes nothing."""
     pending: list[str] | None = None
+    phase = "begun"
     acked = 0
     if not log.exists():
-        return model, None, 0
+        return model, None, phase, 0
     for line in log.read_text().splitlines():
         parts = line.split()
         if parts[0] == "B":
-            pending = parts[2:]
+            pending, phase = parts[2:], "begun"
+        elif parts[0] in ("P", "C", "X"):
+            phase = {"P": "staged", "C": "committing", "X": "aborting"}[parts[0]]
         elif parts[0] == "A":
             assert pending is not None
-            model = apply(model, pending)
+            if phase != "aborting":
+                model = apply(model, pending)
             pending = None
             acked += 1
-    return model, pending, acked
+    return model, pending, phase, acked
 
 
 def observe(target: Path, fsync: bool) -> Model:
@@ -110,7 +121,7 @@ def test_sigkill_at_random_moments_never_half_applies(tmp_path: Path, fsync: boo
     rng = random.Random(20240601 + fsync)
     target = tmp_path / "target"
     model: Model = {cid: b"" for cid in CIDS}
-    total_acked = in_flight = applied = 0
+    total_acked = in_flight = applied = held = 0
     for rnd in range(ROUNDS):
         log = tmp_path / f"writer-{rnd}.log"
         proc = subprocess.Popen(
@@ -130,11 +141,16 @@ def test_sigkill_at_random_moments_never_half_applies(tmp_path: Path, fsync: boo
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         assert proc.returncode == -signal.SIGKILL, "writer stopped before the kill"
-        acked_model, pending, acked = replay(log, model)
+        acked_model, pending, phase, acked = replay(log, model)
         total_acked += acked
         state = observe(target, fsync)
         if pending is None:
             assert state == acked_model, f"round {rnd}: state differs from the acknowledged one"
+        elif phase in ("staged", "aborting"):  # durable on disk, never committed
+            held += 1
+            assert state == acked_model, (
+                f"round {rnd}: {pending}, staged and not committed ({phase}), became visible"
+            )
         else:
             in_flight += 1
             after = apply(acked_model, pending)
@@ -152,4 +168,37 @@ def test_sigkill_at_random_moments_never_half_applies(tmp_path: Path, fsync: boo
                 )
         model = state
     assert total_acked > 0, "the writer never got an operation acknowledged"
-    print(f"acked={total_acked} kills_in_flight={in_flight} in_flight_applied={applied}")
+    print(
+        f"acked={total_acked} kills_in_flight={in_flight} in_flight_applied={applied} "
+        f"kills_while_staged={held}"
+    )
+
+
+@pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
+def test_sigkill_with_staged_updates_shows_none_of_them(tmp_path: Path, fsync: bool) -> None:
+    """Staged updates of every kind (append in place, copy-on-write, whole
+    chunk, new chunk) are on disk when the writer is killed: after recovery
+    each chunk is exactly as committed, and nothing of them is left."""
+    target = tmp_path / "target"
+    log = tmp_path / "hold.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(WRITER), str(target), str(log), "1", str(fsync), "hold"]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and b"HELD" in log.read_bytes()):
+            assert proc.poll() is None, "writer died on its own"
+            assert time.monotonic() < deadline, "writer did not stage its updates"
+            time.sleep(0.01)
+        staged_bytes = sum(p.stat().st_size for p in (target / "chunks").rglob("*") if p.is_file())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    committed = {
+        chunk_id(1, 0): data_for(1, 5000),
+        chunk_id(1, 1): data_for(11, 3000),
+        chunk_id(2, 0): data_for(2, 5000),
+        chunk_id(2, 1): data_for(12, 3000),
+    }
+    assert staged_bytes > sum(len(v) for v in committed.values())  # they were on disk
+    assert observe(target, fsync) == committed

@@ -21,7 +21,7 @@ from shufflefs.cluster.protocol import (
     TargetUsage,
 )
 from shufflefs.cluster.routing import Routing
-from shufflefs.rpc import FsError, RpcServer, open_rpc_client, rpc_method
+from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client, rpc_method
 from shufflefs.rpc.framing import Limits
 from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.config import StorageConfig, load_storage_config
@@ -51,8 +51,11 @@ async def start(
     routing: Any = None,
     limits: Limits | None = None,
     max_read_bytes: int = 64 << 20,
+    rpc: RpcClient | None = None,
 ) -> str:
-    service = StorageService(stores, io_threads=4, routing=routing, max_read_bytes=max_read_bytes)
+    service = StorageService(
+        stores, io_threads=4, routing=routing, max_read_bytes=max_read_bytes, rpc=rpc
+    )
     server = RpcServer(SECRET, [service], name="storage", limits=limits or Limits())
     port = await nursery.start(server.serve, "127.0.0.1", 0)
     return f"127.0.0.1:{port}"
@@ -158,9 +161,10 @@ async def test_bad_requests_get_errors_and_the_server_keeps_serving(
         await fails(errno.EINVAL, "read", {"items": [[1, cid, 0]]})
         await fails(errno.EINVAL, "read", {"items": [["1", cid, 0, 1]]})
         await fails(errno.EINVAL, "read", {"items": {"a": 1}})
-        await fails(
-            errno.EINVAL, "truncate_file", {"target": 1, "ino": 4, "size": -1, "chunk_size": CS}
-        )
+        file_op = {"target": 1, "chain": 0, "chain_version": 0, "ino": 4}
+        await fails(errno.EINVAL, "truncate_file", {**file_op, "size": -1, "chunk_size": CS})
+        await fails(errno.EINVAL, "truncate_file", {**file_op, "size": 0, "chunk_size": 3000})
+        await fails(errno.EINVAL, "remove_file", {**file_op, "ino": -1})
         await fails(errno.EINVAL, "list_chunks", {"target": 1, "limit": 0})
         await fails(errno.EINVAL, "stats", {"_payload": b"unexpected"})
         await fails(errno.EMSGSIZE, "read", {"items": [[1, cid, 0, 600_000], [1, cid, 0, 600_000]]})
@@ -181,7 +185,7 @@ async def test_file_operations_over_rpc(nursery: trio.Nursery, stores: list[Chun
         stub = StorageStub(rpc, addr)
         for idx in range(3):
             await stub.write(1, 0, 0, chunk_id(50, idx), 0, 4096, bytes([idx]) * 4096)
-        assert await stub.truncate_file(1, 50, 4096 + 10, 4096) == 2
+        assert await stub.truncate_file(1, 0, 0, 50, 4096 + 10, 4096) == 2
         info = await stub.chunk_info(1, chunk_id(50, 1))
         assert info["length"] == 10 and info["version"] == 2 and len(info["crcs"]) == 4
         page = await stub.list_chunks(1)
@@ -192,13 +196,13 @@ async def test_file_operations_over_rpc(nursery: trio.Nursery, stores: list[Chun
         assert set(stats) == {1, 2}
         assert stats[1]["chunks"] == 2 and stats[1]["used"] == 4096 + 10
         assert stats[1]["capacity"] > 0 and stats[2]["chunks"] == 0
-        assert await stub.remove_file(1, 50) == 2
+        assert await stub.remove_file(1, 0, 0, 50) == 2
         assert (await stub.list_chunks(1))["chunks"] == []
         with pytest.raises(FsError) as err:
             await stub.chunk_info(1, chunk_id(50, 0))
         assert err.value.errno == errno.ENOENT
         with pytest.raises(FsError) as err:
-            await stub.remove_file(3, 50)
+            await stub.remove_file(3, 0, 0, 50)
         assert err.value.errno == errno.ENOENT
 
 
@@ -269,9 +273,9 @@ async def test_writes_only_at_the_chain_head(
     nursery: trio.Nursery, stores: list[ChunkStore]
 ) -> None:
     routing = FakeRouting(routing_info(10, {5: (3, [1]), 6: (1, [1, 2])}))
-    addr = await start(nursery, stores, routing=routing)
     cid = chunk_id(60, 0)
     async with open_rpc_client(SECRET) as rpc:
+        addr = await start(nursery, stores, routing=routing, rpc=rpc)
         stub = StorageStub(rpc, addr)
         assert (await stub.write(1, 5, 3, cid, 0, CS, b"one"))["version"] == 1
 
@@ -282,18 +286,24 @@ async def test_writes_only_at_the_chain_head(
 
         assert await code_of(1, 5, 2) == errno.ESTALE  # the client's map is older
         assert await code_of(2, 5, 3) == errno.ESTALE  # not the head
-        assert await code_of(1, 6, 1) == errno.EOPNOTSUPP  # would need forwarding
-        assert routing.refreshes == 0
+        # chain 6 forwards to target 2, whose node (127.0.0.1:1) is unreachable:
+        # a transient error, and nothing committed here
+        assert await code_of(1, 6, 1) == errno.ESTALE
+        assert await code_of(2, 6, 1) == errno.ESTALE  # a client never writes to a replica
+        refreshed = routing.refreshes  # after a dead successor the map is refreshed
+        assert refreshed == 1
         routing.unreachable = True  # newer than ours, and mgmtd cannot tell: stale
         assert await code_of(1, 5, 4) == errno.ESTALE
         routing.unreachable = False
         # the client saw a newer chain version: the server refreshes its map first
         routing.newer = Routing(routing_info(11, {5: (4, [2, 1])}))
         assert await code_of(1, 5, 4) == errno.ESTALE  # target 2 is the head now
-        assert routing.refreshes == 2
-        assert (await stub.write(2, 77, 1, cid, 0, CS, b"x"))["version"] == 1  # unknown chain
+        assert routing.refreshes == refreshed + 2
+        assert await code_of(2, 77, 1) == errno.ESTALE  # a chain the daemon does not know
         _, payload = await stub.read([(1, cid, 0, 10)])
         assert payload == b"one"  # refused writes changed nothing
+        assert (await stub.chunk_info(1, cid))["version"] == 1
+        assert (await stub.list_chunks(2))["chunks"] == []
 
 
 # ---- serve() against a fake mgmtd --------------------------------------------
@@ -407,6 +417,8 @@ def test_config_validation(tmp_path: Path) -> None:
         'targets = ["a"]\nio_threads = 0\n': "io_threads",
         'targets = ["a"]\nfsync = "yes"\n': "fsync",
         'targets = ["a"]\nbogus = 1\n': "bogus",
+        'targets = ["a"]\nforward_timeout = 0.0\n': "forward_timeout",
+        'targets = ["a"]\nscrub_interval = -1.0\n': "scrub_interval",
     }
     for extra, word in cases.items():
         path = tmp_path / "storage.toml"

@@ -1,0 +1,290 @@
+"""One sample per file: a directory of images, records, documents.
+
+The same shuffle, sharding and resume as token windows, over file numbers
+(files sorted by path): `ShuffleSampler` yields this rank's file indices in
+the keyed order of (seed, epoch), from the resume position. `FileSamples` is
+map-style (``ds[i]`` is file ``i``, ``len(ds)`` the number of files) so it
+plugs into a DataLoader with ``sampler=ds.sampler``; ``__getitems__`` reads
+a whole batch of files at once (for the native client: one request per
+storage node for all of them). Iterating the dataset itself yields this
+rank's samples in order with readahead, like `TokenWindows`.
+
+A sample is the file's bytes, or ``transform(bytes)`` (decode an image,
+parse a record).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from shufflefs.client.data.permutation import KeyedPermutation
+from shufflefs.client.data.readahead import ReadPlan, pipeline
+from shufflefs.client.data.readers import RangeReader, make_reader
+from shufflefs.client.data.sharding import (
+    EpochState,
+    Shard,
+    fingerprint,
+    read_grouping,
+    worker_blocks,
+    worker_identity,
+)
+from shufflefs.client.data.sources import Namespace
+from shufflefs.client.data.tokens import ExplainedSample, PathArg, as_path_list
+
+IntArray = npt.NDArray[np.int64]
+
+
+class ShuffleSampler(EpochState):
+    """This rank's item indices for an epoch, in the keyed shuffled order,
+    from the resume position. Usable as a DataLoader ``sampler``."""
+
+    kind = "files"
+
+    def __init__(
+        self,
+        n: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        identity: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(Shard(n, rank, world_size, drop_last), seed, batch_size)
+        self._extra = identity or {}
+        self._perm: KeyedPermutation | None = None
+
+    def _identity(self) -> dict[str, Any]:
+        return {"num_items": self.shard.n, **self._extra}
+
+    def permutation(self, epoch: int | None = None) -> KeyedPermutation:
+        epoch = self.epoch if epoch is None else epoch
+        perm = self._perm
+        if perm is None or perm.epoch != epoch or perm.seed != self.seed:
+            perm = self._perm = KeyedPermutation(self.shard.n, self.seed, epoch)
+        return perm
+
+    def items(self, positions: npt.ArrayLike, epoch: int | None = None) -> IntArray:
+        """Item indices at this rank's *positions* of *epoch*."""
+        local = np.asarray(positions, dtype=np.int64)
+        if local.size and (local.min() < 0 or local.max() >= len(self)):
+            raise IndexError(f"positions outside this rank's [0, {len(self)})")
+        return self.permutation(epoch)(self.shard.global_positions(local))
+
+    def __iter__(self) -> Iterator[int]:
+        start = self._begin()
+        perm = self.permutation()
+        for lo in range(start, len(self), 1024):
+            local = np.arange(lo, min(lo + 1024, len(self)), dtype=np.int64)
+            for item in perm(self.shard.global_positions(local)).tolist():
+                self._consumed += 1
+                yield item
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_perm"] = None
+        return state
+
+
+class FileSamples:
+    """Files as samples, shuffled, sharded and resumable.
+
+    *paths*: a directory (every regular file below it, sorted), or a list of
+    files; local paths or ``shufflefs://`` URLs. *suffixes*: keep only files
+    ending so (e.g. ``(".jpg", ".png")``). Other arguments as `TokenWindows`.
+    """
+
+    def __init__(
+        self,
+        paths: PathArg,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        batch_size: int | None = None,
+        readahead: int = 4,
+        read_size: int = 64,
+        drop_last: bool = False,
+        config: str | os.PathLike[str] | None = None,
+        transform: Callable[[bytes], Any] | None = None,
+        suffixes: Sequence[str] | None = None,
+    ) -> None:
+        self.config = os.fspath(config) if config is not None else None
+        given = as_path_list(paths)
+        ns = Namespace(given, self.config)
+        found: list[tuple[str, int]] = []
+        if len(given) == 1 and ns.isdir(given[0]):
+            found = ns.walk(given[0])
+        else:
+            found = list(zip(given, ns.sizes(given), strict=True))
+        if suffixes is not None:
+            found = [(p, s) for p, s in found if p.endswith(tuple(suffixes))]
+        if not found:
+            raise ValueError(f"no files in {given!r}")
+        self.files = [p for p, _ in found]
+        self.sizes = np.asarray([s for _, s in found], dtype=np.int64)
+        self.transform = transform
+        if readahead < 0 or read_size < 1:
+            raise ValueError("readahead must be >= 0 and read_size >= 1")
+        self.readahead = readahead
+        self.read_size = read_size
+        self.sampler = ShuffleSampler(
+            len(self.files),
+            seed,
+            rank,
+            world_size,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            identity={
+                "fingerprint": fingerprint([[os.path.basename(p), int(s)] for p, s in found])
+            },
+        )
+        self._reader: RangeReader | None = None
+
+    # ---- map-style -------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Files in the dataset (the sampler's length is this rank's share)."""
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Several files in one read (one request per storage node)."""
+        items = np.asarray(indices, dtype=np.int64)
+        if items.size and (items.min() < 0 or items.max() >= len(self.files)):
+            raise IndexError(f"file index outside [0, {len(self.files)})")
+        buf = np.empty(int(self.sizes[items].sum()), dtype=np.uint8)
+        self.reader.read_into(items, np.zeros_like(items), self.sizes[items], buf.data)
+        return self._split(items, buf)
+
+    def _split(self, items: IntArray, buf: npt.NDArray[np.uint8]) -> list[Any]:
+        out: list[Any] = []
+        pos = 0
+        for n in self.sizes[items].tolist():
+            data = buf[pos : pos + n].tobytes()
+            out.append(self.transform(data) if self.transform is not None else data)
+            pos += n
+        return out
+
+    # ---- order, position, explain (delegated to the sampler) --------------
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.sampler.batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def seed(self) -> int:
+        return self.sampler.seed
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        return self.sampler.state_dict(consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def explain(
+        self, position: int, count: int = 1, epoch: int | None = None
+    ) -> list[tuple[str, int, int]]:
+        """(path, 0, size) of this rank's samples at positions
+        ``[position, position + count)`` of *epoch*."""
+        return [
+            (s.path, s.byte_offset, s.byte_length)
+            for s in self._explain_rank(self.sampler.rank, position, count, epoch)
+        ]
+
+    def _explain_rank(
+        self, rank: int, position: int, count: int, epoch: int | None
+    ) -> list[ExplainedSample]:
+        if position < 0 or count < 0:
+            raise ValueError("position and count must be >= 0")
+        s = self.sampler.shard
+        shard = Shard(s.n, rank, s.world_size, s.drop_last)
+        local = np.arange(position, min(position + count, shard.size), dtype=np.int64)
+        items = self.sampler.permutation(epoch)(shard.global_positions(local))
+        return [
+            ExplainedSample(rank, p, i, self.files[i], 0, int(self.sizes[i]))
+            for p, i in zip(local.tolist(), items.tolist(), strict=True)
+        ]
+
+    def explain_step(
+        self, step: int, batch_size: int | None = None, epoch: int | None = None
+    ) -> list[ExplainedSample]:
+        b = batch_size if batch_size is not None else self.batch_size
+        if b is None:
+            raise ValueError("explain_step needs a batch size")
+        out: list[ExplainedSample] = []
+        for rank in range(self.sampler.world_size):
+            out.extend(self._explain_rank(rank, step * b, b, epoch))
+        return out
+
+    # ---- iterating with readahead ----------------------------------------
+
+    @property
+    def reader(self) -> RangeReader:
+        if self._reader is None:
+            self._reader = make_reader(self.files, self.config, max(1, self.readahead))
+        return self._reader
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+    def _batches(self, worker: int | None, num_workers: int | None) -> Iterator[list[Any]]:
+        if worker is None or num_workers is None:
+            worker, num_workers = worker_identity()
+        s = self.sampler
+        start = s._begin()
+        unit, per_block = read_grouping(s.batch_size, self.readahead, self.read_size)
+        perm = s.permutation()
+
+        def plans() -> Iterator[ReadPlan[IntArray]]:
+            for local in worker_blocks(len(s), start, unit, worker, num_workers, per_block):
+                items = perm(s.shard.global_positions(local))
+                yield ReadPlan(items, items, np.zeros_like(items), self.sizes[items])
+
+        for items, buf in pipeline(self.reader, plans(), self.readahead):
+            samples = self._split(items, buf)
+            if s.batch_size is None:
+                yield samples
+            else:  # a read may hold several batches: only the epoch's last one is short
+                for lo in range(0, len(samples), s.batch_size):
+                    yield samples[lo : lo + s.batch_size]
+
+    def iter_batches(
+        self, *, worker: int | None = None, num_workers: int | None = None
+    ) -> Iterator[list[Any]]:
+        """This rank's batches (lists of samples) from the current position."""
+        if self.batch_size is None:
+            raise ValueError("iter_batches needs the dataset's batch_size")
+        for batch in self._batches(worker, num_workers):
+            self.sampler._consumed += len(batch)
+            yield batch
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's samples in the shuffled order, read ahead."""
+        for batch in self._batches(None, None):
+            for sample in batch:
+                self.sampler._consumed += 1
+                yield sample
+
+    def __repr__(self) -> str:
+        s = self.sampler
+        return (
+            f"{type(self).__name__}({len(self.files)} files, rank {s.rank}/{s.world_size}, "
+            f"seed {s.seed}, epoch {s.epoch})"
+        )

@@ -1,0 +1,100 @@
+"""The metadata server's storage jobs against a real replicated chain: real
+storage daemons and a real mgmtd in this process (tests/chains.py). A shrink
+and a garbage collection go to the chain's head and reach every replica; a
+chain without a serving target makes the job wait; replicas that were away
+are made consistent by resync when they return."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+from chains import CS, SECRET, ChainCluster, eventually
+
+from shufflefs.metadata.gc import StorageJobs
+from shufflefs.metadata.protocol import ROOT_INODE
+from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.writer import Writer
+from shufflefs.rpc import open_rpc_client
+from shufflefs.storage.protocol import chunk_id
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
+    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
+        c = ChainCluster(tmp_path, nursery, rpc)
+        await c.start(nodes=3)
+        yield c
+        nursery.cancel_scope.cancel()
+
+
+async def test_shrink_and_gc_reach_every_replica(cluster: ChainCluster, tmp_path: Path) -> None:
+    [chain] = cluster.chain_ids()
+    head, middle, tail = cluster.members(chain)
+    ns = Namespace(tmp_path / "ns", map_size=64 << 20, sync=False)
+    try:
+        jobs = StorageJobs(
+            ns,
+            Writer(),
+            lambda: cluster.routing.current,
+            cluster.rpc,
+            refresh_routing=cluster.routing.refresh,
+            base_delay=0.05,
+        )
+        layout = {"chunk_size": CS, "chains": [chain]}
+        ino = ns.mknod(ROOT_INODE, b"f", stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
+        keep = ns.mknod(ROOT_INODE, b"g", stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
+        for idx in range(4):
+            await cluster.write(chain, chunk_id(ino, idx), 0, bytes([idx + 1]) * CS)
+        await cluster.write(chain, chunk_id(keep, 0), 0, b"kept")
+        ns.update_length(ino, 4 * CS)
+        ns.setattr(ino, size=CS + 100)  # commits the size and a truncate job
+        await jobs.truncate_now(ino)
+        assert ns.truncate_job(ino) is None
+        state = await cluster.assert_identical(chain)
+        assert {c: v[:2] for c, v in state.items() if c[:8] == ino.to_bytes(8, "big")} == {
+            chunk_id(ino, 0): (1, CS),
+            chunk_id(ino, 1): (2, 100),
+        }
+        # the middle and the tail go away; the head alone still takes the removal
+        away = [cluster.node_of(middle), cluster.node_of(tail)]
+        for node in away:
+            await cluster.stop_node(node)
+        await cluster.sync_maps()
+        ns.unlink(ROOT_INODE, b"f")  # freed: a GC job
+        assert [j["ino"] for j in ns.gc_jobs()] == [ino]
+        await jobs.run_once()
+        assert ns.gc_jobs() == []
+        assert list(await cluster.replica_state(head)) == [chunk_id(keep, 0)]
+        # no serving target at all: the job waits, nobody is called
+        head_node = cluster.node_of(head)
+        await cluster.stop_node(head_node)
+        await cluster.routing.refresh()
+        assert cluster.routing.current.serving_targets(chain) == []
+        ns.unlink(ROOT_INODE, b"g")
+        await jobs.run_once()
+        assert [j["ino"] for j in ns.gc_jobs()] == [keep]
+        # the last serving target returns and serves at once; the job is done
+        await cluster.start_node(head_node)
+        await cluster.sync_maps()
+        with trio.fail_after(15):
+            while ns.gc_jobs():
+                await trio.sleep(0.1)
+                await jobs.run_once()
+        assert await cluster.replica_state(head) == {}
+        # the others come back, still holding the removed chunks: resync drops them
+        for node in away:
+            await cluster.start_node(node)
+        mgmtd = cluster.state
+        assert mgmtd is not None
+        await eventually(
+            lambda: all(mgmtd.targets[t].state == "serving" for t in (middle, tail)), timeout=30
+        )
+        await cluster.sync_maps()
+        assert sorted(cluster.members(chain)) == sorted([head, middle, tail])
+        assert await cluster.assert_identical(chain) == {}
+    finally:
+        ns.close()

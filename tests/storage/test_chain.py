@@ -1,0 +1,261 @@
+"""Chain replication between real storage daemons and a real mgmtd, all in
+this process on loopback (tests/chains.py): writes, staging visibility,
+min_replicas, full resends, dead successors, truncate/remove, disk full."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+from chains import CS, SECRET, ChainCluster, eventually
+
+from shufflefs.rpc import FsError, open_rpc_client
+from shufflefs.storage.protocol import NEED_FULL, chunk_id
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
+    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
+        c = ChainCluster(tmp_path, nursery, rpc)
+        await c.start(nodes=3)
+        yield c
+        nursery.cancel_scope.cancel()
+
+
+def blob(seed: int, n: int) -> bytes:
+    return bytes((seed * 131 + i * 7) % 251 for i in range(n))
+
+
+async def test_three_replica_write_lands_on_all_three(cluster: ChainCluster) -> None:
+    [chain] = cluster.chain_ids()
+    members = cluster.members(chain)
+    assert len(members) == 3
+    nodes = {cluster.routing.current.targets[t]["node"] for t in members}
+    assert len(nodes) == 3  # distinct nodes
+    a, b = chunk_id(7, 0), chunk_id(7, 1)
+    assert await cluster.write(chain, a, 0, blob(1, 5000)) == {"version": 1, "length": 5000}
+    assert (await cluster.write(chain, a, 5000, blob(2, 3000)))["version"] == 2  # append
+    assert (await cluster.write(chain, a, 100, blob(3, 700)))["version"] == 3  # overwrite (COW)
+    assert await cluster.write(chain, b, 9000, b"sparse") == {"version": 1, "length": 9006}
+    assert (await cluster.write(chain, a, 0, b""))["version"] == 3  # zero length: nothing
+    state = await cluster.assert_identical(chain)
+    assert {c: v[:2] for c, v in state.items()} == {a: (3, 8000), b: (1, 9006)}
+    expected = bytearray(blob(1, 5000) + blob(2, 3000))
+    expected[100:800] = blob(3, 700)
+    for target in members:  # every replica serves the acknowledged bytes
+        got = await cluster.read_all(target, [a, b])
+        assert got == {a: bytes(expected), b: bytes(9000) + b"sparse"}
+
+
+async def test_reads_never_see_staged_updates(cluster: ChainCluster) -> None:
+    """Freeze a write between stage and commit (the tail's chunk lock is held)
+    and read from every replica: the old bytes, while the new ones are
+    already on disk at the head and the middle."""
+    [chain] = cluster.chain_ids()
+    head, middle, tail = cluster.members(chain)
+    cid = chunk_id(8, 0)
+    await cluster.write(chain, cid, 0, b"old!" * 256)
+
+    def staged_on(target: int, *, cow: bool) -> bool:
+        store = cluster.node_of(target).store(target)
+        rec = store.committed(cid)
+        assert rec is not None
+        if cow:  # a second generation file of the chunk exists
+            folder = os.path.dirname(store.file_path(cid) or "")
+            return sum(1 for n in os.listdir(folder) if n.startswith(cid.hex())) == 2
+        return os.path.getsize(store.file_path(cid) or "") > rec.length  # bytes past the end
+
+    for offset, data, cow in ((1024, b"appended" * 64, False), (0, b"NEW!" * 256, True)):
+        before = await cluster.read_all(head, [cid])
+        done = trio.Event()
+        tail_service = cluster.node_of(tail).service
+        async with tail_service.locks.update(tail, cid):
+
+            async def writer(offset: int, data: bytes, done: trio.Event) -> None:
+                await cluster.write(chain, cid, offset, data)
+                done.set()
+
+            cluster.nursery.start_soon(writer, offset, data, done)
+            both_staged = functools.partial(
+                lambda c: staged_on(head, cow=c) and staged_on(middle, cow=c), cow
+            )
+            await eventually(both_staged)
+            for target in (head, middle, tail):
+                assert await cluster.read_all(target, [cid]) == before
+                info = await cluster.info(target, cid)
+                assert info is not None and info["version"] == (2 if not cow else 3) - 1
+            assert not done.is_set()
+        await eventually(done.is_set)
+        after = bytearray(before[cid])
+        after[offset : offset + len(data)] = data
+        for target in (head, middle, tail):
+            assert await cluster.read_all(target, [cid]) == {cid: bytes(after)}
+        await cluster.assert_identical(chain)
+
+
+async def test_below_min_replicas_is_erofs(cluster: ChainCluster) -> None:
+    [chain] = cluster.chain_ids()
+    head, middle, tail = cluster.members(chain)
+    cid = chunk_id(9, 0)
+    await cluster.stop_node(cluster.node_of(tail))
+    await cluster.sync_maps()
+    assert (await cluster.write(chain, cid, 0, b"two replicas"))["version"] == 1  # 2 >= min
+    await cluster.stop_node(cluster.node_of(middle))
+    routing = await cluster.sync_maps()
+    assert [t["id"] for t in routing.serving_targets(chain)] == [head]
+    with pytest.raises(FsError) as info:
+        await cluster.stub_for(head).write(
+            head, chain, routing.chain(chain)["version"], cid, 0, CS, b"one replica"
+        )
+    assert info.value.errno == errno.EROFS and "min_replicas=2" in info.value.strerror
+    assert await cluster.read_all(head, [cid]) == {cid: b"two replicas"}
+
+
+async def test_replica_behind_gets_the_whole_chunk(cluster: ChainCluster) -> None:
+    """The tail holds an old version (it missed several updates): the delta is
+    refused with NEED_FULL and its predecessor sends the whole chunk."""
+    [chain] = cluster.chain_ids()
+    _, middle, tail = cluster.members(chain)
+    cid = chunk_id(10, 0)
+    for i in range(5):
+        await cluster.write(chain, cid, i * 1000, blob(i, 1000))
+    tail_store = cluster.node_of(tail).store(tail)
+    staged = tail_store.stage_replace(cid, b"stale" * 100, CS, 2)  # back to version 2
+    tail_store.commit(staged)
+    assert (await cluster.info(tail, cid) or {}).get("version") == 2
+    with pytest.raises(FsError) as info:  # the refusal itself, as the middle sees it
+        await cluster.stub_for(tail).replicate(
+            tail,
+            chain,
+            cluster.routing.current.chain(chain)["version"],
+            cid,
+            0,
+            CS,
+            6,
+            5,
+            False,
+            b"x",
+        )
+    assert info.value.errno == NEED_FULL
+    middle_service = cluster.node_of(middle).service
+    resends = middle_service.full_resends
+    assert (await cluster.write(chain, cid, 5000, blob(9, 100)))["version"] == 6
+    assert middle_service.full_resends == resends + 1
+    await cluster.assert_identical(chain)
+    expected = b"".join(blob(i, 1000) for i in range(5)) + blob(9, 100)
+    assert await cluster.read_all(tail, [cid]) == {cid: expected}
+
+
+async def test_dead_successor_fails_transiently_and_is_reported(cluster: ChainCluster) -> None:
+    [chain] = cluster.chain_ids()
+    head, middle, tail = cluster.members(chain)
+    cid = chunk_id(11, 0)
+    await cluster.write(chain, cid, 0, b"before")
+    tail_node = cluster.node_of(tail)
+    tail_node_id = tail_node.node_id
+    await cluster.stop_node(tail_node, clean=False)  # gone without a word to mgmtd
+    assert cluster.state is not None and cluster.state.nodes[tail_node_id].state == "online"
+    routing = cluster.routing.current
+    with pytest.raises(FsError) as info:
+        await cluster.stub_for(head).write(
+            head, chain, routing.chain(chain)["version"], cid, 6, CS, b" after"
+        )
+    assert info.value.errno == errno.ESTALE and "unreachable" in info.value.strerror
+    # reported by the middle, confirmed by mgmtd: the node is out, the chain changed
+    assert cluster.state.nodes[tail_node_id].state == "offline"
+    assert cluster.state.targets[tail].state == "offline"
+    for target in (head, middle):  # the failed write was aborted everywhere
+        assert (await cluster.info(target, cid) or {}).get("version") == 1
+        assert await cluster.read_all(target, [cid]) == {cid: b"before"}
+        store = cluster.node_of(target).store(target)
+        assert os.path.getsize(store.file_path(cid) or "") == 6  # the staged tail was cut
+    # the client retries with the new chain version and succeeds on two replicas
+    assert (await cluster.write(chain, cid, 6, b" after"))["version"] == 2
+    assert cluster.members(chain) == [head, middle]
+    await cluster.assert_identical(chain)
+
+
+async def test_truncate_and_remove_travel_the_chain(cluster: ChainCluster) -> None:
+    [chain] = cluster.chain_ids()
+    head, middle, _ = cluster.members(chain)
+    ino = 12
+    for idx in range(4):
+        await cluster.write(chain, chunk_id(ino, idx), 0, blob(idx, CS))
+    await cluster.write(chain, chunk_id(ino + 1, 0), 0, b"other file")
+    assert await cluster.file_op(chain, ino, CS + 1000) == 3  # one cut, two removed
+    state = await cluster.assert_identical(chain)
+    assert {c: v[:2] for c, v in state.items() if c[:8] == ino.to_bytes(8, "big")} == {
+        chunk_id(ino, 0): (1, CS),
+        chunk_id(ino, 1): (2, 1000),
+    }
+    routing = cluster.routing.current
+    with pytest.raises(FsError) as info:  # only the head takes it
+        await cluster.stub_for(middle).truncate_file(
+            middle, chain, routing.chain(chain)["version"], ino, 0, CS
+        )
+    assert info.value.errno == errno.ESTALE
+    with pytest.raises(FsError) as info:  # an old chain version
+        await cluster.stub_for(head).remove_file(head, chain, 0, ino)
+    assert info.value.errno == errno.ESTALE
+    assert await cluster.file_op(chain, ino, None) == 2
+    assert await cluster.file_op(chain, ino, None) == 0  # idempotent
+    state = await cluster.assert_identical(chain)
+    assert list(state) == [chunk_id(ino + 1, 0)]
+
+
+async def test_truncate_is_ordered_with_writes(cluster: ChainCluster) -> None:
+    """Writes to new chunks of a file race with a truncation of it: every
+    replica ends up with the same chunks, whichever came first."""
+    [chain] = cluster.chain_ids()
+    ino = 13
+
+    async def writes() -> None:
+        for idx in range(24):
+            await cluster.write(chain, chunk_id(ino, idx), 0, blob(idx, 3000))
+
+    async def cuts() -> None:
+        for size in (20 * CS, 12 * CS + 5, 3 * CS, 0):
+            await trio.sleep(0.01)
+            await cluster.file_op(chain, ino, size)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writes)
+        nursery.start_soon(cuts)
+    await cluster.assert_identical(chain)
+
+
+async def test_disk_full_fails_cleanly_everywhere(cluster: ChainCluster) -> None:
+    [chain] = cluster.chain_ids()
+    head, middle, tail = cluster.members(chain)
+    cid = chunk_id(14, 0)
+    await cluster.write(chain, cid, 0, b"kept" * 100)
+
+    def leftovers(target: int) -> list[str]:
+        store = cluster.node_of(target).store(target)
+        folder = os.path.dirname(store.file_path(cid) or "")
+        return sorted(n for n in os.listdir(folder) if n.startswith(cid.hex()))
+
+    files = {t: leftovers(t) for t in (head, middle, tail)}
+    for full in (tail, middle, head):
+        store = cluster.node_of(full).store(full)
+        store.reserve_bytes = 1 << 62  # this target's disk is full
+        try:
+            for offset, data in ((400, b"append" * 50), (0, b"overwrite")):
+                with pytest.raises(FsError) as info:
+                    await cluster.write(chain, cid, offset, data)
+                assert info.value.errno == errno.ENOSPC
+                for target in (head, middle, tail):  # nothing committed, nothing left over
+                    assert (await cluster.info(target, cid) or {}).get("version") == 1
+                    assert await cluster.read_all(target, [cid]) == {cid: b"kept" * 100}
+                    assert leftovers(target) == files[target]
+                    tstore = cluster.node_of(target).store(target)
+                    assert os.path.getsize(tstore.file_path(cid) or "") == 400
+        finally:
+            store.reserve_bytes = 0
+    assert (await cluster.write(chain, cid, 400, b"room again"))["version"] == 2
+    await cluster.assert_identical(chain)
