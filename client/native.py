@@ -104,11 +104,12 @@ class Client:
     ) -> None:
         self.config_path = find_config(config)
         self.options = options or ClientOptions()
+        self._pid = -1
+        self._start_locks: dict[int, threading.Lock] = {}
         self._start()
 
     def _start(self) -> None:
         config, secret = load_client_config(self.config_path)
-        self._pid = os.getpid()
         ready = threading.Event()
         failure: list[BaseException] = []
         self._token: trio.lowlevel.TrioToken | None = None
@@ -139,6 +140,7 @@ class Client:
         )
         self._thread.start()
         ready.wait()
+        self._pid = os.getpid()  # last: other threads see a started client only now
         if failure:
             exc = failure[0]
             raise os_error(exc) if isinstance(exc, FsError) else exc
@@ -156,8 +158,12 @@ class Client:
         """In a forked child (a DataLoader worker) the loop thread did not come
         along: start a fresh one with its own connections. Files opened before
         the fork stay with the parent."""
-        if os.getpid() != self._pid:
-            self._start()
+        pid = os.getpid()
+        if pid != self._pid:
+            # one lock per process: a lock copied from the parent may be held forever
+            with self._start_locks.setdefault(pid, threading.Lock()):
+                if pid != self._pid:  # another thread of this child got here first
+                    self._start()
 
     @property
     def _fs(self) -> FileSystem:

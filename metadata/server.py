@@ -121,6 +121,15 @@ class MetaService:
         routing = self.routing()
         chains = routing.writable_chains()
         if not chains:
+            minimum = routing.config["min_replicas"]
+            enough = [c for c in routing.chains if len(routing.serving_targets(c)) >= minimum]
+            if routing.chains and not enough:
+                # chains are there but too degraded: refusing beats writing fewer copies
+                raise FsError(
+                    errno.EROFS,
+                    f"no storage chain has {minimum} serving replicas (min_replicas): "
+                    "new files are refused until failed storage nodes are back",
+                )
             raise FsError(errno.ENOSPC, "no writable storage chains")
         n = len(chains)
         count = min(max(1, routing.config["stripe"]), n)

@@ -325,17 +325,26 @@ async def test_layouts_spread_over_writable_chains(env: Env) -> None:
         await env.meta.release(made["ino"], opened["handle"], env.session)
 
 
-async def test_no_writable_chain_is_enospc(env: Env) -> None:
+async def test_chains_below_min_replicas_refuse_new_files(env: Env) -> None:
     for chain in CHAINS.values():
         env.routing.set_target_state(chain[0], "offline")
     with pytest.raises(FsError) as info:
         await env.meta.create(ROOT, b"f", 0o644, os.O_CREAT | os.O_RDWR, 0, 0, env.session)
-    assert info.value.code == errno.ENOSPC
+    assert info.value.code == errno.EROFS and "min_replicas" in info.value.message
     with pytest.raises(FsError) as info:
         await env.meta.mknod(ROOT, b"f", 0o644, 0, 0, 0)
-    assert info.value.code == errno.ENOSPC
+    assert info.value.code == errno.EROFS
     await env.meta.mkdir(ROOT, b"dirs-need-no-storage", 0o755, 0, 0)
     await env.meta.mknod(ROOT, b"nor-fifos", stat.S_IFIFO | 0o644, 0, 0, 0)
+
+
+async def test_no_serving_chain_at_all_is_erofs(env: Env) -> None:
+    for targets in CHAINS.values():
+        for t in targets:
+            env.routing.set_target_state(t, "offline")
+    with pytest.raises(FsError) as info:
+        await env.meta.create(ROOT, b"f", 0o644, os.O_CREAT | os.O_RDWR, 0, 0, env.session)
+    assert info.value.code == errno.EROFS
 
 
 async def test_shrink_cuts_chunks_before_the_reply(env: Env) -> None:

@@ -1,0 +1,322 @@
+"""Failures with replication factor 3, storage nodes on their own test hosts.
+
+Every test runs a bounded load (reads checked byte for byte, writes logged
+when acknowledged) while a node is killed, cut off, corrupted or filled, and
+then checks: no read failed or returned wrong bytes, every acknowledged file
+is intact, and once the node is back every replica of every chunk is
+identical (versions and CRC-32C of every block compared across replicas).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from faultcluster import FaultCluster
+from harness import shufflefs
+from loadgen import content
+
+from shufflefs.cluster.config import load_client_config
+from shufflefs.rpc.client import open_rpc_client
+from shufflefs.storage.protocol import ChunkInfo, StorageStub
+
+WORKERS = str(Path(__file__).parent.parent / "loadgen.py")
+MiB = 1 << 20
+
+
+def start_reader(path: Path, seed: int, seconds: float, report: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, WORKERS, "read", str(path), str(seed), str(seconds), str(report)]
+    )
+
+
+def start_writer(directory: Path, seconds: float, acklog: Path) -> subprocess.Popen[bytes]:
+    directory.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, WORKERS, "write", str(directory), str(seconds), str(acklog)]
+    )
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    assert proc.wait(timeout) == 0, "load process failed"
+
+
+def reader_report(report: Path) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(report.read_text())
+    print(f"reader: {result}")
+    return result
+
+
+def acked(acklog: Path) -> list[tuple[str, str, float]]:
+    out = []
+    for line in acklog.read_text().splitlines():
+        if not line.startswith("ERROR"):
+            path, digest, when = line.split()
+            out.append((path, digest, float(when)))
+    return out
+
+
+def check_acked(acklog: Path) -> int:
+    files = acked(acklog)
+    for path, digest, _ in files:
+        assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == digest, path
+    return len(files)
+
+
+def write_dataset(cluster: FaultCluster, name: str, size: int, seed: int) -> Path:
+    path = cluster.mountpoint / name
+    path.write_bytes(content(seed, size))
+    return path
+
+
+def replica_states(cluster: FaultCluster) -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
+    """For every chain, each member's chunks: id -> (version, length, CRCs)."""
+    routing = cluster.routing()
+    _, secret = load_client_config(cluster.config)
+    nodes = {n["id"]: n for n in routing["nodes"]}
+    targets = {t["id"]: t for t in routing["targets"]}
+
+    async def listing(stub: StorageStub, target: int) -> dict[bytes, tuple[int, int, bytes]]:
+        chunks: dict[bytes, tuple[int, int, bytes]] = {}
+        after: bytes | None = None
+        while True:
+            page = await stub.list_chunks(target, after, 1000)
+            for c in page["chunks"]:
+                info: ChunkInfo = c
+                chunks[info["chunk"]] = (info["version"], info["length"], info["crcs"])
+            if not page["more"] or not page["chunks"]:
+                return chunks
+            after = page["chunks"][-1]["chunk"]
+
+    async def collect() -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
+        out: dict[int, list[dict[bytes, tuple[int, int, bytes]]]] = {}
+        async with open_rpc_client(secret) as rpc:
+            for chain in routing["chains"]:
+                members = []
+                for t in chain["targets"]:
+                    address = nodes[targets[t]["node"]]["address"]
+                    members.append(await listing(StorageStub(rpc, address), t))
+                out[chain["id"]] = members
+        return out
+
+    return trio.run(collect)
+
+
+def assert_replicas_identical(cluster: FaultCluster) -> int:
+    """Every chunk has the same version, length and CRCs on every replica."""
+    states = replica_states(cluster)
+    total = 0
+    for chain, members in states.items():
+        first = members[0]
+        for other in members[1:]:
+            assert other.keys() == first.keys(), f"chain {chain}: replicas hold different chunks"
+            for cid, state in first.items():
+                assert other[cid] == state, f"chain {chain}: chunk {cid.hex()} differs"
+        total += len(first)
+    return total
+
+
+def test_kill9_storage_during_reads(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+    c = fault_cluster
+    data = write_dataset(c, "reads.bin", 48 * MiB, seed=11)
+    reader = start_reader(data, 11, 12.0, tmp_path / "r.json")
+    time.sleep(3)
+    c.kill("storage2")
+    detected = c.wait_for(
+        "storage2's target offline", lambda s: any(t["state"] == "offline" for t in s["targets"])
+    )
+    finish(reader)
+    r = reader_report(tmp_path / "r.json")
+    assert r["reads"] > 100 and r["failures"] == 0 and r["wrong"] == 0
+    print(
+        f"FAILOVER kill -9: longest read stall {r['longest_s'] * 1000:.0f} ms; "
+        f"mgmtd marked the node offline {detected:.1f}s after the kill"
+    )
+    c.restart_missing()
+    c.all_serving()
+    assert_replicas_identical(c)
+
+
+def test_kill9_during_writes_then_resync(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+    c = fault_cluster
+    acklog = tmp_path / "acked.log"
+    writer = start_writer(c.mountpoint / "w", 14.0, acklog)
+    time.sleep(4)
+    kill_time = time.time()
+    c.kill("storage3")
+    finish(writer)
+    after_kill = [f for f in acked(acklog) if f[2] > kill_time + 1]
+    assert after_kill, "no write was acknowledged after the failover"
+    n = check_acked(acklog)
+    t0 = time.monotonic()
+    c.restart_missing()
+    waited = c.all_serving()
+    print(
+        f"RESYNC: storage3 back and serving after {time.monotonic() - t0:.1f}s "
+        f"(state wait {waited:.1f}s); {n} acknowledged files intact"
+    )
+    chunks = assert_replicas_identical(c)
+    assert chunks > 0
+    check_acked(acklog)
+
+
+def test_cut_host_during_reads_and_writes(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+    c = fault_cluster
+    if c.hosts is None:
+        pytest.fail("network namespaces are unavailable here: cannot cut a host's link")
+    data = write_dataset(c, "cut.bin", 32 * MiB, seed=5)
+    reader = start_reader(data, 5, 16.0, tmp_path / "r.json")
+    acklog = tmp_path / "acked.log"
+    writer = start_writer(c.mountpoint / "w", 16.0, acklog)
+    time.sleep(3)
+    cut_time = time.time()
+    c.hosts.cut(1)
+    c.wait_for("host 1 offline", lambda s: any(t["state"] == "offline" for t in s["targets"]))
+    finish(reader)
+    finish(writer)
+    r = reader_report(tmp_path / "r.json")
+    assert r["failures"] == 0 and r["wrong"] == 0
+    assert [f for f in acked(acklog) if f[2] > cut_time + 5], "no write acknowledged after the cut"
+    n = check_acked(acklog)
+    print(f"FAILOVER cut: longest read stall {r['longest_s'] * 1000:.0f} ms; {n} files intact")
+    c.hosts.restore(1)
+    c.all_serving()
+    assert_replicas_identical(c)
+    check_acked(acklog)
+
+
+def chunk_files_of(cluster: FaultCluster, name: str) -> list[Path]:
+    ino = (cluster.mountpoint / name).stat().st_ino
+    return sorted(cluster.local.dir.glob(f"storage1/target1/chunks/*/{ino:016x}*"))
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corruption_is_never_returned_and_repaired(
+    fault_cluster: FaultCluster, tmp_path: Path
+) -> None:
+    c = fault_cluster
+    data = write_dataset(c, "corrupt.bin", 4 * MiB, seed=9)
+    files = chunk_files_of(c, "corrupt.bin")
+    assert len(files) == 4
+    flip(files[0], 100)
+    flip(files[1], 5000)
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")  # the daemon must read the disk
+    reader = start_reader(data, 9, 3.0, tmp_path / "r.json")
+    finish(reader)
+    r = reader_report(tmp_path / "r.json")
+    assert r["failures"] == 0 and r["wrong"] == 0
+    # scrub finds whatever the reads did not already repair, and repairs it
+    flip(files[2], 70000)
+    result = shufflefs("scrub", "--json", "--config", str(c.config), check=False)
+    report = json.loads(result.stdout)
+    print(f"scrub: {report}")
+    assert report["chunks_checked"] >= 12
+    assert report["corrupt_found"] >= 1 and report["repaired"] >= 1
+    assert report["unrecoverable"] == 0 and result.returncode == 0
+    logs = "".join(p.read_text() for p in c.local.logs.glob("storage*.log"))
+    assert "checksum" in logs.lower() or "corrupt" in logs.lower()
+    assert data.read_bytes() == content(9, 4 * MiB)
+    assert_replicas_identical(c)
+
+
+def test_two_of_three_down(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+    c = fault_cluster
+    data = write_dataset(c, "last.bin", 8 * MiB, seed=3)
+    existing = c.mountpoint / "existing.bin"
+    existing.write_bytes(b"before")
+    c.kill("storage1")
+    c.kill("storage2")
+    c.wait_for(
+        "two targets offline",
+        lambda s: sum(t["state"] == "offline" for t in s["targets"]) == 2,
+    )
+    reader = start_reader(data, 3, 3.0, tmp_path / "r.json")
+    finish(reader)
+    r = reader_report(tmp_path / "r.json")
+    assert r["reads"] > 10 and r["failures"] == 0 and r["wrong"] == 0
+    with pytest.raises(OSError) as info, open(existing, "r+b") as f:  # chain below min_replicas
+        f.write(b"after!")
+    assert info.value.errno == errno.EROFS
+    with pytest.raises(OSError) as info:  # and a new file, which has no chain to go to
+        (c.mountpoint / "refused.bin").write_bytes(b"x" * 100)
+    assert info.value.errno == errno.EROFS
+    assert existing.read_bytes() == b"before"
+    c.restart_missing()
+    c.all_serving()
+    (c.mountpoint / "accepted.bin").write_bytes(b"y" * 100)
+    assert (c.mountpoint / "accepted.bin").read_bytes() == b"y" * 100
+    assert data.read_bytes() == content(3, 8 * MiB)
+    assert_replicas_identical(c)
+
+
+def test_full_target(tmp_path: Path) -> None:
+    """One target on a small tmpfs: writes get ENOSPC cleanly, nothing written is lost."""
+    import io
+
+    from shufflefs.cluster.launcher import LocalCluster, up
+
+    local = LocalCluster(tmp_path / "data")
+    local.format(3, 3, 1 << 20, "127.0.0.1", mgmtd_settings={"heartbeat_interval": 0.5})
+    small = local.dir / "storage3" / "target1"
+    small.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(small)], check=True)
+    try:
+        mnt = tmp_path / "mnt"
+        up(local.dir, mnt, out=io.StringIO())
+        written: list[tuple[Path, bytes]] = []
+        code = None
+        for i in range(200):
+            data = os.urandom(2 * MiB)
+            p = mnt / f"f{i}"
+            try:
+                p.write_bytes(data)
+            except OSError as exc:
+                code = exc.errno
+                break
+            written.append((p, data))
+        assert code == errno.ENOSPC, f"expected ENOSPC, got {code}"
+        assert len(written) >= 5
+        for p, data in written:
+            assert p.read_bytes() == data
+
+        def small_target_free() -> int:
+            out = shufflefs("status", "--json", "--config", str(local.client_config)).stdout
+            (target,) = [t for t in json.loads(out)["targets"] if t["path"] == str(small)]
+            return int(target["free"])
+
+        deadline = time.monotonic() + 10  # usage reaches status with the next heartbeats
+        while small_target_free() >= 8 * MiB:
+            assert time.monotonic() < deadline, "status never showed the target full"
+            time.sleep(0.3)
+        for p, _ in written[: len(written) // 2]:
+            p.unlink()
+        deadline = time.monotonic() + 20
+        while True:  # space comes back once the deletes reach the storage daemons
+            try:
+                (mnt / "after.bin").write_bytes(b"z" * MiB)
+                break
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC and time.monotonic() < deadline
+                time.sleep(0.5)
+        for p, data in written[len(written) // 2 :]:
+            assert p.read_bytes() == data
+    finally:
+        shufflefs("down", "--data-dir", str(local.dir), check=False)
+        subprocess.run(["umount", "-l", str(small)], check=False)
