@@ -35,6 +35,7 @@ from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.framing import DEFAULT_LIMITS
+from shufflefs.rpc.runtime import hostname
 from shufflefs.rpc.transport import Buffer
 from shufflefs.storage.protocol import StorageStub, chunk_id
 
@@ -42,6 +43,7 @@ log = logging.getLogger("shufflefs.client.storage")
 
 MAX_PARALLEL_CHUNK_WRITES = 8
 SUSPECT_SECONDS = 5.0  # how long a replica that failed is avoided
+REMOTE_PENALTY = 2  # a replica on another host counts as this many requests busier
 REPORT_INTERVAL = 2.0  # at most one unreachable-report per node per interval
 # Well under the reply payload limit (64 MiB) and the request body limit
 # (1 MiB of msgpack, about 30 bytes per item), so no request is refused.
@@ -138,6 +140,8 @@ class StorageClient:
         self.suspect: dict[int, float] = {}  # target id -> avoid until (monotonic)
         self._reported: dict[int, float] = {}  # node id -> when we last reported it
         self.background: trio.Nursery | None = None  # set by the owner, for reports
+        self.host = hostname()
+        self._local: tuple[int, frozenset[int]] = (-1, frozenset())
 
     def stub(self, address: str) -> StorageStub:
         return StorageStub(self.rpc, address, timeout=self.read_timeout)
@@ -148,7 +152,9 @@ class StorageClient:
         self, routing: Routing, chain: int, avoid: set[int] | frozenset[int] = frozenset()
     ) -> TargetInfo:
         """The serving replica with the fewest of our requests in flight,
-        preferring ones that have not failed lately."""
+        counting a replica on another host as REMOTE_PENALTY requests busier
+        (a local one is cheaper to reach), and preferring replicas that have
+        not failed lately."""
         targets = routing.serving_targets(chain)
         if not targets:
             raise FsError(errno.ENXIO, f"chain {chain} has no serving target")
@@ -157,7 +163,21 @@ class StorageClient:
             t for t in targets if t["id"] not in avoid and self.suspect.get(t["id"], 0) <= now
         ]
         untried = healthy or [t for t in targets if t["id"] not in avoid] or targets
-        return min(untried, key=lambda t: self.outstanding[t["id"]])
+        local = self.local_targets(routing)
+        return min(
+            untried,
+            key=lambda t: self.outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
+        )
+
+    def local_targets(self, routing: Routing) -> frozenset[int]:
+        """Targets on this host (cached per routing version)."""
+        if self._local[0] != routing.version:
+            hosts = {n["id"]: n["host"] for n in routing.nodes.values()}
+            mine = frozenset(
+                t for t, info in routing.targets.items() if hosts.get(info["node"]) == self.host
+            )
+            self._local = (routing.version, mine)
+        return self._local[1]
 
     def failed(self, routing: Routing, target_id: int, exc: FsError) -> None:
         """A replica failed us: avoid it for a while; if it looked dead, tell

@@ -70,15 +70,18 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
         file=out,
     )
     for t in status["targets"]:
+        full = "  FULL: writes get ENOSPC" if t["free"] <= 0 and t["state"] != "offline" else ""
         print(
             f"  {t['id']:>4}  {t['node']:>4}  {t['state']:<8} {human(t['used']):>10} "
-            f"{human(t['free']):>10} {t['chunks']:>8}  {t['path']}",
+            f"{human(t['free']):>10} {t['chunks']:>8}  {t['path']}{full}",
             file=out,
         )
     print("\nCHAINS", file=out)
     print(f"  {'id':>4}  {'version':>7}  targets (head first)", file=out)
+    states = {t["id"]: t["state"] for t in status["targets"]}
     for c in status["chains"]:
-        print(f"  {c['id']:>4}  {c['version']:>7}  {' -> '.join(map(str, c['targets']))}", file=out)
+        members = " -> ".join(f"{t}({states.get(t, '?')})" for t in c["targets"])
+        print(f"  {c['id']:>4}  {c['version']:>7}  {members}", file=out)
 
 
 def cli_status(args: argparse.Namespace) -> int:
