@@ -34,12 +34,16 @@ class BlockingReader:
         """Read *extents* into *out* end to end; False if the async path must."""
         try:
             pieces = plan(extents)
-            groups = self.storage.assign(self.storage.routing.current, pieces)
+            routing = self.storage.routing.current
+            groups = self.storage.assign(routing, pieces)
         except FsError:
             return False
         sent = []
         ok = True
         for address, items in groups.items():
+            items = self.storage.read_local(routing, items, out, nowait=False)
+            if not items:
+                continue
             for request in split_requests(items):
                 try:
                     conn = self.peers.connection(address)

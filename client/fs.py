@@ -351,6 +351,9 @@ class FileSystem:
         end = min(offset + size, self.known_size(f.ino))
         if offset >= end:
             return b""
+        data = self.storage.read_local_fast(f.ino, f.layout, offset, end - offset)
+        if data is not None:
+            return data
         return await self.storage.read(f.ino, f.layout, offset, end - offset)
 
     async def read_many(self, fh: int, ranges: list[tuple[int, int]]) -> bytearray:

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from shufflefs.cluster.launcher import LocalCluster
+
 PATHS = ("local", "fuse", "native", "native-batch")
 DIRECT_ALIGN = 4096
 MiB = 1 << 20
@@ -379,8 +381,12 @@ def cli_io(args: argparse.Namespace) -> int:
         else:
             from shufflefs.cluster.cli import default_client_config
 
-            config = str(default_client_config(args).absolute())
-            mountpoint = Path(args.mountpoint).absolute() if args.mountpoint else None
+            config_path = default_client_config(args).absolute()
+            config = str(config_path)
+            if args.mountpoint:
+                mountpoint = Path(args.mountpoint).absolute()
+            else:  # a cluster `shufflefs up` started records where it mounted
+                mountpoint = LocalCluster(config_path.parent).recorded_mountpoint()
         remote = f"/.bench/io-{os.getpid()}.bin"
         local_file = workdir / "local.bin"
         fuse_file = mountpoint / remote.lstrip("/") if mountpoint else None

@@ -15,12 +15,14 @@ errno Linux would give (FileNotFoundError, IsADirectoryError, ...).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import io
 import os
 import stat as stat_mod
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,6 +98,12 @@ def _flags(mode: str) -> int:
     return table[kind]
 
 
+def _close_at_exit(ref: weakref.ref[Client]) -> None:
+    client = ref()
+    if client is not None:
+        client.close()
+
+
 class Client:
     """A connection to one shufflefs cluster."""
 
@@ -107,6 +115,9 @@ class Client:
         self._pid = -1
         self._start_locks: dict[int, threading.Lock] = {}
         self._start()
+        # at exit, before the interpreter stops daemon threads (and with them the
+        # loop): close while the loop can still report lengths and end the session
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _start(self) -> None:
         config, secret = load_client_config(self.config_path)
@@ -147,7 +158,7 @@ class Client:
 
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         self._after_fork()
-        if self._token is None:
+        if self._token is None or not self._thread.is_alive():
             raise OSError(errno.ESHUTDOWN, "client is closed")
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
@@ -194,7 +205,13 @@ class Client:
         return self._run(fs.read_many, handle.fh, ranges)
 
     def close(self) -> None:
-        if self._token is not None and self._stop is not None and os.getpid() == self._pid:
+        """Close open files (their lengths reported) and the session."""
+        if (
+            self._token is not None
+            and self._stop is not None
+            and os.getpid() == self._pid
+            and self._thread.is_alive()
+        ):
             trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
             self._thread.join(15)
         self._token = None
@@ -435,7 +452,8 @@ class File(io.RawIOBase):
         if not self.closed and not self._released:
             self._released = True  # release flushes; RawIOBase.close() must not flush again
             try:
-                self._client._run(self._client._fs.release, self._handle.fh)
+                if self._client._token is not None:  # else the client closed it already
+                    self._client._run(self._client._fs.release, self._handle.fh)
             finally:
                 super().close()
 

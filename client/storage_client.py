@@ -37,6 +37,7 @@ from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.rpc.runtime import hostname
 from shufflefs.rpc.transport import Buffer
+from shufflefs.storage.local_read import LocalTarget
 from shufflefs.storage.protocol import StorageStub, chunk_id
 
 log = logging.getLogger("shufflefs.client.storage")
@@ -44,6 +45,7 @@ log = logging.getLogger("shufflefs.client.storage")
 MAX_PARALLEL_CHUNK_WRITES = 8
 SUSPECT_SECONDS = 5.0  # how long a replica that failed is avoided
 REMOTE_PENALTY = 2  # a replica on another host counts as this many requests busier
+LOCAL_READ_THREADS = 16  # short-circuit reads that must wait for the disk
 REPORT_INTERVAL = 2.0  # at most one unreachable-report per node per interval
 # Well under the reply payload limit (64 MiB) and the request body limit
 # (1 MiB of msgpack, about 30 bytes per item), so no request is refused.
@@ -130,6 +132,7 @@ class StorageClient:
         read_timeout: float = 5.0,
         write_timeout: float = 30.0,
         retry_budget: float = 30.0,
+        local_reads: bool = True,
     ) -> None:
         self.rpc = rpc
         self.routing = routing
@@ -142,6 +145,10 @@ class StorageClient:
         self.background: trio.Nursery | None = None  # set by the owner, for reports
         self.host = hostname()
         self._local: tuple[int, frozenset[int]] = (-1, frozenset())
+        self.local_reads = local_reads
+        self.reads_in_flight = 0
+        self._local_targets: dict[int, LocalTarget | None] = {}  # None: not readable here
+        self._local_threads = trio.CapacityLimiter(LOCAL_READ_THREADS)
 
     def stub(self, address: str) -> StorageStub:
         return StorageStub(self.rpc, address, timeout=self.read_timeout)
@@ -178,6 +185,75 @@ class StorageClient:
             )
             self._local = (routing.version, mine)
         return self._local[1]
+
+    def local_target(self, routing: Routing, target_id: int) -> LocalTarget | None:
+        """A short-circuit reader for a target on this host, if it can be used."""
+        if not self.local_reads or target_id not in self.local_targets(routing):
+            return None
+        if target_id not in self._local_targets:
+            info = routing.targets[target_id]
+            try:
+                reader: LocalTarget | None = LocalTarget(
+                    info["path"], target_id, routing.cluster_id
+                )
+                log.info("short-circuit reads from target %d at %s", target_id, info["path"])
+            except Exception as exc:  # unreadable here: always through the daemon
+                log.info("no short-circuit reads from target %d: %s", target_id, exc)
+                reader = None
+            self._local_targets[target_id] = reader
+        return self._local_targets[target_id]
+
+    def read_local(
+        self, routing: Routing, items: list[tuple[Piece, int]], out: memoryview, nowait: bool
+    ) -> list[tuple[Piece, int]]:
+        """Serve what can be served from local chunk files; returns the rest."""
+        rest: list[tuple[Piece, int]] = []
+        for item in items:
+            p, tid = item
+            local = self.local_target(routing, tid)
+            data = None if local is None else local.read(p[1], p[2], p[3], nowait)
+            if data is None:
+                rest.append(item)
+                continue
+            n = len(data)
+            out[p[4] : p[4] + n] = data
+            if n < p[3]:
+                out[p[4] + n : p[4] + p[3]] = bytes(p[3] - n)
+        return rest
+
+    def read_local_fast(self, ino: int, layout: Layout, offset: int, length: int) -> bytes | None:
+        """The fast path of a small read: within one chunk, a replica on this
+        host, served from its chunk file without a task or a message (waiting
+        for the disk inline only when no other read is in flight). None when
+        the general path must run."""
+        if not self.local_reads:
+            return None
+        size = layout["chunk_size"]
+        index = offset // size
+        within = offset - index * size
+        if within + length > size or length <= 0 or index >= MAX_CHUNKS:
+            return None
+        chains = layout["chains"]
+        routing = self.routing.current
+        local = self.local_targets(routing)
+        if not local:
+            return None
+        chain = chains[index % len(chains)]
+        for t in routing.serving_targets(chain):
+            if t["id"] in local:
+                reader = self.local_target(routing, t["id"])
+                if reader is None:
+                    return None
+                cid = chunk_id(ino, index)
+                data = reader.read(cid, within, length, nowait=True)
+                if data is None and self.reads_in_flight == 0:
+                    data = reader.read(cid, within, length, nowait=False)
+                if data is None:
+                    return None
+                if len(data) < length:  # past the chunk's end: zeros
+                    return bytes(data) + bytes(length - len(data))
+                return bytes(data)
+        return None
 
     def failed(self, routing: Routing, target_id: int, exc: FsError) -> None:
         """A replica failed us: avoid it for a while; if it looked dead, tell
@@ -241,6 +317,15 @@ class StorageClient:
             raise FsError(errno.EINVAL, f"output buffer of {len(out)} bytes for {total} bytes")
         out = out.cast("B") if out.format != "B" else out
         pending = plan(extents)
+        self.reads_in_flight += 1
+        try:
+            await self._read_pending(extents, pending, out)
+        finally:
+            self.reads_in_flight -= 1
+
+    async def _read_pending(
+        self, extents: Sequence[Extent], pending: list[Piece], out: memoryview
+    ) -> None:
         avoid: dict[int, set[int]] = defaultdict(set)  # chain -> replicas that failed this read
 
         async def attempt() -> None:
@@ -307,10 +392,40 @@ class StorageClient:
                 else:
                     errors.append(item_error)
 
-        async with trio.open_nursery() as nursery:
-            for address, items in groups.items():
-                for request in split_requests(items):
+        async def local_slow(address: str, items: list[tuple[Piece, int]]) -> None:
+            """Local chunk files whose bytes are not in the page cache: in a
+            thread (still cheaper than the daemon); the daemon for what fails."""
+            async with self._local_threads:
+                rest = await trio.to_thread.run_sync(self.read_local, routing, items, out, False)
+            for request in split_requests(rest):
+                await one_request(address, request)
+
+        # Local chunk files first, inline: everything in the page cache is
+        # served without a task, a thread or a message.
+        local = self.local_targets(routing) if self.local_reads else frozenset()
+        remote: list[tuple[str, list[tuple[Piece, int]]]] = []
+        slow: list[tuple[str, list[tuple[Piece, int]]]] = []
+        for address, items in groups.items():
+            if local and items[0][1] in local and self.local_target(routing, items[0][1]):
+                items = self.read_local(routing, items, out, nowait=True)
+                if items:
+                    slow.append((address, items))
+                continue
+            remote.extend((address, request) for request in split_requests(items))
+        if slow and not remote and len(slow) == 1 and self.reads_in_flight <= 1:
+            # alone and local: wait for the disk right here; a thread hop costs
+            # more than the read, and nobody else is kept waiting
+            address, items = slow.pop()
+            items = self.read_local(routing, items, out, nowait=False)
+            remote.extend((address, request) for request in split_requests(items))
+        if len(remote) == 1 and not slow:
+            await one_request(*remote[0])
+        elif remote or slow:
+            async with trio.open_nursery() as nursery:
+                for address, request in remote:
                     nursery.start_soon(one_request, address, request)
+                for address, items in slow:
+                    nursery.start_soon(local_slow, address, items)
         if errors:
             raise errors[0]
         return retry

@@ -166,7 +166,26 @@ def add_sample_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="benchmarks (`shufflefs bench loader`: training-data reads)")
+    p = sub.add_parser(
+        "bench",
+        help="random-read IOPS four ways in, side by side (`bench loader`: training-data reads)",
+        description="Random-read IOPS, MB/s and latency of the same reads through a local file "
+        "(the limit), the FUSE mount, the native client and the native client batched; cold "
+        "(page caches dropped, as root) and warm. With MODE `loader`: the training-data "
+        "benchmark.",
+    )
+    p.add_argument("--config", help="client config of a running cluster (default: ...)")
+    p.add_argument("--mountpoint", help="where that cluster is mounted (for the fuse rows)")
+    p.add_argument("--embedded", action="store_true", help="start a cluster, stop it after")
+    p.add_argument("--quick", action="store_true", help="a 256 MiB file, 0.4 s per row")
+    p.add_argument("--json", action="store_true", help="print one JSON object with `rows`")
+    p.add_argument("--readers", type=int, default=8, help="concurrent reader processes (8)")
+    p.add_argument("--size-mb", type=int, default=None, help="test file size (1024; quick 256)")
+    p.add_argument("--seconds", type=float, default=None, help="seconds per row (5; quick 0.4)")
+    p.add_argument("--workloads", help="comma-separated: rand4k,rand2k,rand128k,seq1m")
+    p.add_argument("--paths", help="comma-separated: local,fuse,native,native-batch")
+    p.add_argument("--batch", type=int, default=64, help="reads per native-batch call (64)")
+    p.add_argument("--local-dir", help="where the local copy lives (default: the temp dir)")
     modes = p.add_subparsers(dest="bench_mode", metavar="MODE")
     modes.required = False
     b = modes.add_parser(

@@ -63,6 +63,13 @@ class MethodSpec:
     wants_payload: bool
     wants_ctx: bool
     defaults: dict[str, Any] = field(default_factory=dict)
+    # Run in the connection's reader task, not a task of its own: for
+    # handlers that never wait (a spawned task costs a trip through the
+    # scheduler, which is most of a small call's latency).
+    inline: bool = False
+    # A synchronous try at the call, made inline: its result is the reply,
+    # or None to run the (async) handler as usual.
+    fast: Callable[..., Any] | None = None
 
     def bind(self, args: Any, payload: bytearray | None, ctx: CallContext) -> dict[str, Any]:
         """Validate wire arguments and build the keyword arguments of the call."""
@@ -88,12 +95,29 @@ class MethodSpec:
         return kwargs
 
 
-def rpc_method(func: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """Mark a coroutine method as callable over RPC under its own name."""
-    if not inspect.iscoroutinefunction(func):
-        raise TypeError(f"rpc method {func.__name__} must be async")
-    func.__rpc_method__ = True  # type: ignore[attr-defined]
-    return func
+def rpc_method(
+    func: Callable[..., Awaitable[Any]] | None = None,
+    *,
+    inline: bool = False,
+    fast: str | None = None,
+) -> Any:
+    """Mark a coroutine method as callable over RPC under its own name.
+
+    ``@rpc_method(inline=True)``: the handler never waits for anything
+    (pure computation, an LMDB read), so it runs in the connection's reader
+    task. ``@rpc_method(fast="name")``: the service's synchronous method
+    *name*, taking the same arguments, is tried inline first; it returns the
+    result, or None when the real (async) handler must run."""
+
+    def mark(f: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"rpc method {f.__name__} must be async")
+        f.__rpc_method__ = True  # type: ignore[attr-defined]
+        f.__rpc_inline__ = inline  # type: ignore[attr-defined]
+        f.__rpc_fast__ = fast  # type: ignore[attr-defined]
+        return f
+
+    return mark(func) if func is not None else mark
 
 
 def collect_methods(*services: object) -> dict[str, MethodSpec]:
@@ -105,7 +129,12 @@ def collect_methods(*services: object) -> dict[str, MethodSpec]:
                 continue
             if name in specs:
                 raise ValueError(f"rpc method {name!r} defined twice")
-            specs[name] = _spec_for(name, member)
+            spec = _spec_for(name, member)
+            spec.inline = getattr(member, "__rpc_inline__", False)
+            fast_name = getattr(member, "__rpc_fast__", None)
+            if fast_name is not None:
+                spec.fast = getattr(service, fast_name)
+            specs[name] = spec
     return specs
 
 

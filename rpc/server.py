@@ -37,7 +37,7 @@ class BuiltinService:
         self.service = service
         self.started = time.time()
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def ping(self) -> dict[str, Any]:
         return {"service": self.service, "pid": os.getpid(), "uptime": time.time() - self.started}
 
@@ -137,10 +137,54 @@ class RpcServer:
                     stream, call_id, FsError(errno.ENOSYS, f"unknown method {method[:64]!r}")
                 )
                 continue
+            args = body.get("a", {})
+            if spec.inline:
+                await self._run_call(stream, spec, call_id, args, payload, peer, None)
+                continue
+            if spec.fast is not None and await self._try_fast(
+                stream, spec, call_id, args, payload, peer
+            ):
+                continue
             await inflight.acquire()
-            nursery.start_soon(
-                self._run_call, stream, spec, call_id, body.get("a", {}), payload, peer, inflight
-            )
+            nursery.start_soon(self._run_call, stream, spec, call_id, args, payload, peer, inflight)
+
+    async def _try_fast(
+        self,
+        stream: FrameStream,
+        spec: MethodSpec,
+        call_id: int,
+        args: Any,
+        payload: bytearray | None,
+        peer: str,
+    ) -> bool:
+        """The synchronous fast path of a call, inline; True if it answered."""
+        assert spec.fast is not None
+        try:
+            kwargs = spec.bind(args, payload, CallContext(peer, spec.name, call_id))
+            result = spec.fast(**kwargs)
+        except FsError as exc:
+            await self._send_error(stream, call_id, exc)
+            return True
+        except Exception as exc:
+            log.exception("%s %s (fast path) from %s failed", self.name, spec.name, peer)
+            await self._send_error(stream, call_id, as_fs_error(exc))
+            return True
+        if result is None:
+            return False
+        await self._send_result(stream, call_id, result)
+        return True
+
+    async def _send_result(self, stream: FrameStream, call_id: int, result: Any) -> None:
+        if isinstance(result, Reply):
+            body, out_payload = framing.reply_body(call_id, result.result), result.payload
+        else:
+            body, out_payload = framing.reply_body(call_id, result), None
+        try:
+            await stream.send_frame(body, out_payload)
+        except ConnectionClosed:
+            pass
+        except FsError as exc:  # an oversize reply: tell the caller instead
+            await self._send_error(stream, call_id, exc)
 
     async def _run_call(
         self,
@@ -150,7 +194,7 @@ class RpcServer:
         args: Any,
         payload: bytearray | None,
         peer: str,
-        inflight: trio.Semaphore,
+        inflight: trio.Semaphore | None,
     ) -> None:
         try:
             try:
@@ -165,18 +209,10 @@ class RpcServer:
                 log.exception("%s %s from %s failed", self.name, spec.name, peer)
                 await self._send_error(stream, call_id, as_fs_error(exc))
                 return
-            if isinstance(result, Reply):
-                body, out_payload = framing.reply_body(call_id, result.result), result.payload
-            else:
-                body, out_payload = framing.reply_body(call_id, result), None
-            try:
-                await stream.send_frame(body, out_payload)
-            except ConnectionClosed:
-                pass
-            except FsError as exc:  # an oversize reply: tell the caller instead
-                await self._send_error(stream, call_id, exc)
+            await self._send_result(stream, call_id, result)
         finally:
-            inflight.release()
+            if inflight is not None:
+                inflight.release()
 
     async def _send_error(self, stream: FrameStream, call_id: int, error: FsError) -> None:
         with contextlib.suppress(FsError):

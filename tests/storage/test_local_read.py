@@ -1,0 +1,105 @@
+"""Short-circuit reads: a client on the same host reads chunk files directly
+and gets exactly what the daemon would return (committed bytes, verified),
+or None where the daemon must answer.
+
+LMDB lets one process open an environment once, so the daemon's side
+(`ChunkStore`) and the client's (`LocalTarget`) take turns here; concurrency
+between the two is exercised end to end through the mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from shufflefs.rpc.errors import FsError
+from shufflefs.storage.chunks import ChunkStore
+from shufflefs.storage.layout import parse_chunk_file_name
+from shufflefs.storage.local_read import LocalTarget
+from shufflefs.storage.protocol import chunk_id
+
+CS = 1 << 16
+
+
+def open_store(path: Path) -> ChunkStore:
+    s = ChunkStore(path, block_size=512, fsync=False, reserve_bytes=0)
+    s.set_identity(7, "cluster-a")
+    return s
+
+
+def chunk_file(path: Path, cid: bytes) -> Path:
+    (found,) = [
+        p
+        for p in (path / "chunks").rglob("*")
+        if p.is_file() and (parsed := parse_chunk_file_name(p.name)) and parsed[0] == cid
+    ]
+    return found
+
+
+def test_reads_the_committed_bytes(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    store = open_store(tmp_path / "t")
+    model: dict[bytes, bytearray] = {}
+    for index in range(5):
+        cid = chunk_id(42, index)
+        data = bytearray(rng.randbytes(rng.randrange(1, CS)))
+        store.write(cid, 0, CS, data)
+        if index % 2:  # an overwrite makes a new generation (copy-on-write)
+            store.write(cid, 10, CS, b"overwritten")
+            data[10:21] = b"overwritten"
+        model[cid] = data
+    store.close()
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+    for cid, data in model.items():
+        for _ in range(50):
+            off = rng.randrange(0, CS)
+            n = min(rng.randrange(1, 9000), CS - off)
+            got = local.read(cid, off, n, nowait=False)
+            assert got is not None and bytes(got) == bytes(data[off : off + n])
+            fast = local.read(cid, off, n, nowait=True)  # None only if not cached
+            assert fast is None or bytes(fast) == bytes(data[off : off + n])
+    assert local.read(chunk_id(42, 99), 0, 100, False) == b""  # absent: a hole
+    local.close()
+
+
+def test_corrupt_block_is_never_returned(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "t")
+    cid = chunk_id(5, 0)
+    store.write(cid, 0, CS, os.urandom(4096))
+    store.close()
+    with open(chunk_file(tmp_path / "t", cid), "r+b") as f:
+        f.seek(600)
+        b = f.read(1)
+        f.seek(600)
+        f.write(bytes([b[0] ^ 1]))
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+    assert local.read(cid, 512, 100, False) is None  # the bad block: the daemon answers
+    assert local.read(cid, 0, 100, False) is not None  # the others are fine
+    local.close()
+
+
+def test_follows_truncation_and_removal(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "t")
+    cid = chunk_id(8, 0)
+    store.write(cid, 0, CS, b"x" * 5000)
+    store.truncate_file(8, 100, CS)
+    other = chunk_id(9, 0)
+    store.write(other, 0, CS, b"y" * 10)
+    store.remove_file(9)
+    store.close()
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+    assert bytes(local.read(cid, 0, 5000, False) or b"-") == b"x" * 100
+    assert local.read(other, 0, 10, False) == b""
+    local.close()
+
+
+def test_refuses_another_target(tmp_path: Path) -> None:
+    open_store(tmp_path / "t").close()
+    with pytest.raises(FsError) as info:
+        LocalTarget(tmp_path / "t", 8, "cluster-a")
+    assert info.value.errno == errno.ESTALE
+    with pytest.raises(FsError):
+        LocalTarget(tmp_path / "t", 7, "cluster-b")
