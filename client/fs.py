@@ -59,6 +59,7 @@ class ClientOptions:
     write_timeout: float = 30.0
     retry_budget: float = 30.0  # seconds a call keeps retrying through transient failures
     routing_poll: float = 1.0
+    local_reads: bool = True  # read chunk files of this host's targets directly
 
 
 @dataclass
@@ -111,6 +112,7 @@ class FileSystem:
             read_timeout=self.options.read_timeout,
             write_timeout=self.options.write_timeout,
             retry_budget=self.options.retry_budget,
+            local_reads=self.options.local_reads,
         )
         self.name = name or f"{hostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.session = 0
@@ -231,6 +233,8 @@ class FileSystem:
                 ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime
             ),
         )
+        if size is not None:
+            self.storage.forget_local(ino)
         if st is not None and size is not None:
             st.size = size
         return self.overlay(attr)
@@ -301,6 +305,8 @@ class FileSystem:
     def _track(self, res: OpenResult, flags: int) -> tuple[OpenFile, Attr]:
         attr = res["attr"]
         ino = attr["ino"]
+        # close-to-open: what this client cached of the file's chunks is re-read
+        self.storage.forget_local(ino)
         st = self.inodes.get(ino)
         if st is None:
             st = self.inodes[ino] = InodeState(size=attr["size"])

@@ -89,6 +89,7 @@ class Target:
     fuse_file: str | None
     remote_path: str  # the file's path inside shufflefs
     config: str  # client config
+    local_reads: bool = True  # native paths may read this host's chunk files directly
 
 
 def offsets(w: Workload, file_size: int, seed: int, start: int) -> Iterator[int]:
@@ -135,8 +136,11 @@ class Reader:
             return self._posix(path, w, gen, deadline, cold)
         if self.client is None:
             from shufflefs.client import Client
+            from shufflefs.client.fs import ClientOptions
 
-            self.client = Client(self.target.config)
+            self.client = Client(
+                self.target.config, ClientOptions(local_reads=self.target.local_reads)
+            )
             self.remote = self.client.open(self.target.remote_path, "rb", buffering=0)
         lat: list[int] = []
         nbytes = ops = 0
@@ -396,7 +400,13 @@ def cli_io(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         write_test_file(local_file, fuse_file, config, remote, file_size)
-        target = Target(str(local_file), str(fuse_file) if fuse_file else None, remote, config)
+        target = Target(
+            str(local_file),
+            str(fuse_file) if fuse_file else None,
+            remote,
+            config,
+            local_reads=not args.no_local_reads,
+        )
         pool = ReaderPool(max(reader_counts), target, file_size, args.batch)
         try:
             rows = run_rows(
@@ -426,6 +436,7 @@ def cli_io(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "cold": "cold" in caches,
         "embedded": bool(args.embedded),
+        "native_local_reads": not args.no_local_reads,
     }
     if args.json:
         print(json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ log = logging.getLogger("shufflefs.client.storage")
 MAX_PARALLEL_CHUNK_WRITES = 8
 SUSPECT_SECONDS = 5.0  # how long a replica that failed is avoided
 REMOTE_PENALTY = 2  # a replica on another host counts as this many requests busier
+INLINE_WAIT_MAX = 0  # other reads in flight above which a disk wait goes to a thread
+SPREAD_THRESHOLD = 8  # pieces of one chain in a batch from which they go to every replica
 LOCAL_READ_THREADS = 16  # short-circuit reads that must wait for the disk
 REPORT_INTERVAL = 2.0  # at most one unreachable-report per node per interval
 # Well under the reply payload limit (64 MiB) and the request body limit
@@ -147,6 +150,7 @@ class StorageClient:
         self._local: tuple[int, frozenset[int]] = (-1, frozenset())
         self.local_reads = local_reads
         self.reads_in_flight = 0
+        self._salt = random.randrange(1 << 30)
         self._local_targets: dict[int, LocalTarget | None] = {}  # None: not readable here
         self._local_threads = trio.CapacityLimiter(LOCAL_READ_THREADS)
 
@@ -171,9 +175,13 @@ class StorageClient:
         ]
         untried = healthy or [t for t in targets if t["id"] not in avoid] or targets
         local = self.local_targets(routing)
+        # ties go to a replica that depends on this process, so readers spread
         return min(
             untried,
-            key=lambda t: self.outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
+            key=lambda t: (
+                self.outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
+                (t["id"] + self._salt) % 7919,
+            ),
         )
 
     def local_targets(self, routing: Routing) -> frozenset[int]:
@@ -221,6 +229,16 @@ class StorageClient:
                 out[p[4] + n : p[4] + p[3]] = bytes(p[3] - n)
         return rest
 
+    def forget_local(self, ino: int, cids: Sequence[bytes] | None = None) -> None:
+        """Cached chunk records of a file may be stale (it was opened again,
+        written or cut): the next local read looks them up afresh."""
+        for reader in self._local_targets.values():
+            if reader is not None:
+                if cids is None:
+                    reader.forget_file(ino)
+                else:
+                    reader.forget(cids)
+
     def read_local_fast(self, ino: int, layout: Layout, offset: int, length: int) -> bytes | None:
         """The fast path of a small read: within one chunk, a replica on this
         host, served from its chunk file without a task or a message (waiting
@@ -246,7 +264,7 @@ class StorageClient:
                     return None
                 cid = chunk_id(ino, index)
                 data = reader.read(cid, within, length, nowait=True)
-                if data is None and self.reads_in_flight == 0:
+                if data is None and self.reads_in_flight <= INLINE_WAIT_MAX:
                     data = reader.read(cid, within, length, nowait=False)
                 if data is None:
                     return None
@@ -282,18 +300,47 @@ class StorageClient:
     def assign(
         self, routing: Routing, pieces: Sequence[Piece], avoid: dict[int, set[int]] | None = None
     ) -> dict[str, list[tuple[Piece, int]]]:
-        """Group pieces per storage node: one replica per chain for the whole
-        batch (so grouping costs a dict lookup per piece)."""
-        where: dict[int, tuple[str, int]] = {}  # chain -> (address, target)
-        groups: dict[str, list[tuple[Piece, int]]] = defaultdict(list)
+        """Group pieces per storage node. A chain with few pieces in the batch
+        gets one replica (one request); one with many has its pieces dealt
+        round robin over the equally good replicas, so a big batch keeps
+        every replica's disk busy instead of one."""
+        per_chain: dict[int, list[Piece]] = defaultdict(list)
         for piece in pieces:
-            chain = piece[0]
-            place = where.get(chain)
-            if place is None:
-                target = self.pick_replica(routing, chain, avoid[chain] if avoid else frozenset())
-                place = where[chain] = (routing.target_address(target["id"]), target["id"])
-            groups[place[0]].append((piece, place[1]))
+            per_chain[piece[0]].append(piece)
+        groups: dict[str, list[tuple[Piece, int]]] = defaultdict(list)
+        for chain, chain_pieces in per_chain.items():
+            skip: set[int] | frozenset[int] = avoid[chain] if avoid else frozenset()
+            if len(chain_pieces) < SPREAD_THRESHOLD:
+                choices = [self.pick_replica(routing, chain, skip)]
+            else:
+                choices = self.equal_replicas(routing, chain, skip)
+            places = [(routing.target_address(t["id"]), t["id"]) for t in choices]
+            if len(places) == 1:
+                address, tid = places[0]
+                groups[address].extend((p, tid) for p in chain_pieces)
+                continue
+            for i, piece in enumerate(chain_pieces):
+                address, tid = places[i % len(places)]
+                groups[address].append((piece, tid))
         return groups
+
+    def equal_replicas(
+        self, routing: Routing, chain: int, avoid: set[int] | frozenset[int]
+    ) -> list[TargetInfo]:
+        """The replicas as good as the best one (same locality, not failing),
+        in an order that differs between processes (so readers spread)."""
+        best = self.pick_replica(routing, chain, avoid)
+        local = self.local_targets(routing)
+        now = time.monotonic()
+        same = [
+            t
+            for t in routing.serving_targets(chain)
+            if t["id"] not in avoid
+            and self.suspect.get(t["id"], 0) <= now
+            and (t["id"] in local) == (best["id"] in local)
+        ] or [best]
+        k = self._salt % len(same)
+        return same[k:] + same[:k]
 
     async def _refresh(self, exc: FsError) -> None:
         await self.routing.refresh()
@@ -436,6 +483,17 @@ class StorageClient:
         """Write *data* at *offset*; returns once every chunk range is acknowledged."""
         view = memoryview(data)
         ranges = chunk_ranges(ino, layout, offset, len(view))
+        try:
+            await self._write_ranges(layout, ranges, offset, view)
+        finally:
+            # what we cached of these chunks is older than this write (forgotten
+            # after it: a read racing the write may have cached the old record)
+            if self._local_targets:
+                self.forget_local(ino, [r.chunk for r in ranges])
+
+    async def _write_ranges(
+        self, layout: Layout, ranges: list[ChunkRange], offset: int, view: memoryview
+    ) -> None:
         if len(ranges) == 1:
             await self._write_range(layout, ranges[0], view)
             return

@@ -186,6 +186,11 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--paths", help="comma-separated: local,fuse,native,native-batch")
     p.add_argument("--batch", type=int, default=64, help="reads per native-batch call (64)")
     p.add_argument("--local-dir", help="where the local copy lives (default: the temp dir)")
+    p.add_argument(
+        "--no-local-reads",
+        action="store_true",
+        help="native rows read through the storage daemons even on their own host",
+    )
     modes = p.add_subparsers(dest="bench_mode", metavar="MODE")
     modes.required = False
     b = modes.add_parser(

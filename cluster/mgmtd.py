@@ -76,7 +76,7 @@ class MgmtdService:
         await self.persist()
         return result
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def heartbeat(self, node_id: int, pid: int, targets: list[TargetUsage]) -> dict[str, int]:
         return {"routing_version": self.state.heartbeat(node_id, pid, targets, time.time())}
 
@@ -115,17 +115,17 @@ class MgmtdService:
             return True
         return False
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def get_routing(self, known_version: int) -> RoutingInfo | None:
         if known_version == self.state.version:
             return None
         return self.state.routing()
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def status(self) -> RoutingInfo:
         return self.state.routing()
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def capacity(self) -> Capacity:
         return self.state.capacity()
 

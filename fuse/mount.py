@@ -19,7 +19,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from shufflefs.client.fs import FileSystem
+from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster import procs
 from shufflefs.cluster.cli import default_client_config
 from shufflefs.cluster.config import ClientConfig, load_client_config
@@ -51,6 +51,8 @@ def parse_options(items: list[str]) -> tuple[MountOptions, set[str]]:
                 options.entry_timeout = float(value)
             elif key == "max_tasks":
                 options.max_tasks = int(value)
+            elif key == "no_local_reads":
+                options.local_reads = False
             elif key in ("ro", "rw", "debug"):
                 fuse_opts.add(key)
             else:
@@ -69,7 +71,7 @@ async def run_mount(
 ) -> None:
     async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
         routing = RoutingCache(rpc, config.mgmtd)
-        fs = FileSystem(rpc, routing)
+        fs = FileSystem(rpc, routing, ClientOptions(local_reads=options.local_reads))
         await fs.start(nursery)
         ops = ShuffleOps(fs, options)
         opts = set(pyfuse3.default_options) | fuse_opts

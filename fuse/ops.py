@@ -57,6 +57,7 @@ class MountOptions:
     attr_timeout: float = 1.0
     entry_timeout: float = 1.0
     max_tasks: int = 64
+    local_reads: bool = True
 
 
 def fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:

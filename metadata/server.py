@@ -201,15 +201,15 @@ class MetaService:
 
     # ---- names and attributes -------------------------------------------------
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def lookup(self, parent: int, name: bytes) -> Attr:
         return self.store.lookup(parent, name)
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def getattr(self, ino: int) -> Attr:
         return self.store.getattr(ino)
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def resolve(self, path: bytes, follow: bool = True) -> Attr:
         return self.store.resolve(path, follow)
 
@@ -341,19 +341,19 @@ class MetaService:
             "symlink", self.store.symlink, parent=parent, name=name, target=target, uid=uid, gid=gid
         )
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def readlink(self, ino: int) -> bytes:
         return self.store.readlink(ino)
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def readdir(self, ino: int, after: bytes | None = None, limit: int = 256) -> ReaddirPage:
         return self.store.readdir(ino, after, limit)
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def statfs(self) -> FsStats:
         return self.store.statfs()
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def routing_version(self) -> int:
         """The version of the routing map this server lays new files out by
         (the launcher waits for it to catch up with mgmtd before mounting)."""
@@ -361,7 +361,7 @@ class MetaService:
 
     # ---- extended attributes --------------------------------------------------
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def getxattr(self, ino: int, name: bytes) -> bytes:
         return self.store.getxattr(ino, name)
 
@@ -371,7 +371,7 @@ class MetaService:
             "setxattr", self.store.setxattr, ino=ino, name=name, value=value, flags=flags
         )
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def listxattr(self, ino: int) -> list[bytes]:
         return self.store.listxattr(ino)
 

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 import lmdb
@@ -47,6 +48,7 @@ log = logging.getLogger("shufflefs.storage.local_read")
 
 EMPTY = memoryview(b"")
 MAX_FDS = 1024
+MAX_RECORDS = 1 << 18
 
 
 class LocalTarget:
@@ -68,6 +70,11 @@ class LocalTarget:
         self._fds: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         self._busy: dict[int, int] = {}
         self._lock = threading.Lock()
+        # Committed records read before, reused until the caller says the file
+        # may have changed (`forget`): close-to-open, as the kernel caches data.
+        # Without it every read of cold data would also fault in chunk-table
+        # pages from disk.
+        self._records: dict[bytes, ChunkRecord] = {}
         self._chunks = str(self.path / CHUNKS_DIR)
 
     def close(self) -> None:
@@ -78,9 +85,34 @@ class LocalTarget:
         self.env.close()
 
     def _record(self, cid: bytes) -> ChunkRecord | None:
+        cached = self._records.get(cid)
+        if cached is not None:
+            return cached
         with self.env.begin(db=self.db, buffers=True) as txn:
             raw = txn.get(cid)
-            return None if raw is None else ChunkRecord.decode(raw, self.block_size)
+            rec = None if raw is None else ChunkRecord.decode(raw, self.block_size)
+        if rec is not None:
+            with self._lock:
+                if len(self._records) >= MAX_RECORDS:
+                    self._records.clear()
+                self._records[cid] = rec
+        return rec
+
+    def forget(self, cids: Iterable[bytes] | None = None) -> None:
+        """Drop cached chunk records (all, or those of *cids*): the caller
+        knows they may have changed (the file was opened again, or written)."""
+        with self._lock:
+            if cids is None:
+                self._records.clear()
+            else:
+                for cid in cids:
+                    self._records.pop(cid, None)
+
+    def forget_file(self, ino: int) -> None:
+        prefix = ino.to_bytes(8, "big")
+        with self._lock:
+            for cid in [c for c in self._records if c[:8] == prefix]:
+                del self._records[cid]
 
     def _acquire_fd(self, cid: bytes, generation: int) -> int:
         key = (cid, generation)
@@ -136,6 +168,7 @@ class LocalTarget:
         try:
             fd = self._acquire_fd(cid, rec.generation)
         except OSError:  # the generation was replaced (copy-on-write): ask the daemon
+            self.forget([cid])
             return None
         try:
             got = os.preadv(fd, [buf], start, os.RWF_NOWAIT if nowait else 0)
@@ -144,8 +177,10 @@ class LocalTarget:
             return None
         except OSError:
             self._release_fd(fd, (cid, rec.generation))
+            self.forget([cid])
             return None
         self._release_fd(fd)
         if got != n or first_bad_block(buf, first, rec.crcs, bs) >= 0:
+            self.forget([cid])  # changed under us (or damaged): the daemon decides
             return None
         return memoryview(buf)[offset - start : end - start]
