@@ -60,6 +60,7 @@ class ClientOptions:
     retry_budget: float = 30.0  # seconds a call keeps retrying through transient failures
     routing_poll: float = 1.0
     local_reads: bool = True  # read chunk files of this host's targets directly
+    write_buffer: int = 64 << 20  # bytes per file written behind (0: every write waits)
 
 
 @dataclass
@@ -71,6 +72,11 @@ class InodeState:
     dirty: bool = False  # written since the length was last reported
     mtime: int = 0  # ns of the last local write
     generation: int = 0  # bumps with every local write
+    # Writes acknowledged to the caller but still on their way to storage.
+    pending_bytes: int = 0
+    progress: trio.Event = field(default_factory=trio.Event)  # set when a write completes
+    chunk_tails: dict[int, trio.Event] = field(default_factory=dict)  # last write per chunk
+    error: FsError | None = None  # the first failure of a write: reported by the next call
 
 
 @dataclass
@@ -125,6 +131,7 @@ class FileSystem:
 
     async def start(self, nursery: trio.Nursery) -> None:
         self.storage.background = nursery
+        self.routing.listeners.append(self.storage.routing_changed)
         await self.routing.start(nursery)
         lease = await self._open_session()
         nursery.start_soon(self._keep_session, lease)
@@ -223,6 +230,7 @@ class FileSystem:
         mtime: int | None = None,
     ) -> Attr:
         st = self.inodes.get(ino)
+        await self.drain(ino)
         if st is not None and st.dirty:
             # report pending writes first, so their mtime cannot overwrite an
             # explicit one later (cp -p sets times on the open file)
@@ -354,6 +362,9 @@ class FileSystem:
         f = self.file(fh)
         if f.layout is None:
             raise FsError(errno.EINVAL, "not a regular file")
+        st = self.inodes.get(f.ino)
+        if st is not None and (st.pending_bytes or st.error):
+            await self.drain(f.ino)  # read our own writes
         end = min(offset + size, self.known_size(f.ino))
         if offset >= end:
             return b""
@@ -368,6 +379,7 @@ class FileSystem:
         f = self.file(fh)
         if f.layout is None:
             raise FsError(errno.EINVAL, "not a regular file")
+        await self.drain(f.ino)
         size = self.known_size(f.ino)
         extents = [
             (f.ino, f.layout, off, max(0, min(length, size - off))) for off, length in ranges
@@ -378,6 +390,14 @@ class FileSystem:
         return out
 
     async def write(self, fh: int, offset: int, data: Buffer) -> int:
+        """Write-behind: the bytes are handed to background tasks and the call
+        returns at once, so a stream of writes keeps several chunk writes in
+        flight instead of paying each one's round trip (and durable commit)
+        in turn. Writes to the same chunk stay in order. At most
+        `options.write_buffer` bytes per file are in flight; flush, fsync,
+        close, a truncate and any read of the file wait for them first and
+        report the first failure (as a local filesystem reports a failed
+        writeback at fsync/close); a failure also fails the next write."""
         f = self.file(fh)
         if f.layout is None:
             raise FsError(errno.EINVAL, "not a regular file")
@@ -386,13 +406,82 @@ class FileSystem:
         n = len(data)
         if n == 0:
             return 0
-        await self.storage.write(f.ino, f.layout, offset, data)
         st = self.inodes[f.ino]
+        self._raise_write_error(st)
+        if self.storage.background is None or self.options.write_buffer <= 0:
+            await self.storage.write(f.ino, f.layout, offset, data)
+        else:
+            while st.pending_bytes and st.pending_bytes + n > self.options.write_buffer:
+                await st.progress.wait()
+                self._raise_write_error(st)
+            self._write_behind(f.ino, f.layout, st, offset, bytes(data))
         st.size = max(st.size, offset + n)
         st.dirty = True
         st.mtime = time.time_ns()
         st.generation += 1
         return n
+
+    def _write_behind(
+        self, ino: int, layout: Layout, st: InodeState, offset: int, data: bytes
+    ) -> None:
+        assert self.storage.background is not None
+        view = memoryview(data)
+        size = layout["chunk_size"]
+        pos = offset
+        while pos < offset + len(data):
+            index = pos // size
+            end = min((index + 1) * size, offset + len(data))
+            piece = view[pos - offset : end - offset]
+            before = st.chunk_tails.get(index)
+            done = st.chunk_tails[index] = trio.Event()
+            st.pending_bytes += len(piece)
+            self.storage.background.start_soon(
+                self._write_piece, ino, layout, st, index, pos, piece, before, done
+            )
+            pos = end
+
+    async def _write_piece(
+        self,
+        ino: int,
+        layout: Layout,
+        st: InodeState,
+        index: int,
+        offset: int,
+        piece: memoryview,
+        before: trio.Event | None,
+        done: trio.Event,
+    ) -> None:
+        try:
+            if before is not None:
+                await before.wait()
+            if st.error is None:
+                await self.storage.write(ino, layout, offset, piece)
+        except FsError as exc:
+            log.warning("write-behind ino=%d off=%d failed: %s", ino, offset, exc.message)
+            if st.error is None:
+                st.error = exc
+        finally:
+            st.pending_bytes -= len(piece)
+            if st.chunk_tails.get(index) is done:
+                del st.chunk_tails[index]
+            done.set()
+            st.progress.set()
+            st.progress = trio.Event()
+
+    @staticmethod
+    def _raise_write_error(st: InodeState) -> None:
+        if st.error is not None:
+            exc, st.error = st.error, None
+            raise FsError(exc.code, f"an earlier write failed: {exc.message}")
+
+    async def drain(self, ino: int) -> None:
+        """Wait for this file's writes in flight; raise the first failure."""
+        st = self.inodes.get(ino)
+        if st is None:
+            return
+        while st.pending_bytes:
+            await st.progress.wait()
+        self._raise_write_error(st)
 
     async def _report_length(self, ino: int, st: InodeState) -> None:
         generation = st.generation
@@ -406,6 +495,7 @@ class FileSystem:
     async def flush(self, fh: int) -> None:
         """close(2) on a descriptor: make our writes visible to other clients."""
         f = self.file(fh)
+        await self.drain(f.ino)
         st = self.inodes.get(f.ino)
         if st is not None and st.dirty:
             await self._report_length(f.ino, st)

@@ -198,9 +198,13 @@ class Client:
             for off, length in ranges
         ]
         out = bytearray(sum(e[3] for e in extents))
-        if not out or (
-            self._reader is not None and self._reader.read_into(extents, memoryview(out))
-        ):
+        if not out:
+            return out
+        st = fs.inodes.get(handle.ino)
+        behind = st is not None and (st.pending_bytes > 0 or st.error is not None)
+        # with writes in flight the async path must answer: it waits for them
+        reader = None if behind else self._reader
+        if reader is not None and reader.read_into(extents, memoryview(out)):
             return out
         return self._run(fs.read_many, handle.fh, ranges)
 

@@ -45,6 +45,7 @@ log = logging.getLogger("shufflefs.client.storage")
 
 MAX_PARALLEL_CHUNK_WRITES = 8
 SUSPECT_SECONDS = 5.0  # how long a replica that failed is avoided
+FAILOVER_READ_TIMEOUT = 1.5  # a read with another replica to try gives up on one this soon
 REMOTE_PENALTY = 2  # a replica on another host counts as this many requests busier
 INLINE_WAIT_MAX = 0  # other reads in flight above which a disk wait goes to a thread
 SPREAD_THRESHOLD = 8  # pieces of one chain in a batch from which they go to every replica
@@ -150,6 +151,7 @@ class StorageClient:
         self._local: tuple[int, frozenset[int]] = (-1, frozenset())
         self.local_reads = local_reads
         self.reads_in_flight = 0
+        self.writes: set[tuple[int, int, trio.CancelScope]] = set()  # see _write_range
         self._salt = random.randrange(1 << 30)
         self._local_targets: dict[int, LocalTarget | None] = {}  # None: not readable here
         self._local_threads = trio.CapacityLimiter(LOCAL_READ_THREADS)
@@ -272,6 +274,14 @@ class StorageClient:
                     return bytes(data) + bytes(length - len(data))
                 return bytes(data)
         return None
+
+    def routing_changed(self, routing: Routing) -> None:
+        """Stop waiting on writes sent to chains that changed since (a
+        `RoutingCache` listener): they are retried on the new chain."""
+        for chain, version, scope in list(self.writes):
+            info = routing.chains.get(chain)
+            if info is None or info["version"] != version:
+                scope.cancel()
 
     def failed(self, routing: Routing, target_id: int, exc: FsError) -> None:
         """A replica failed us: avoid it for a while; if it looked dead, tell
@@ -414,9 +424,15 @@ class StorageClient:
         async def one_request(address: str, items: list[tuple[Piece, int]]) -> None:
             for _, tid in items:
                 self.outstanding[tid] += 1
+            # With another replica to fall back on, do not wait out the full
+            # timeout on one that went silent (a cut link resets nothing).
+            others = any(
+                len(routing.serving_targets(p[0])) > 1 + len(avoid[p[0]]) for p, _ in items[:1]
+            )
+            timeout = min(self.read_timeout, FAILOVER_READ_TIMEOUT) if others else None
             try:
                 lengths, payload = await self.stub(address).read(
-                    [(tid, p[1], p[2], p[3]) for p, tid in items]
+                    [(tid, p[1], p[2], p[3]) for p, tid in items], timeout=timeout
                 )
             except FsError as exc:
                 if exc.code in (errno.EINVAL, errno.EMSGSIZE):
@@ -517,20 +533,29 @@ class StorageClient:
                 raise FsError(errno.ENXIO, f"chain {r.chain} has no serving target")
             head = serving[0]
             stub = StorageStub(self.rpc, routing.target_address(head["id"]), self.write_timeout)
+            # a head that went silent is taken out of the chain by mgmtd: then
+            # stop waiting for it and retry on the new head at once
+            watch = (chain["id"], chain["version"], trio.CancelScope())
+            self.writes.add(watch)
             try:
-                await stub.write(
-                    head["id"],
-                    chain["id"],
-                    chain["version"],
-                    r.chunk,
-                    r.offset,
-                    layout["chunk_size"],
-                    data,
-                )
+                with watch[2]:
+                    await stub.write(
+                        head["id"],
+                        chain["id"],
+                        chain["version"],
+                        r.chunk,
+                        r.offset,
+                        layout["chunk_size"],
+                        data,
+                    )
             except FsError as exc:
                 if exc.code in TRANSIENT:
                     self.failed(routing, head["id"], exc)
                 raise
+            finally:
+                self.writes.discard(watch)
+            if watch[2].cancelled_caught:
+                raise FsError(errno.ESTALE, f"chain {chain['id']} changed during a write: retry")
 
         await retrying(
             f"write chunk {r.chunk.hex()}",

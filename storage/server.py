@@ -163,6 +163,7 @@ class StorageService:
         self.io_threads = max(1, io_threads)
         self.limiter = trio.CapacityLimiter(self.io_threads)
         self.routing = routing
+        self.forwards: set[tuple[int, int, trio.CancelScope]] = set()  # see _call_successor
         self.max_read_bytes = max_read_bytes
         self.rpc = rpc
         self.mgmtd = mgmtd
@@ -547,8 +548,14 @@ class StorageService:
         except FsError as exc:
             raise FsError(errno.ESTALE, exc.message) from None
         stub = StorageStub(self.rpc, address, timeout=self.forward_timeout * place.remaining)
+        # If mgmtd changes the chain meanwhile (it took a silent successor out
+        # after the heartbeat timeout), stop waiting for the timeout: the
+        # client retries on the new chain at once.
+        watch = (place.chain, place.version, trio.CancelScope())
+        self.forwards.add(watch)
         try:
-            await call(stub)
+            with watch[2]:
+                await call(stub)
         except FsError as exc:
             if exc.code not in UNREACHABLE:
                 raise
@@ -558,6 +565,20 @@ class StorageService:
                 f"replica target {succ['id']} on node {succ['node']} of chain {place.chain} is "
                 f"unreachable ({exc.message}); reported to mgmtd: retry once the chain changed",
             ) from None
+        finally:
+            self.forwards.discard(watch)
+        if watch[2].cancelled_caught:
+            raise FsError(
+                errno.ESTALE,
+                f"chain {place.chain} changed while forwarding to target {succ['id']}: retry",
+            )
+
+    def routing_changed(self, routing: Routing) -> None:
+        """Cancel forwards to chains that changed (a `RoutingCache` listener)."""
+        for chain, version, scope in list(self.forwards):
+            info = routing.chains.get(chain)
+            if info is None or info["version"] != version:
+                scope.cancel()
 
     async def _successor_unreachable(
         self, place: Place, succ: TargetInfo, address: str, exc: FsError
@@ -1499,6 +1520,7 @@ class StorageDaemon:
                 # write would apply here alone, unreplicated (with one that is
                 # not fetched yet, it is refused with ESTALE)
                 service.routing, service.rpc, service.mgmtd = routing, rpc, mgmtd
+                routing.listeners.append(service.routing_changed)
                 port = await nursery.start(server.serve, host, port)
                 self.port = port
                 address = config.advertise or _advertised(host, port)

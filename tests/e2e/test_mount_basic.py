@@ -219,3 +219,41 @@ def test_cp_tar_git(mnt: Path, tmp_path: Path) -> None:
     )
     assert "first" in log.stdout
     subprocess.run([git, "fsck", "--strict"], cwd=repo, check=True, env=env, capture_output=True)
+
+
+def test_overlapping_writes_land_in_order(mnt: Path) -> None:
+    """Writes go out behind the caller; those to one chunk must still apply in
+    the order they were made."""
+    p = mnt / "order.bin"
+    model = bytearray(3 * CHUNK)
+    rng = random.Random(11)
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for i in range(300):
+            off = rng.choice((0, CHUNK - 3000, CHUNK + 100, 2 * CHUNK - 1)) + rng.randrange(0, 2000)
+            data = bytes([i % 251]) * rng.randrange(1, 6000)
+            data = data[: 3 * CHUNK - off]
+            os.pwrite(fd, data, off)
+            model[off : off + len(data)] = data
+    finally:
+        os.close(fd)
+    assert p.read_bytes()[: len(model)] == bytes(model[: p.stat().st_size])
+
+
+def test_reads_see_own_writes_before_close(mnt: Path) -> None:
+    p = mnt / "own.bin"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        data = os.urandom(5 * CHUNK)
+        os.write(fd, data)
+        direct = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        try:
+            import mmap
+
+            buf = mmap.mmap(-1, 8192)
+            n = os.preadv(direct, [buf], 4 * CHUNK)
+            assert buf[:n] == data[4 * CHUNK : 4 * CHUNK + n] and n == 8192
+        finally:
+            os.close(direct)
+    finally:
+        os.close(fd)

@@ -91,3 +91,14 @@ def test_config_not_found_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(OSError) as info:
         Client(tmp_path / "missing.toml")
     assert info.value.errno == errno.ENOENT and "missing.toml" in str(info.value)
+
+
+def test_native_reads_see_writes_still_in_flight(native: Any) -> None:
+    data = os.urandom(6 * (1 << 20))
+    with native.open("/inflight.bin", "w+b", buffering=0) as f:
+        f.write(data)
+        assert f.pread(5 * (1 << 20) + 7, 100) == data[5 * (1 << 20) + 7 : 5 * (1 << 20) + 107]
+        assert (
+            bytes(f.pread_batch([(0, 10), (3 << 20, 10)]))
+            == data[:10] + data[3 << 20 : (3 << 20) + 10]
+        )
