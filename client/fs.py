@@ -517,6 +517,9 @@ class FileSystem:
                 st.opens -= 1
                 if st.opens <= 0:
                     del self.inodes[f.ino]
+                    # no chunk file of it stays open here: a removed chunk's
+                    # space must come back once the daemons delete it
+                    self.storage.forget_local(f.ino)
             await self.meta.mutate("release", lambda m: m.release(f.ino, f.handle, self.session))
 
     # ---- paths (the native API) ---------------------------------------------------

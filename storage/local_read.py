@@ -69,6 +69,9 @@ class LocalTarget:
         # threads share them, so an fd is closed only while nobody uses it
         self._fds: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         self._busy: dict[int, int] = {}
+        # fds dropped from the cache while a read still uses them: closed by
+        # the last user (an open fd would pin a removed chunk file's space)
+        self._closing: set[int] = set()
         self._lock = threading.Lock()
         # Committed records read before, reused until the caller says the file
         # may have changed (`forget`): close-to-open, as the kernel caches data.
@@ -99,20 +102,38 @@ class LocalTarget:
         return rec
 
     def forget(self, cids: Iterable[bytes] | None = None) -> None:
-        """Drop cached chunk records (all, or those of *cids*): the caller
-        knows they may have changed (the file was opened again, or written)."""
+        """Drop cached chunk records and open chunk files (all, or those of
+        *cids*): the caller knows they may have changed (the file was opened
+        again, written, or closed). Closing the files matters as much as the
+        records: a cached fd keeps a chunk the daemon removed (or replaced by
+        copy-on-write) on disk, and its space is not freed."""
         with self._lock:
             if cids is None:
                 self._records.clear()
+                self._drop_fds(list(self._fds))
             else:
-                for cid in cids:
+                wanted = set(cids)
+                for cid in wanted:
                     self._records.pop(cid, None)
+                self._drop_fds([k for k in self._fds if k[0] in wanted])
 
     def forget_file(self, ino: int) -> None:
+        """`forget` every chunk of one file."""
         prefix = ino.to_bytes(8, "big")
         with self._lock:
             for cid in [c for c in self._records if c[:8] == prefix]:
                 del self._records[cid]
+            self._drop_fds([k for k in self._fds if k[0][:8] == prefix])
+
+    def _drop_fds(self, keys: list[tuple[bytes, int]]) -> None:
+        """Close cached fds (the caller holds the lock); one still in use
+        is closed by its last user."""
+        for key in keys:
+            fd = self._fds.pop(key)
+            if self._busy.get(fd):
+                self._closing.add(fd)
+            else:
+                os.close(fd)
 
     def _acquire_fd(self, cid: bytes, generation: int) -> int:
         key = (cid, generation)
@@ -125,13 +146,15 @@ class LocalTarget:
         path = f"{self._chunks}/{chunk_dir_name(cid)}/{chunk_file_name(cid, generation)}"
         fd = os.open(path, os.O_RDONLY)
         with self._lock:
+            old = self._fds.get(key)
+            if old is not None:  # another thread opened it meanwhile: keep one
+                self._busy[fd] = 1
+                self._closing.add(fd)
+                return fd
             self._fds[key] = fd
             self._busy[fd] = 1
             if len(self._fds) > MAX_FDS:
-                for old_key, old_fd in list(self._fds.items())[: len(self._fds) - MAX_FDS]:
-                    if not self._busy.get(old_fd):
-                        del self._fds[old_key]
-                        os.close(old_fd)
+                self._drop_fds(list(self._fds)[: len(self._fds) - MAX_FDS])
         return fd
 
     def _release_fd(self, fd: int, stale_key: tuple[bytes, int] | None = None) -> None:
@@ -142,9 +165,10 @@ class LocalTarget:
             else:
                 self._busy.pop(fd, None)
             if stale_key is not None and self._fds.get(stale_key) == fd:
-                del self._fds[stale_key]
-                if left <= 0:
-                    os.close(fd)
+                self._drop_fds([stale_key])
+            elif left <= 0 and fd in self._closing:
+                self._closing.discard(fd)
+                os.close(fd)
 
     def read(self, cid: bytes, offset: int, length: int, nowait: bool) -> memoryview | None:
         """The committed bytes of [offset, offset + length) of a chunk (short

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 from conftest import Mounted
+from procfs import deleted_open_files
 
 MiB = 1 << 20
 
@@ -48,3 +49,29 @@ def test_damaged_local_replica_is_never_returned(mounted: Mounted, mnt: Path) ->
     finally:
         os.close(fd)
     assert p.read_bytes() == data
+
+
+def test_removed_chunks_are_not_held_open_by_the_reader(mounted: Mounted, mnt: Path) -> None:
+    """A short-circuit reader must not keep chunk files open after the file is
+    closed: once the daemons delete them (unlink, overwrite), their space comes
+    back. Held fds once kept a full target full after half its files were gone."""
+    import time
+
+    mount_pid = int((mounted.data_dir / "run" / "mount.pid").read_text())
+    paths = [mnt / f"held-{i}.bin" for i in range(4)]
+    for p in paths:
+        p.write_bytes(os.urandom(2 * MiB + 17))
+    for p in paths:
+        p.read_bytes()
+    with open(paths[0], "r+b") as f:  # copy-on-write replaces a committed chunk file
+        f.write(b"overwritten")
+    for p in paths[1:]:
+        p.unlink()
+    deadline = time.monotonic() + 30
+    while True:  # the deletes reach the daemons through metadata GC
+        held = deleted_open_files(mount_pid, mounted.data_dir)
+        if not held:
+            break
+        assert time.monotonic() < deadline, f"mount still holds removed chunk files: {held}"
+        time.sleep(0.2)
+    paths[0].unlink()

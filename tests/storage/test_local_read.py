@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
+from procfs import deleted_open_files
 
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.chunks import ChunkStore
@@ -103,3 +104,47 @@ def test_refuses_another_target(tmp_path: Path) -> None:
     assert info.value.errno == errno.ESTALE
     with pytest.raises(FsError):
         LocalTarget(tmp_path / "t", 7, "cluster-b")
+
+
+def test_forgetting_a_file_closes_its_chunk_files(tmp_path: Path) -> None:
+    """A cached fd would keep a chunk the daemon removed on disk (its space
+    never freed): forgetting the file closes them, also for a read in flight."""
+    store = open_store(tmp_path / "t")
+    for ino in (42, 43):
+        for index in range(3):
+            store.write(chunk_id(ino, index), 0, CS, b"x" * 1000)
+    store.close()
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+    for ino in (42, 43):
+        for index in range(3):
+            assert local.read(chunk_id(ino, index), 0, 10, nowait=False) is not None
+    for index in range(3):  # what the daemon's remove_file does to the files
+        chunk_file(tmp_path / "t", chunk_id(42, index)).unlink()
+    assert len(deleted_open_files("self", tmp_path)) == 3
+    local.forget_file(43)
+    assert len(deleted_open_files("self", tmp_path)) == 3
+    local.forget_file(42)
+    assert deleted_open_files("self", tmp_path) == []
+    # the other file's chunks are read (and cached) again as before
+    assert local.read(chunk_id(43, 1), 0, 3, nowait=False) == b"xxx"
+    local.forget()
+    local.close()
+
+
+def test_a_busy_fd_is_closed_by_its_last_user(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "t")
+    cid = chunk_id(9, 0)
+    store.write(cid, 0, CS, b"y" * 100)
+    rec = store._record(cid)
+    assert rec is not None
+    store.close()
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+    fd = local._acquire_fd(cid, rec.generation)  # a read in flight holds it
+    chunk_file(tmp_path / "t", cid).unlink()
+    local.forget([cid])
+    # still in use: not closed under the reader
+    assert len(deleted_open_files("self", tmp_path)) == 1
+    assert os.pread(fd, 3, 0) == b"yyy"
+    local._release_fd(fd)
+    assert deleted_open_files("self", tmp_path) == []
+    local.close()
