@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Final, Generic, TypeVar
 
 K = TypeVar("K")
@@ -92,9 +93,14 @@ class FdHandle:
 
 
 class FdCache(Generic[K]):
-    def __init__(self, capacity: int) -> None:
+    """With *group*, the keys of one group (the chunks of one file) can be
+    invalidated together in time proportional to the group, not the cache."""
+
+    def __init__(self, capacity: int, group: Callable[[K], Hashable] | None = None) -> None:
         self.capacity = max(1, capacity)
         self._data: OrderedDict[K, FdHandle] = OrderedDict()
+        self._group = group
+        self._groups: dict[Hashable, set[K]] = {}
         self._lock = threading.Lock()
         self.epoch = 0
         self.opened = 0  # fds this cache has taken ownership of (for tests and stats)
@@ -127,8 +133,11 @@ class FdCache(Generic[K]):
                 handle.evicted = True  # used once, closed on release
                 return handle
             self._data[key] = handle
+            if self._group is not None:
+                self._groups.setdefault(self._group(key), set()).add(key)
             while len(self._data) > self.capacity:
-                _, old = self._data.popitem(last=False)
+                old_key, old = self._data.popitem(last=False)
+                self._ungroup(old_key)
                 self._retire(old)
             return handle
 
@@ -146,7 +155,24 @@ class FdCache(Generic[K]):
             self.epoch += 1
             handle = self._data.pop(key, None)
             if handle is not None:
+                self._ungroup(key)
                 self._retire(handle)
+
+    def invalidate_group(self, group: Hashable) -> None:
+        """`invalidate` every key of *group* (needs *group* at construction)."""
+        with self._lock:
+            self.epoch += 1
+            for key in self._groups.pop(group, ()):
+                self._retire(self._data.pop(key))
+
+    def _ungroup(self, key: K) -> None:
+        if self._group is not None:
+            g = self._group(key)
+            members = self._groups.get(g)
+            if members is not None:
+                members.discard(key)
+                if not members:
+                    del self._groups[g]
 
     def _retire(self, handle: FdHandle) -> None:
         handle.evicted = True
@@ -163,6 +189,7 @@ class FdCache(Generic[K]):
             self.epoch += 1
             handles = list(self._data.values())
             self._data.clear()
+            self._groups.clear()
             for handle in handles:
                 self._retire(handle)
 

@@ -21,17 +21,19 @@ the daemon that knows the on-disk format.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import resource
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
 import lmdb
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.storage.cache import FdCache, FdHandle
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
     CHUNKS_DIR,
@@ -47,8 +49,28 @@ from shufflefs.storage.layout import (
 log = logging.getLogger("shufflefs.storage.local_read")
 
 EMPTY = memoryview(b"")
-MAX_FDS = 1024
+MAX_FDS = 4096  # open chunk files per target, if the process's fd limit allows
 MAX_RECORDS = 1 << 18
+
+
+def _file_of(key: tuple[bytes, int]) -> bytes:
+    return key[0][:8]  # a chunk id starts with its file's inode
+
+
+def fd_budget(targets: int = 4) -> int:
+    """How many chunk files one target may keep open: MAX_FDS, or what the
+    open-file limit leaves (raised to the hard limit first, as the daemons
+    do) for this many targets and the rest of the process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_FDS * targets + 1024
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FDS
+    return max(16, min(MAX_FDS, (soft - 512) // (2 * targets)))
 
 
 class LocalTarget:
@@ -65,115 +87,105 @@ class LocalTarget:
             str(self.path / META_DIR), readonly=True, max_dbs=2, subdir=True, readahead=False
         )
         self.db = self.env.open_db(b"chunks", create=False)
-        # open chunk files, least recently used first; readers in several
-        # threads share them, so an fd is closed only while nobody uses it
-        self._fds: OrderedDict[tuple[bytes, int], int] = OrderedDict()
-        self._busy: dict[int, int] = {}
-        # fds dropped from the cache while a read still uses them: closed by
-        # the last user (an open fd would pin a removed chunk file's space)
-        self._closing: set[int] = set()
+        # Open chunk files, least recently used first, grouped per file so
+        # that forgetting a file closes its chunks (an fd held after the
+        # daemon removed a chunk would keep its space from being freed).
+        self._fds: FdCache[tuple[bytes, int]] = FdCache(fd_budget(), group=_file_of)
         self._lock = threading.Lock()
-        # Committed records read before, reused until the caller says the file
-        # may have changed (`forget`): close-to-open, as the kernel caches data.
-        # Without it every read of cold data would also fault in chunk-table
-        # pages from disk.
-        self._records: dict[bytes, ChunkRecord] = {}
+        # Committed records read before, per file, reused until the caller
+        # says the file may have changed (`forget`): close-to-open, as the
+        # kernel caches data. Without it every read of cold data would also
+        # fault in chunk-table pages from disk.
+        self._records: dict[bytes, dict[bytes, ChunkRecord]] = {}
+        self._record_count = 0
+        self._record_epoch = 0  # bumped by every forget: a lookup in flight is not cached
         self._chunks = str(self.path / CHUNKS_DIR)
 
     def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._fds.close_all()
         self.env.close()
 
     def _record(self, cid: bytes) -> ChunkRecord | None:
-        cached = self._records.get(cid)
-        if cached is not None:
-            return cached
+        group = self._records.get(cid[:8])
+        if group is not None:
+            cached = group.get(cid)
+            if cached is not None:
+                return cached
+        epoch = self._record_epoch
         with self.env.begin(db=self.db, buffers=True) as txn:
             raw = txn.get(cid)
             rec = None if raw is None else ChunkRecord.decode(raw, self.block_size)
         if rec is not None:
             with self._lock:
-                if len(self._records) >= MAX_RECORDS:
+                if epoch != self._record_epoch:
+                    return rec
+                if self._record_count >= MAX_RECORDS:
                     self._records.clear()
-                self._records[cid] = rec
+                    self._record_count = 0
+                group = self._records.setdefault(cid[:8], {})
+                if cid not in group:
+                    self._record_count += 1
+                group[cid] = rec
         return rec
 
     def forget(self, cids: Iterable[bytes] | None = None) -> None:
-        """Drop cached chunk records and open chunk files (all, or those of
-        *cids*): the caller knows they may have changed (the file was opened
-        again, written, or closed). Closing the files matters as much as the
-        records: a cached fd keeps a chunk the daemon removed (or replaced by
-        copy-on-write) on disk, and its space is not freed."""
-        with self._lock:
-            if cids is None:
+        """Drop what is cached of the files of *cids* (or of all files):
+        the caller knows they may have changed (opened again, written,
+        closed). That closes their chunk files too: a cached fd keeps a chunk
+        the daemon removed (or replaced by copy-on-write) on disk."""
+        if cids is None:
+            with self._lock:
+                self._record_epoch += 1
                 self._records.clear()
-                self._drop_fds(list(self._fds))
-            else:
-                wanted = set(cids)
-                for cid in wanted:
-                    self._records.pop(cid, None)
-                self._drop_fds([k for k in self._fds if k[0] in wanted])
+                self._record_count = 0
+            self._fds.close_all()
+            return
+        for prefix in {cid[:8] for cid in cids}:
+            self._forget_prefix(prefix)
 
     def forget_file(self, ino: int) -> None:
         """`forget` every chunk of one file."""
-        prefix = ino.to_bytes(8, "big")
+        self._forget_prefix(ino.to_bytes(8, "big"))
+
+    def _drop_chunk(self, cid: bytes, key: tuple[bytes, int]) -> None:
+        """One chunk's record and file are suspect: look both up again."""
         with self._lock:
-            for cid in [c for c in self._records if c[:8] == prefix]:
-                del self._records[cid]
-            self._drop_fds([k for k in self._fds if k[0][:8] == prefix])
+            self._record_epoch += 1
+            group = self._records.get(cid[:8])
+            if group is not None and group.pop(cid, None) is not None:
+                self._record_count -= 1
+        self._fds.invalidate(key)
 
-    def _drop_fds(self, keys: list[tuple[bytes, int]]) -> None:
-        """Close cached fds (the caller holds the lock); one still in use
-        is closed by its last user."""
-        for key in keys:
-            fd = self._fds.pop(key)
-            if self._busy.get(fd):
-                self._closing.add(fd)
-            else:
-                os.close(fd)
+    def _forget_prefix(self, prefix: bytes) -> None:
+        with self._lock:
+            self._record_epoch += 1
+            group = self._records.pop(prefix, None)
+            if group is not None:
+                self._record_count -= len(group)
+        self._fds.invalidate_group(prefix)
 
-    def _acquire_fd(self, cid: bytes, generation: int) -> int:
+    def _open(self, cid: bytes, generation: int, nowait: bool) -> FdHandle | None:
+        """A referenced handle on a chunk file (release it after use); None
+        if it is gone (the daemon answers) or, with *nowait*, not open yet
+        (opening may wait for the disk: its directory)."""
         key = (cid, generation)
-        with self._lock:
-            fd = self._fds.get(key)
-            if fd is not None:
-                self._fds.move_to_end(key)
-                self._busy[fd] = self._busy.get(fd, 0) + 1
-                return fd
+        handle = self._fds.get(key)
+        if handle is not None or nowait:
+            return handle
+        epoch = self._fds.epoch
         path = f"{self._chunks}/{chunk_dir_name(cid)}/{chunk_file_name(cid, generation)}"
-        fd = os.open(path, os.O_RDONLY)
-        with self._lock:
-            old = self._fds.get(key)
-            if old is not None:  # another thread opened it meanwhile: keep one
-                self._busy[fd] = 1
-                self._closing.add(fd)
-                return fd
-            self._fds[key] = fd
-            self._busy[fd] = 1
-            if len(self._fds) > MAX_FDS:
-                self._drop_fds(list(self._fds)[: len(self._fds) - MAX_FDS])
-        return fd
-
-    def _release_fd(self, fd: int, stale_key: tuple[bytes, int] | None = None) -> None:
-        with self._lock:
-            left = self._busy.get(fd, 1) - 1
-            if left > 0:
-                self._busy[fd] = left
-            else:
-                self._busy.pop(fd, None)
-            if stale_key is not None and self._fds.get(stale_key) == fd:
-                self._drop_fds([stale_key])
-            elif left <= 0 and fd in self._closing:
-                self._closing.discard(fd)
-                os.close(fd)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # the generation was replaced (copy-on-write): ask the daemon
+            self._drop_chunk(cid, key)
+            return None
+        return self._fds.put(key, fd, epoch)
 
     def read(self, cid: bytes, offset: int, length: int, nowait: bool) -> memoryview | None:
         """The committed bytes of [offset, offset + length) of a chunk (short
         past its end, empty if it does not exist); None if the daemon must
-        answer, or, with *nowait*, if the bytes are not in the page cache."""
+        answer, or, with *nowait*, if the bytes are not in the page cache or
+        the chunk file is not open yet."""
         try:
             rec = self._record(cid)
         except (lmdb.Error, FsError) as exc:
@@ -189,22 +201,22 @@ class LocalTarget:
         start = first * bs
         n = min(block_count(end, bs) * bs, rec.length) - start
         buf = bytearray(n)
-        try:
-            fd = self._acquire_fd(cid, rec.generation)
-        except OSError:  # the generation was replaced (copy-on-write): ask the daemon
-            self.forget([cid])
+        key = (cid, rec.generation)
+        handle = self._open(cid, rec.generation, nowait)
+        if handle is None:
             return None
         try:
-            got = os.preadv(fd, [buf], start, os.RWF_NOWAIT if nowait else 0)
+            got = os.preadv(handle.fd, [buf], start, os.RWF_NOWAIT if nowait else 0)
         except BlockingIOError:
-            self._release_fd(fd)
             return None
         except OSError:
-            self._release_fd(fd, (cid, rec.generation))
-            self.forget([cid])
+            self._drop_chunk(cid, key)
             return None
-        self._release_fd(fd)
+        finally:
+            self._fds.release(handle)
+        if got != n and nowait:  # partly in the page cache: a thread reads it all
+            return None
         if got != n or first_bad_block(buf, first, rec.crcs, bs) >= 0:
-            self.forget([cid])  # changed under us (or damaged): the daemon decides
+            self._drop_chunk(cid, key)  # changed under us (or damaged): the daemon decides
             return None
         return memoryview(buf)[offset - start : end - start]

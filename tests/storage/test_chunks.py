@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.cache import FdCache
+from shufflefs.storage.cache import FdCache, FdHandle
 from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.crc import block_crcs
 from shufflefs.storage.layout import ChunkRecord, parse_chunk_file_name
@@ -545,3 +545,29 @@ def test_concurrent_readers_see_whole_versions(tmp_path: Path) -> None:
             for t in threads:
                 t.join()
         assert not errors, errors[:3]
+
+
+def test_fd_cache_invalidates_a_group(tmp_path: Path) -> None:
+    """Grouped keys (a file's chunks) are invalidated together; a handle in
+    use stays open until released; eviction keeps the groups consistent."""
+    cache: FdCache[tuple[str, int]] = FdCache(3, group=lambda k: k[0])
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+
+    def put(key: tuple[str, int]) -> FdHandle:
+        return cache.put(key, os.open(path, os.O_RDONLY), cache.epoch)
+
+    busy = put(("a", 1))
+    cache.release(put(("a", 2)))
+    cache.release(put(("b", 1)))
+    cache.invalidate_group("a")
+    assert len(cache) == 1 and cache.get(("a", 2)) is None
+    assert not busy.closed and os.pread(busy.fd, 1, 0) == b"x"
+    cache.release(busy)
+    assert busy.closed
+    for i in range(5):  # evicts ("b", 1) and some of these
+        cache.release(put(("c", i)))
+    cache.invalidate_group("b")
+    cache.invalidate_group("c")
+    assert len(cache) == 0 and cache._groups == {}
+    assert cache.opened == cache.closed

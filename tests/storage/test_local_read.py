@@ -139,12 +139,14 @@ def test_a_busy_fd_is_closed_by_its_last_user(tmp_path: Path) -> None:
     assert rec is not None
     store.close()
     local = LocalTarget(tmp_path / "t", 7, "cluster-a")
-    fd = local._acquire_fd(cid, rec.generation)  # a read in flight holds it
+    assert local.read(cid, 0, 3, nowait=False) == b"yyy"
+    handle = local._fds.get((cid, rec.generation))  # as a read in flight holds it
+    assert handle is not None
     chunk_file(tmp_path / "t", cid).unlink()
     local.forget([cid])
     # still in use: not closed under the reader
     assert len(deleted_open_files("self", tmp_path)) == 1
-    assert os.pread(fd, 3, 0) == b"yyy"
-    local._release_fd(fd)
+    assert os.pread(handle.fd, 3, 0) == b"yyy"
+    local._fds.release(handle)
     assert deleted_open_files("self", tmp_path) == []
     local.close()
