@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, s_mount, s_cold, s_warm in rows:
         print(f"  {label:<12} {n / s_mount:>10,.0f} {n / s_cold:>11,.0f} {n / s_warm:>11,.0f}")
     print(
-        "  first read: every window crosses the network to a storage daemon;\n"
+        "  first read: every window comes from a storage target (here, on the same host,\n"
+        "    straight from its chunk file, checksums verified; from another host, through\n"
+        "    the network from a storage daemon);\n"
         "  re-read: the kernel page cache on this node serves the unchanged file;\n"
         "  local cold/warm: the same reads on a local copy with its page cache dropped/kept."
     )
