@@ -28,34 +28,23 @@ from shufflefs.client.data.tokens import ExplainedSample, TokenWindows
 
 def explain_step(args: argparse.Namespace) -> list[ExplainedSample]:
     rank = args.rank if args.rank is not None else 0
-    if args.files:
-        files = FileSamples(
-            args.paths,
-            seed=args.seed,
-            rank=rank,
-            world_size=args.world_size,
-            drop_last=args.drop_last,
-            config=args.config,
-        )
-        if args.rank is not None:
-            return files._explain_rank(
-                rank, args.step * args.batch_size, args.batch_size, args.epoch
-            )
-        return files.explain_step(args.step, args.batch_size, args.epoch)
-    tokens = TokenWindows(
-        args.paths,
-        seq_len=args.seq_len,
-        dtype=args.dtype,
-        stride=args.stride,
+    common = dict(
         seed=args.seed,
         rank=rank,
         world_size=args.world_size,
         drop_last=args.drop_last,
         config=args.config,
     )
+    dataset: FileSamples | TokenWindows
+    if args.files:
+        dataset = FileSamples(args.paths, **common)
+    else:
+        dataset = TokenWindows(
+            args.paths, seq_len=args.seq_len, dtype=args.dtype, stride=args.stride, **common
+        )
     if args.rank is not None:
-        return tokens._explain_rank(rank, args.step * args.batch_size, args.batch_size, args.epoch)
-    return tokens.explain_step(args.step, args.batch_size, args.epoch)
+        return dataset._explain_rank(rank, args.step * args.batch_size, args.batch_size, args.epoch)
+    return dataset.explain_step(args.step, args.batch_size, args.epoch)
 
 
 def cli_sample(args: argparse.Namespace) -> int:

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shufflefs.client.data.permutation import KeyedPermutation
 from shufflefs.client.data.readahead import ReadPlan, pipeline
 from shufflefs.client.data.readers import RangeReader, make_reader
 from shufflefs.client.data.sharding import (
@@ -34,7 +33,7 @@ from shufflefs.client.data.sharding import (
     worker_identity,
 )
 from shufflefs.client.data.sources import Namespace
-from shufflefs.client.data.tokens import ExplainedSample, PathArg, as_path_list
+from shufflefs.client.data.tokens import ExplainedSample, PathArg, as_path_list, samples_of_step
 
 IntArray = npt.NDArray[np.int64]
 
@@ -58,24 +57,13 @@ class ShuffleSampler(EpochState):
     ) -> None:
         super().__init__(Shard(n, rank, world_size, drop_last), seed, batch_size)
         self._extra = identity or {}
-        self._perm: KeyedPermutation | None = None
 
     def _identity(self) -> dict[str, Any]:
         return {"num_items": self.shard.n, **self._extra}
 
-    def permutation(self, epoch: int | None = None) -> KeyedPermutation:
-        epoch = self.epoch if epoch is None else epoch
-        perm = self._perm
-        if perm is None or perm.epoch != epoch or perm.seed != self.seed:
-            perm = self._perm = KeyedPermutation(self.shard.n, self.seed, epoch)
-        return perm
-
     def items(self, positions: npt.ArrayLike, epoch: int | None = None) -> IntArray:
         """Item indices at this rank's *positions* of *epoch*."""
-        local = np.asarray(positions, dtype=np.int64)
-        if local.size and (local.min() < 0 or local.max() >= len(self)):
-            raise IndexError(f"positions outside this rank's [0, {len(self)})")
-        return self.permutation(epoch)(self.shard.global_positions(local))
+        return self.ordered(positions, epoch)
 
     def __iter__(self) -> Iterator[int]:
         start = self._begin()
@@ -85,11 +73,6 @@ class ShuffleSampler(EpochState):
             for item in perm(self.shard.global_positions(local)).tolist():
                 self._consumed += 1
                 yield item
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_perm"] = None
-        return state
 
 
 class FileSamples:
@@ -210,12 +193,7 @@ class FileSamples:
     def _explain_rank(
         self, rank: int, position: int, count: int, epoch: int | None
     ) -> list[ExplainedSample]:
-        if position < 0 or count < 0:
-            raise ValueError("position and count must be >= 0")
-        s = self.sampler.shard
-        shard = Shard(s.n, rank, s.world_size, s.drop_last)
-        local = np.arange(position, min(position + count, shard.size), dtype=np.int64)
-        items = self.sampler.permutation(epoch)(shard.global_positions(local))
+        local, items = self.sampler.rank_slice(rank, position, count, epoch)
         return [
             ExplainedSample(rank, p, i, self.files[i], 0, int(self.sizes[i]))
             for p, i in zip(local.tolist(), items.tolist(), strict=True)
@@ -224,13 +202,13 @@ class FileSamples:
     def explain_step(
         self, step: int, batch_size: int | None = None, epoch: int | None = None
     ) -> list[ExplainedSample]:
-        b = batch_size if batch_size is not None else self.batch_size
-        if b is None:
-            raise ValueError("explain_step needs a batch size")
-        out: list[ExplainedSample] = []
-        for rank in range(self.sampler.world_size):
-            out.extend(self._explain_rank(rank, step * b, b, epoch))
-        return out
+        return samples_of_step(
+            self._explain_rank,
+            self.sampler.world_size,
+            step,
+            self.batch_size if batch_size is None else batch_size,
+            epoch,
+        )
 
     # ---- iterating with readahead ----------------------------------------
 

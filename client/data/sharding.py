@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shufflefs.client.data.permutation import KeyedPermutation
+
 log = logging.getLogger("shufflefs.client.data")
 
 IntArray = npt.NDArray[np.int64]
@@ -163,6 +165,39 @@ class EpochState:
         self.epoch = 0
         self._resume = 0  # where the next iteration starts
         self._consumed = 0  # samples this object's own iteration handed out
+        self._perm: KeyedPermutation | None = None  # the last epoch's, kept
+
+    def permutation(self, epoch: int | None = None) -> KeyedPermutation:
+        """The order of *epoch* (default: the current one) over all ranks."""
+        epoch = self.epoch if epoch is None else epoch
+        perm = self._perm
+        if perm is None or perm.epoch != epoch or perm.seed != self.seed:
+            perm = self._perm = KeyedPermutation(self.shard.n, self.seed, epoch)
+        return perm
+
+    def ordered(self, positions: npt.ArrayLike, epoch: int | None = None) -> IntArray:
+        """What stands at this rank's *positions* of *epoch* (item or window numbers)."""
+        local = np.asarray(positions, dtype=np.int64)
+        if local.size and (local.min() < 0 or local.max() >= len(self)):
+            raise IndexError(f"positions outside this rank's [0, {len(self)})")
+        return self.permutation(epoch)(self.shard.global_positions(local))
+
+    def rank_slice(
+        self, rank: int, position: int, count: int, epoch: int | None
+    ) -> tuple[IntArray, IntArray]:
+        """(positions, what stands there) of *rank*'s positions ``[position,
+        position + count)`` of *epoch*, cut at the epoch's end: any rank's,
+        so one process can explain a step of the whole job."""
+        if position < 0 or count < 0:
+            raise ValueError("position and count must be >= 0")
+        shard = Shard(self.shard.n, rank, self.shard.world_size, self.shard.drop_last)
+        local = np.arange(position, min(position + count, shard.size), dtype=np.int64)
+        return local, self.permutation(epoch)(shard.global_positions(local))
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_perm"] = None  # rebuilt on first use (pickled into DataLoader workers)
+        return state
 
     def __len__(self) -> int:
         return self.shard.size

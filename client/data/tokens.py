@@ -22,14 +22,13 @@ pre-shuffled copy of them would cost ``seq_len / s`` times the data).
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from shufflefs.client.data.permutation import KeyedPermutation
 from shufflefs.client.data.readahead import ReadPlan, pipeline
 from shufflefs.client.data.readers import RangeReader, make_reader
 from shufflefs.client.data.sharding import (
@@ -66,6 +65,23 @@ class ExplainedSample:
     path: str
     byte_offset: int
     byte_length: int
+
+
+def samples_of_step(
+    explain_rank: Callable[[int, int, int, int | None], list[ExplainedSample]],
+    world_size: int,
+    step: int,
+    batch_size: int | None,
+    epoch: int | None,
+) -> list[ExplainedSample]:
+    """Every rank's batch *step* (ranks in order), from a dataset's
+    ``_explain_rank(rank, position, count, epoch)``."""
+    if batch_size is None:
+        raise ValueError("explain_step needs a batch size")
+    out: list[ExplainedSample] = []
+    for rank in range(world_size):
+        out.extend(explain_rank(rank, step * batch_size, batch_size, epoch))
+    return out
 
 
 class TokenWindows(EpochState):
@@ -117,7 +133,6 @@ class TokenWindows(EpochState):
         self.read_size = read_size
         self.out_dtype = np.dtype(out_dtype) if out_dtype is not None else None
         self._reader: RangeReader | None = None
-        self._perm: KeyedPermutation | None = None
 
     # ---- geometry --------------------------------------------------------
 
@@ -156,19 +171,9 @@ class TokenWindows(EpochState):
 
     # ---- the order -------------------------------------------------------
 
-    def permutation(self, epoch: int | None = None) -> KeyedPermutation:
-        epoch = self.epoch if epoch is None else epoch
-        perm = self._perm
-        if perm is None or perm.epoch != epoch or perm.seed != self.seed:
-            perm = self._perm = KeyedPermutation(self.index.num_windows, self.seed, epoch)
-        return perm
-
     def windows(self, positions: npt.ArrayLike, epoch: int | None = None) -> IntArray:
         """Window numbers at this rank's *positions* of *epoch*."""
-        local = np.asarray(positions, dtype=np.int64)
-        if local.size and (local.min() < 0 or local.max() >= len(self)):
-            raise IndexError(f"positions outside this rank's [0, {len(self)})")
-        return self.permutation(epoch)(self.shard.global_positions(local))
+        return self.ordered(positions, epoch)
 
     def explain(
         self, position: int, count: int = 1, epoch: int | None = None
@@ -185,11 +190,7 @@ class TokenWindows(EpochState):
     def _explain_rank(
         self, rank: int, position: int, count: int, epoch: int | None
     ) -> list[ExplainedSample]:
-        shard = Shard(self.shard.n, rank, self.world_size, self.shard.drop_last)
-        if position < 0 or count < 0:
-            raise ValueError("position and count must be >= 0")
-        local = np.arange(position, min(position + count, shard.size), dtype=np.int64)
-        windows = self.permutation(epoch)(shard.global_positions(local))
+        local, windows = self.rank_slice(rank, position, count, epoch)
         files, offsets = self.index.locate(windows)
         n = self.index.window_bytes
         return [
@@ -204,13 +205,13 @@ class TokenWindows(EpochState):
     ) -> list[ExplainedSample]:
         """Every sample of global step *step*: each rank's batch *step*, ranks in
         order (per-rank batch size *batch_size*, default the dataset's)."""
-        b = batch_size if batch_size is not None else self.batch_size
-        if b is None:
-            raise ValueError("explain_step needs a batch size")
-        out: list[ExplainedSample] = []
-        for rank in range(self.world_size):
-            out.extend(self._explain_rank(rank, step * b, b, epoch))
-        return out
+        return samples_of_step(
+            self._explain_rank,
+            self.world_size,
+            step,
+            self.batch_size if batch_size is None else batch_size,
+            epoch,
+        )
 
     # ---- reading ---------------------------------------------------------
 
@@ -280,11 +281,6 @@ class TokenWindows(EpochState):
         """What a sample or batch is handed out as (numpy here; torch tensors
         in `TokenWindowDataset`)."""
         return array
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_perm"] = None
-        return state
 
     def __repr__(self) -> str:
         return (
