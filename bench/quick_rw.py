@@ -20,15 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from shufflefs.client.iobench import drop_caches
+
 MiB = 1 << 20
-
-
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    return True
 
 
 def seq_write(d: Path, size: int) -> float:

@@ -246,6 +246,8 @@ class ReaderPool:
 
 
 def drop_caches() -> bool:
+    """Drop this machine's page caches (the storage daemons' too); False
+    when not root and they cannot be dropped."""
     if os.geteuid() != 0:
         return False
     os.sync()

@@ -52,6 +52,7 @@ import numpy as np
 
 from shufflefs.client.data.tokens import TokenWindows
 from shufflefs.client.data.urls import client_for
+from shufflefs.client.iobench import drop_caches
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.launcher import down, parse_size, up
 from shufflefs.rpc.errors import FsError
@@ -185,14 +186,6 @@ def prepare_dataset(
 
 
 # ---- measuring ----------------------------------------------------------------------
-
-
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    return True
 
 
 def measure(
