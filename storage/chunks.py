@@ -66,6 +66,7 @@ from shufflefs.storage.layout import (
     TARGET_FILE,
     ChunkRecord,
     block_count,
+    block_span,
     check_block_size,
     check_chunk_id,
     check_chunk_size,
@@ -500,12 +501,10 @@ class ChunkStore:
                     errno.EINVAL,
                     f"range {offset}+{length} passes the chunk size {rec.chunk_size}",
                 )
-            end = min(offset + length, rec.length)
-            if end <= offset:
+            span = block_span(offset, length, rec.length, bs)
+            if span is None:
                 return EMPTY
-            first = offset // bs
-            start = first * bs
-            stop = min(block_count(end, bs) * bs, rec.length)
+            first, start, stop, end = span
             try:
                 handle = self._acquire_fd(cid, rec.generation)
             except FileNotFoundError:
@@ -545,13 +544,12 @@ class ChunkStore:
             raise FsError(
                 errno.EINVAL, f"range {offset}+{length} passes the chunk size {rec.chunk_size}"
             )
-        end = min(offset + length, rec.length)
-        if end <= offset:
-            return EMPTY
         bs = self.block_size
-        first = offset // bs
-        start = first * bs
-        n = min(block_count(end, bs) * bs, rec.length) - start
+        span = block_span(offset, length, rec.length, bs)
+        if span is None:
+            return EMPTY
+        first, start, stop, end = span
+        n = stop - start
         if n > NOWAIT_MAX:
             return None
         handle = self._fds.get((cid, rec.generation))

@@ -72,6 +72,20 @@ def block_count(length: int, block_size: int) -> int:
     return (length + block_size - 1) // block_size
 
 
+def block_span(
+    offset: int, length: int, committed: int, block_size: int
+) -> tuple[int, int, int, int] | None:
+    """What a read of ``[offset, offset + length)`` from a chunk with
+    *committed* bytes must fetch to verify its checksums: (first block,
+    byte start, byte stop, end of the bytes returned); None when the range
+    holds no committed byte."""
+    end = min(offset + length, committed)
+    if end <= offset:
+        return None
+    first = offset // block_size
+    return first, first * block_size, min(block_count(end, block_size) * block_size, committed), end
+
+
 def chunk_dir_name(cid: bytes) -> str:
     return f"{cid[7] ^ cid[11]:02x}"
 

@@ -40,7 +40,7 @@ from shufflefs.storage.layout import (
     META_DIR,
     TARGET_FILE,
     ChunkRecord,
-    block_count,
+    block_span,
     chunk_dir_name,
     chunk_file_name,
     read_json,
@@ -193,13 +193,12 @@ class LocalTarget:
             return None
         if rec is None:
             return EMPTY
-        end = min(offset + length, rec.length)
-        if end <= offset:
-            return EMPTY
         bs = self.block_size
-        first = offset // bs
-        start = first * bs
-        n = min(block_count(end, bs) * bs, rec.length) - start
+        span = block_span(offset, length, rec.length, bs)
+        if span is None:
+            return EMPTY
+        first, start, stop, end = span
+        n = stop - start
         buf = bytearray(n)
         key = (cid, rec.generation)
         handle = self._open(cid, rec.generation, nowait)
