@@ -9,12 +9,16 @@ session; tests that kill or restart processes make their own.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import trio
+from chains import SECRET, ChainCluster
 from harness import shufflefs
+
+from shufflefs.rpc import open_rpc_client
 
 
 @dataclass
@@ -58,3 +62,13 @@ def native(mounted: Mounted) -> Iterator[object]:
 
     with Client(mounted.client_config) as c:
         yield c
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
+    """Three storage daemons and a real mgmtd in this process (`ChainCluster`)."""
+    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
+        c = ChainCluster(tmp_path, nursery, rpc)
+        await c.start(nodes=3)
+        yield c
+        nursery.cancel_scope.cancel()

@@ -93,3 +93,12 @@ def shufflefs(
             f"{result.stdout}\n{result.stderr}"
         )
     return result
+
+
+def flip(path: str | Path, offset: int) -> None:
+    """Corrupt one byte of a file in place (as a failing disk would)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

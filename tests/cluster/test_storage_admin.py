@@ -8,25 +8,14 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 import trio
-from chains import SECRET, ChainCluster, eventually
+from chains import ChainCluster, eventually
+from harness import flip
 
 from shufflefs.cluster.scrub import Progress
-from shufflefs.rpc import open_rpc_client
 from shufflefs.storage.protocol import chunk_id
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
-    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
-        c = ChainCluster(tmp_path, nursery, rpc)
-        await c.start(nodes=3)
-        yield c
-        nursery.cancel_scope.cancel()
 
 
 async def shufflefs(*args: str) -> subprocess.CompletedProcess[bytes]:
@@ -37,14 +26,6 @@ async def shufflefs(*args: str) -> subprocess.CompletedProcess[bytes]:
         capture_stderr=True,
         check=False,
     )
-
-
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 async def test_scrub_command_finds_and_repairs(cluster: ChainCluster) -> None:

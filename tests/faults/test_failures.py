@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import trio
 from faultcluster import FaultCluster
-from harness import shufflefs
+from harness import flip, shufflefs
 from loadgen import content
 
 from shufflefs.cluster.config import load_client_config
@@ -197,14 +197,6 @@ def test_cut_host_during_reads_and_writes(fault_cluster: FaultCluster, tmp_path:
 def chunk_files_of(cluster: FaultCluster, name: str) -> list[Path]:
     ino = (cluster.mountpoint / name).stat().st_ino
     return sorted(cluster.local.dir.glob(f"storage1/target1/chunks/*/{ino:016x}*"))
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_corruption_is_never_returned_and_repaired(

@@ -7,28 +7,16 @@ are made consistent by resync when they return."""
 from __future__ import annotations
 
 import stat
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 import trio
-from chains import CS, SECRET, ChainCluster, eventually
+from chains import CS, ChainCluster, eventually
 
 from shufflefs.metadata.gc import StorageJobs
 from shufflefs.metadata.protocol import ROOT_INODE
 from shufflefs.metadata.store import Namespace
 from shufflefs.metadata.writer import Writer
-from shufflefs.rpc import open_rpc_client
 from shufflefs.storage.protocol import chunk_id
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
-    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
-        c = ChainCluster(tmp_path, nursery, rpc)
-        await c.start(nodes=3)
-        yield c
-        nursery.cancel_scope.cancel()
 
 
 async def test_shrink_and_gc_reach_every_replica(cluster: ChainCluster, tmp_path: Path) -> None:

@@ -7,24 +7,13 @@ from __future__ import annotations
 import errno
 import functools
 import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import trio
-from chains import CS, SECRET, ChainCluster, eventually
+from chains import CS, ChainCluster, eventually
 
-from shufflefs.rpc import FsError, open_rpc_client
+from shufflefs.rpc import FsError
 from shufflefs.storage.protocol import NEED_FULL, chunk_id
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
-    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
-        c = ChainCluster(tmp_path, nursery, rpc)
-        await c.start(nodes=3)
-        yield c
-        nursery.cancel_scope.cancel()
 
 
 def blob(seed: int, n: int) -> bytes:

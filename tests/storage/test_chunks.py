@@ -14,6 +14,7 @@ from typing import Any
 
 import crcmod.predefined
 import pytest
+from harness import flip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -275,15 +276,6 @@ def test_hot_reads_are_served_without_blocking(tmp_path: Path) -> None:
         assert store.read_nowait(chunk_id(2, 9), 0, 10) is None  # not cached: unknown
         assert store.read(chunk_id(2, 9), 0, 10).nbytes == 0
         assert store.read_nowait(chunk_id(2, 9), 0, 10) == b""  # now known missing
-
-
-def flip(path: str, offset: int) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        b = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([b[0] ^ 0x55]), offset)
-    finally:
-        os.close(fd)
 
 
 def test_flipped_byte_is_never_returned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -7,38 +7,22 @@ import errno
 import functools
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import cast
 
 import pytest
 import trio
 from chains import CS, SECRET, ChainCluster, eventually
+from harness import flip
 
 from shufflefs.rpc import FsError, open_rpc_client
 from shufflefs.storage.chain import ResyncStats
 from shufflefs.storage.protocol import ChunkMeta, StorageStub, chunk_id
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
-    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
-        c = ChainCluster(tmp_path, nursery, rpc)
-        await c.start(nodes=3)
-        yield c
-        nursery.cancel_scope.cancel()
-
-
 def blob(seed: int, n: int) -> bytes:
     return random.Random(seed).randbytes(n)
-
-
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 async def test_resync_after_missed_updates_with_writes_going_on(

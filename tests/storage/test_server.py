@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+from harness import flip
 
 from shufflefs.cluster.protocol import (
     RegisterResult,
@@ -59,14 +60,6 @@ async def start(
     server = RpcServer(SECRET, [service], name="storage", limits=limits or Limits())
     port = await nursery.start(server.serve, "127.0.0.1", 0)
     return f"127.0.0.1:{port}"
-
-
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 async def test_batched_read_across_chunks_and_targets(
