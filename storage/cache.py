@@ -12,6 +12,7 @@ correct; updates are rare next to reads.
 from __future__ import annotations
 
 import os
+import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -34,10 +35,62 @@ class Missing:
 MISSING: Final = Missing()
 
 
+def raise_fd_limit(wanted: int) -> int:
+    """Raise this process's open-file soft limit towards *wanted* (never past
+    the hard limit, never down) for the fd caches; returns the soft limit now
+    in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return wanted if soft == resource.RLIM_INFINITY else soft
+    new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError):
+        return soft
+    return new
+
+
+class _Groups(Generic[K]):
+    """The keys of a cache per group (the chunks of one file), so that a
+    group is dropped in time proportional to its size, not the cache's."""
+
+    def __init__(self, group: Callable[[K], Hashable] | None) -> None:
+        self.group = group
+        self._keys: dict[Hashable, set[K]] = {}
+
+    def add(self, key: K) -> None:
+        if self.group is not None:
+            self._keys.setdefault(self.group(key), set()).add(key)
+
+    def discard(self, key: K) -> None:
+        if self.group is not None:
+            g = self.group(key)
+            members = self._keys.get(g)
+            if members is not None:
+                members.discard(key)
+                if not members:
+                    del self._keys[g]
+
+    def pop(self, group: Hashable) -> set[K]:
+        if self.group is None:
+            raise ValueError("this cache was built without groups")
+        return self._keys.pop(group, set())
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class RecordCache(Generic[K, V]):
-    def __init__(self, capacity: int) -> None:
+    """With *group*, the keys of one group (the chunks of one file) can be
+    invalidated together in time proportional to the group, not the cache."""
+
+    def __init__(self, capacity: int, group: Callable[[K], Hashable] | None = None) -> None:
         self.capacity = max(1, capacity)
         self._data: OrderedDict[K, V | Missing] = OrderedDict()
+        self._groups: _Groups[K] = _Groups(group)
         self._lock = threading.Lock()
         self.epoch = 0
 
@@ -65,13 +118,30 @@ class RecordCache(Generic[K, V]):
     def _insert(self, key: K, value: V | Missing) -> None:
         self._data[key] = value
         self._data.move_to_end(key)
+        self._groups.add(key)
         while len(self._data) > self.capacity:
-            self._data.popitem(last=False)
+            old, _ = self._data.popitem(last=False)
+            self._groups.discard(old)
+
+    def invalidate(self, key: K) -> None:
+        """Forget *key* (a fill in flight is dropped too)."""
+        with self._lock:
+            self.epoch += 1
+            if self._data.pop(key, None) is not None:
+                self._groups.discard(key)
+
+    def invalidate_group(self, group: Hashable) -> None:
+        """`invalidate` every key of *group* (needs *group* at construction)."""
+        with self._lock:
+            self.epoch += 1
+            for key in self._groups.pop(group):
+                del self._data[key]
 
     def clear(self) -> None:
         with self._lock:
             self.epoch += 1
             self._data.clear()
+            self._groups.clear()
 
     def __len__(self) -> int:
         return len(self._data)
@@ -99,8 +169,7 @@ class FdCache(Generic[K]):
     def __init__(self, capacity: int, group: Callable[[K], Hashable] | None = None) -> None:
         self.capacity = max(1, capacity)
         self._data: OrderedDict[K, FdHandle] = OrderedDict()
-        self._group = group
-        self._groups: dict[Hashable, set[K]] = {}
+        self._groups: _Groups[K] = _Groups(group)
         self._lock = threading.Lock()
         self.epoch = 0
         self.opened = 0  # fds this cache has taken ownership of (for tests and stats)
@@ -133,11 +202,10 @@ class FdCache(Generic[K]):
                 handle.evicted = True  # used once, closed on release
                 return handle
             self._data[key] = handle
-            if self._group is not None:
-                self._groups.setdefault(self._group(key), set()).add(key)
+            self._groups.add(key)
             while len(self._data) > self.capacity:
                 old_key, old = self._data.popitem(last=False)
-                self._ungroup(old_key)
+                self._groups.discard(old_key)
                 self._retire(old)
             return handle
 
@@ -155,24 +223,15 @@ class FdCache(Generic[K]):
             self.epoch += 1
             handle = self._data.pop(key, None)
             if handle is not None:
-                self._ungroup(key)
+                self._groups.discard(key)
                 self._retire(handle)
 
     def invalidate_group(self, group: Hashable) -> None:
         """`invalidate` every key of *group* (needs *group* at construction)."""
         with self._lock:
             self.epoch += 1
-            for key in self._groups.pop(group, ()):
+            for key in self._groups.pop(group):
                 self._retire(self._data.pop(key))
-
-    def _ungroup(self, key: K) -> None:
-        if self._group is not None:
-            g = self._group(key)
-            members = self._groups.get(g)
-            if members is not None:
-                members.discard(key)
-                if not members:
-                    del self._groups[g]
 
     def _retire(self, handle: FdHandle) -> None:
         handle.evicted = True

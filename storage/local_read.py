@@ -21,19 +21,16 @@ the daemon that knows the on-disk format.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
-import resource
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 import lmdb
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.cache import FdCache, FdHandle
+from shufflefs.storage.cache import FdCache, FdHandle, Missing, RecordCache, raise_fd_limit
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
     CHUNKS_DIR,
@@ -57,19 +54,15 @@ def _file_of(key: tuple[bytes, int]) -> bytes:
     return key[0][:8]  # a chunk id starts with its file's inode
 
 
+def _file_of_chunk(cid: bytes) -> bytes:
+    return cid[:8]
+
+
 def fd_budget(targets: int = 4) -> int:
     """How many chunk files one target may keep open: MAX_FDS, or what the
-    open-file limit leaves (raised to the hard limit first, as the daemons
-    do) for this many targets and the rest of the process."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = MAX_FDS * targets + 1024
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return MAX_FDS
+    open-file limit leaves (raised first, as the daemons do) for this many
+    targets and the rest of the process."""
+    soft = raise_fd_limit(MAX_FDS * targets + 1024)
     return max(16, min(MAX_FDS, (soft - 512) // (2 * targets)))
 
 
@@ -91,14 +84,13 @@ class LocalTarget:
         # that forgetting a file closes its chunks (an fd held after the
         # daemon removed a chunk would keep its space from being freed).
         self._fds: FdCache[tuple[bytes, int]] = FdCache(fd_budget(), group=_file_of)
-        self._lock = threading.Lock()
         # Committed records read before, per file, reused until the caller
         # says the file may have changed (`forget`): close-to-open, as the
         # kernel caches data. Without it every read of cold data would also
         # fault in chunk-table pages from disk.
-        self._records: dict[bytes, dict[bytes, ChunkRecord]] = {}
-        self._record_count = 0
-        self._record_epoch = 0  # bumped by every forget: a lookup in flight is not cached
+        self._records: RecordCache[bytes, ChunkRecord] = RecordCache(
+            MAX_RECORDS, group=_file_of_chunk
+        )
         self._chunks = str(self.path / CHUNKS_DIR)
 
     def close(self) -> None:
@@ -106,26 +98,15 @@ class LocalTarget:
         self.env.close()
 
     def _record(self, cid: bytes) -> ChunkRecord | None:
-        group = self._records.get(cid[:8])
-        if group is not None:
-            cached = group.get(cid)
-            if cached is not None:
-                return cached
-        epoch = self._record_epoch
+        cached = self._records.get(cid)
+        if cached is not None and not isinstance(cached, Missing):
+            return cached
+        epoch = self._records.epoch
         with self.env.begin(db=self.db, buffers=True) as txn:
             raw = txn.get(cid)
             rec = None if raw is None else ChunkRecord.decode(raw, self.block_size)
-        if rec is not None:
-            with self._lock:
-                if epoch != self._record_epoch:
-                    return rec
-                if self._record_count >= MAX_RECORDS:
-                    self._records.clear()
-                    self._record_count = 0
-                group = self._records.setdefault(cid[:8], {})
-                if cid not in group:
-                    self._record_count += 1
-                group[cid] = rec
+        if rec is not None:  # an absent chunk is not remembered: it may be written next
+            self._records.fill(cid, rec, epoch)
         return rec
 
     def forget(self, cids: Iterable[bytes] | None = None) -> None:
@@ -134,10 +115,7 @@ class LocalTarget:
         closed). That closes their chunk files too: a cached fd keeps a chunk
         the daemon removed (or replaced by copy-on-write) on disk."""
         if cids is None:
-            with self._lock:
-                self._record_epoch += 1
-                self._records.clear()
-                self._record_count = 0
+            self._records.clear()
             self._fds.close_all()
             return
         for prefix in {cid[:8] for cid in cids}:
@@ -149,19 +127,11 @@ class LocalTarget:
 
     def _drop_chunk(self, cid: bytes, key: tuple[bytes, int]) -> None:
         """One chunk's record and file are suspect: look both up again."""
-        with self._lock:
-            self._record_epoch += 1
-            group = self._records.get(cid[:8])
-            if group is not None and group.pop(cid, None) is not None:
-                self._record_count -= 1
+        self._records.invalidate(cid)
         self._fds.invalidate(key)
 
     def _forget_prefix(self, prefix: bytes) -> None:
-        with self._lock:
-            self._record_epoch += 1
-            group = self._records.pop(prefix, None)
-            if group is not None:
-                self._record_count -= len(group)
+        self._records.invalidate_group(prefix)
         self._fds.invalidate_group(prefix)
 
     def _open(self, cid: bytes, generation: int, nowait: bool) -> FdHandle | None:

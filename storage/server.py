@@ -33,7 +33,6 @@ import functools
 import json
 import logging
 import os
-import resource
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from shufflefs.rpc.auth import load_secret
 from shufflefs.rpc.errors import CONNECTION_FAILURES, as_fs_error
 from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.rpc.runtime import hostname, run_service, setup_logging
+from shufflefs.storage.cache import raise_fd_limit
 from shufflefs.storage.chain import (
     LockTable,
     Place,
@@ -1420,13 +1420,9 @@ def _advertised(host: str, port: int) -> str:
 
 
 def _raise_fd_limit(wanted: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft >= wanted:
-        return
-    new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    if new < wanted:
-        log.warning("open file limit %d is below the %d the fd caches may use", new, wanted)
+    got = raise_fd_limit(wanted)
+    if got < wanted:
+        log.warning("open file limit %d is below the %d the fd caches may use", got, wanted)
 
 
 def _open_store(config: StorageConfig, path: str) -> ChunkStore:

@@ -561,5 +561,5 @@ def test_fd_cache_invalidates_a_group(tmp_path: Path) -> None:
         cache.release(put(("c", i)))
     cache.invalidate_group("b")
     cache.invalidate_group("c")
-    assert len(cache) == 0 and cache._groups == {}
+    assert len(cache) == 0 and len(cache._groups) == 0
     assert cache.opened == cache.closed
