@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from shufflefs.client.retry import retrying
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import MetaStub
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.retry import retrying
 
 T = TypeVar("T")
 

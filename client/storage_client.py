@@ -29,13 +29,13 @@ from collections.abc import Sequence
 import trio
 
 from shufflefs.client.layout import MAX_CHUNKS, ChunkRange, chunk_ranges
-from shufflefs.client.retry import TRANSIENT, retrying
 from shufflefs.cluster.protocol import TargetInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.framing import DEFAULT_LIMITS
+from shufflefs.rpc.retry import TRANSIENT, retrying
 from shufflefs.rpc.runtime import hostname
 from shufflefs.rpc.transport import Buffer
 from shufflefs.storage.local_read import LocalTarget

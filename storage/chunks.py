@@ -49,6 +49,7 @@ from typing import Any
 import lmdb
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.files import fsync_dir, read_json, write_json_durably
 from shufflefs.storage.cache import MISSING, FdCache, FdHandle, Missing, RecordCache
 from shufflefs.storage.crc import (
     CRC_TYPECODE,
@@ -72,10 +73,7 @@ from shufflefs.storage.layout import (
     check_chunk_size,
     chunk_dir_name,
     chunk_file_name,
-    fsync_dir,
     parse_chunk_file_name,
-    read_json,
-    write_json_durably,
 )
 from shufflefs.storage.protocol import (
     NEED_FULL,

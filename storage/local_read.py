@@ -30,6 +30,7 @@ from pathlib import Path
 import lmdb
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.files import read_json
 from shufflefs.storage.cache import FdCache, FdHandle, Missing, RecordCache, raise_fd_limit
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
@@ -40,7 +41,6 @@ from shufflefs.storage.layout import (
     block_span,
     chunk_dir_name,
     chunk_file_name,
-    read_json,
 )
 
 log = logging.getLogger("shufflefs.storage.local_read")

@@ -54,6 +54,7 @@ from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.rpc import FsError, Reply, RpcClient, RpcServer, open_rpc_client, rpc_method
 from shufflefs.rpc.auth import load_secret
 from shufflefs.rpc.errors import CONNECTION_FAILURES, as_fs_error
+from shufflefs.rpc.files import write_json_durably
 from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.rpc.runtime import hostname, run_service, setup_logging
 from shufflefs.storage.cache import raise_fd_limit
@@ -71,7 +72,6 @@ from shufflefs.storage.config import StorageConfig, load_storage_config
 from shufflefs.storage.layout import (
     check_chunk_id,
     check_chunk_size,
-    write_json_durably,
 )
 from shufflefs.storage.protocol import (
     NEED_FULL,
