@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,20 @@ class MgmtdConfig:
             raise FsError(errno.EINVAL, f"{where}: stripe must be at least 1")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise FsError(errno.EINVAL, f"{where}: need 0 < heartbeat_interval < heartbeat_timeout")
+
+
+CONFIG_ENV = "SHUFFLEFS_CONFIG"
+DEFAULT_CLIENT_CONFIG = Path(".shufflefs") / "client.toml"
+
+
+def find_client_config(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The client config to use, in the one order every command and API
+    follows: *explicit* (``--config``, ``config=``), else
+    ``$SHUFFLEFS_CONFIG``, else ``./.shufflefs/client.toml``."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(CONFIG_ENV)
+    return Path(env) if env else DEFAULT_CLIENT_CONFIG
 
 
 @dataclass

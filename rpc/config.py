@@ -3,7 +3,11 @@
 Each service declares its settings as a dataclass (field types are the
 schema, defaults are the defaults); `load_config` reads a TOML file into it and
 turns every mistake (a syntax error, an unknown key, a missing key, a wrong
-type) into one clear FsError(EINVAL) naming the file and the key.
+type) into one clear FsError(EINVAL) naming the file and the key. What types
+cannot say (ranges, addresses, settings that must agree) a config class says
+in a method ``validate(self, where: str) -> None`` that raises
+FsError(EINVAL) naming *where* (the file) and the key; `load_config` calls it,
+so a config that loads is a config its service accepts.
 """
 
 from __future__ import annotations
@@ -60,7 +64,11 @@ def config_from_dict(data: dict[str, Any], cls: type[T], where: str) -> T:
                 validator_for(hints[name])(value, f"{where}: setting {name!r}")
             except FsError as exc:
                 raise FsError(errno.EINVAL, exc.message) from None
-    return cls(**data)
+    config = cls(**data)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate(where)
+    return config
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

@@ -32,11 +32,6 @@ TRANSIENT = CONNECTION_FAILURES | {errno.ESTALE, errno.ENXIO, errno.EAGAIN}
 NOT_SENT = frozenset({errno.ECONNREFUSED, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
-def is_transient(exc: FsError) -> bool:
-    """True when trying again later may succeed (see the module docstring)."""
-    return exc.code in TRANSIENT
-
-
 @dataclass
 class Backoff:
     """Exponential backoff: `next()` gives the wait before the next try

@@ -30,28 +30,24 @@ class StorageConfig:
     forward_timeout: float = 10.0  # seconds per replica still ahead to wait for a forwarded update
     scrub_interval: float = 0.0  # seconds between background scrubs of every target; 0: off
 
-    def validate(self) -> None:
+    def validate(self, where: str = "storage config") -> None:
         """Reject settings that would fail later in a less clear way."""
         if not self.targets:
-            raise FsError(
-                errno.EINVAL, "storage config: 'targets' must list at least one directory"
-            )
+            raise FsError(errno.EINVAL, f"{where}: 'targets' must list at least one directory")
         paths = [os.path.realpath(t) for t in self.targets]
         if len(set(paths)) != len(paths):
-            raise FsError(errno.EINVAL, "storage config: a target directory is listed twice")
+            raise FsError(errno.EINVAL, f"{where}: a target directory is listed twice")
         check_block_size(self.block_size)
         for name in ("io_threads", "fd_cache"):
             if getattr(self, name) < 1:
-                raise FsError(errno.EINVAL, f"storage config: {name!r} must be at least 1")
+                raise FsError(errno.EINVAL, f"{where}: {name!r} must be at least 1")
         if self.forward_timeout <= 0:
-            raise FsError(errno.EINVAL, "storage config: 'forward_timeout' must be positive")
+            raise FsError(errno.EINVAL, f"{where}: 'forward_timeout' must be positive")
         if self.scrub_interval < 0:
-            raise FsError(errno.EINVAL, "storage config: 'scrub_interval' must not be negative")
+            raise FsError(errno.EINVAL, f"{where}: 'scrub_interval' must not be negative")
         if self.reserve_bytes < 0:
-            raise FsError(errno.EINVAL, "storage config: 'reserve_bytes' must not be negative")
+            raise FsError(errno.EINVAL, f"{where}: 'reserve_bytes' must not be negative")
 
 
 def load_storage_config(path: str | os.PathLike[str]) -> StorageConfig:
-    config = load_config(path, StorageConfig)
-    config.validate()
-    return config
+    return load_config(path, StorageConfig)
