@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
+
+from shufflefs.cluster.node import check_addresses
+from shufflefs.rpc.errors import FsError
 
 
 @dataclass
@@ -24,3 +28,14 @@ class MetaConfig:
     sync: bool = True
     session_timeout: float = 60.0  # seconds a client session lives without renewal
     map_size: int = 64 << 30  # LMDB address-space reservation: the namespace's size limit
+
+    def validate(self, where: str) -> None:
+        """What the types of the TOML file cannot say (*where*: the file, for
+        the message)."""
+        if not self.session_timeout > 0:
+            raise FsError(
+                errno.EINVAL, f"{where}: session_timeout must be positive: {self.session_timeout}"
+            )
+        if self.map_size < 1 << 20:
+            raise FsError(errno.EINVAL, f"{where}: map_size {self.map_size} is below 1 MiB")
+        check_addresses(where, listen=self.listen, mgmtd=self.mgmtd, advertise=self.advertise)

@@ -1,4 +1,4 @@
-"""The namespace's consistency check: every invariant `store` maintains,
+"""The namespace's consistency check: every invariant the store maintains,
 verified on one read snapshot. The tests run it after every step; an operator
 can run it on a live server's namespace (it never blocks the writer)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import errno
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from typing import Any
 
+from shufflefs.metadata.checks import DOTS, check_name
 from shufflefs.metadata.protocol import ROOT_INODE
-from shufflefs.metadata.store import (
+from shufflefs.metadata.records import (
     C_HANDLE,
     C_INO,
     C_JOB,
@@ -25,17 +25,15 @@ from shufflefs.metadata.store import (
     DB_TRUNCATES,
     DB_XATTRS,
     DENTRY_VALUE,
-    DOTS,
     U64,
-    Namespace,
     Rec,
-    check_name,
     file_type,
     is_dir,
     is_lnk,
     is_reg,
     unpack,
 )
+from shufflefs.metadata.txn import Tx
 from shufflefs.rpc.errors import FsError
 
 
@@ -43,15 +41,12 @@ class Fsck:
     """Collects problems instead of stopping at the first: a damaged
     namespace is easier to repair from the whole list."""
 
-    def __init__(self, ns: Namespace, txn: Any) -> None:
-        self.ns = ns
-        self.txn = txn
+    def __init__(self, tx: Tx) -> None:
+        self.tx = tx
         self.problems: list[str] = []
 
     def items(self, db: bytes) -> Iterator[tuple[bytes, bytes]]:
-        cur = self.txn.cursor(db=self.ns.dbs[db])
-        for key, value in cur.iternext():
-            yield bytes(key), bytes(value)
+        return self.tx.prefix_items(db, b"")
 
     def bad(self, message: str) -> None:
         self.problems.append(message)

@@ -1,7 +1,7 @@
 """What the namespace owes the storage daemons, paid in the background.
 
 Freeing a file and shrinking one are committed in the namespace first, with a
-job recorded in the same transaction (see `store`); the calls to the storage
+job recorded in the same transaction (see `jobs`); the calls to the storage
 daemons come after. Each is one call per chain of the file's layout, to the
 chain's head, which carries it out on every replica in chain order (so it is
 ordered with the writes on every replica). A job is deleted only once every
@@ -27,10 +27,12 @@ import trio
 
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import Layout
-from shufflefs.metadata.store import ExpiredSession, GcJob, Namespace, TruncateJob
+from shufflefs.metadata.records import ExpiredSession, GcJob, TruncateJob
+from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.retry import Backoff
 from shufflefs.storage.protocol import StorageStub
 
 log = logging.getLogger("shufflefs.metadata.gc")
@@ -61,7 +63,7 @@ class StorageJobs:
 
     def __init__(
         self,
-        store: Namespace,
+        store: NamespaceStore,
         writer: Writer,
         routing: Callable[[], Routing],
         rpc: RpcClient,
@@ -83,8 +85,8 @@ class StorageJobs:
         self.max_delay = max_delay
         self.idle_interval = idle_interval
         self.concurrency = concurrency
-        # (kind, ino) -> (trio time the next attempt is due, current delay)
-        self._backoff: dict[tuple[str, int], tuple[float, float]] = {}
+        # (kind, ino) of a job that failed -> (trio time its next attempt is due, its backoff)
+        self._backoff: dict[tuple[str, int], tuple[float, Backoff]] = {}
         self._wake = trio.Event()
         self.passes = 0
 
@@ -215,6 +217,7 @@ class StorageJobs:
         errors: dict[int, FsError] = {}
 
         async def one(chain: int) -> None:
+            backoff = Backoff()  # a moment for the new chain to settle
             for attempt in range(CHAIN_ATTEMPTS):
                 try:
                     results[chain] = await self._at_head(chain, call)
@@ -229,7 +232,7 @@ class StorageJobs:
                         await self.refresh_routing()
                     except FsError as exc:
                         log.debug("routing refresh failed: %s", exc.message)
-                await trio.sleep(0.05 * (attempt + 1))
+                await backoff.sleep()
 
         async with trio.open_nursery() as nursery:
             for chain in chains:
@@ -256,13 +259,12 @@ class StorageJobs:
         return await call(stub, head["id"], chain, info["version"])
 
     def _failed(self, key: tuple[str, int], what: str, exc: FsError) -> None:
-        _, delay = self._backoff.get(key, (0.0, self.base_delay / 2))
-        delay = min(self.max_delay, delay * 2)
-        self._backoff[key] = (trio.current_time() + delay, delay)
+        """Retry the job later: base_delay after its first failure, doubling
+        up to max_delay."""
+        _, backoff = self._backoff.get(key, (0.0, Backoff(self.base_delay, self.max_delay)))
+        delay = backoff.next()
+        self._backoff[key] = (trio.current_time() + delay, backoff)
         log.info("%s failed: %s; retry in %.1fs", what, exc.message, delay)
-
-    def pending_retries(self) -> int:
-        return len(self._backoff)
 
 
 class SessionReaper:
@@ -270,7 +272,7 @@ class SessionReaper:
     closing its files must not keep unlinked files alive forever."""
 
     def __init__(
-        self, store: Namespace, writer: Writer, jobs: StorageJobs, interval: float
+        self, store: NamespaceStore, writer: Writer, jobs: StorageJobs, interval: float
     ) -> None:
         self.store = store
         self.writer = writer

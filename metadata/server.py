@@ -1,4 +1,4 @@
-"""The metadata server: the namespace (`store.Namespace`) behind the rpc layer.
+"""The metadata server: the namespace (`store.NamespaceStore`) behind the rpc layer.
 
 Reads are served inline from an LMDB read transaction (a memory-mapped B-tree
 lookup: no reason to leave the event loop). Mutations run in a worker thread
@@ -14,7 +14,6 @@ import contextlib
 import errno
 import functools
 import itertools
-import json
 import logging
 import os
 import random
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 import trio
 
 from shufflefs.cluster.agent import NodeAgent, unregister_node
+from shufflefs.cluster.node import NodeState, advertised_address, listen_address
 from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.metadata.config import MetaConfig
@@ -38,10 +38,10 @@ from shufflefs.metadata.protocol import (
     ReaddirPage,
     Session,
 )
-from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
 from shufflefs.rpc.auth import load_secret
-from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
+from shufflefs.rpc.client import RpcClient, open_rpc_client
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import hostname, run_service, setup_logging
@@ -53,8 +53,6 @@ log = logging.getLogger("shufflefs.metadata.server")
 T = TypeVar("T")
 
 NAMESPACE_DIR = "namespace"
-NODE_FILE = "node.json"
-WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
 def _kv(details: dict[str, Any]) -> str:
@@ -72,7 +70,7 @@ def _writes(flags: int) -> bool:
 
 
 class MetaService:
-    """The rpc methods of `metadata.protocol.MetaStub`, over one Namespace.
+    """The rpc methods of `metadata.protocol.MetaStub`, over one NamespaceStore.
 
     *routing* returns the current routing map; it is consulted for the chains
     of new files and for the storage targets that jobs are carried out on.
@@ -80,7 +78,7 @@ class MetaService:
 
     def __init__(
         self,
-        store: Namespace,
+        store: NamespaceStore,
         routing: Callable[[], Routing],
         rpc: RpcClient,
         *,
@@ -383,60 +381,11 @@ class MetaService:
 # ---- the process -------------------------------------------------------------------
 
 
-def load_node_state(data_dir: Path) -> dict[str, Any]:
-    """The node id and cluster id mgmtd gave this server, if it ran before."""
-    path = data_dir / NODE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise FsError(errno.EINVAL, f"{path} is unreadable: {exc}") from None
-    if not isinstance(state, dict):
-        raise FsError(errno.EINVAL, f"{path} is not a JSON object")
-    return state
-
-
-def save_node_state(data_dir: Path, result: RegisterResult) -> None:
+def _save_node_state(node: NodeState, data_dir: Path, result: RegisterResult) -> None:
     """Keep the ids across restarts: the node rejoins as itself, and mgmtd
     refuses it if the data dir belongs to another cluster."""
-    path = data_dir / NODE_FILE
-    tmp = path.with_name(NODE_FILE + ".tmp")
-    data = json.dumps({"node_id": result["node_id"], "cluster_id": result["cluster_id"]})
-    with open(tmp, "w") as f:
-        f.write(data + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def check_config(config: MetaConfig) -> None:
-    """What the types of the TOML file cannot say."""
-    if not config.session_timeout > 0:
-        raise FsError(errno.EINVAL, f"session_timeout must be positive: {config.session_timeout}")
-    if config.map_size < 1 << 20:
-        raise FsError(errno.EINVAL, f"map_size {config.map_size} is below 1 MiB")
-    listen_address(config.listen)
-    parse_address(config.mgmtd)
-    if config.advertise is not None:
-        parse_address(config.advertise)
-
-
-def listen_address(listen: str) -> tuple[str, int]:
-    """host:port to bind; port 0 picks a free one (tests, ad-hoc servers)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise FsError(errno.EINVAL, f"bad listen address {listen!r}: expected host:port")
-    return host.strip("[]"), int(port)
-
-
-def advertised_address(config: MetaConfig, port: int) -> str:
-    if config.advertise:
-        return config.advertise
-    host, _ = listen_address(config.listen)
-    if host in WILDCARD_HOSTS:
-        host = config.host or hostname()
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    node.node_id, node.cluster_id = result["node_id"], result["cluster_id"]
+    node.save(data_dir)
 
 
 async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -444,13 +393,13 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
     join the cluster, carry out storage jobs; on the way out, leave the
     cluster cleanly and close the namespace. Reports the advertised address
     through *task_status* once registered."""
-    check_config(config)
+    config.validate("metadata server config")
     secret = load_secret(Path(config.secret_file))
     data_dir = Path(config.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     host, port = listen_address(config.listen)
-    node = load_node_state(data_dir)
-    store = Namespace(
+    node = NodeState.load(data_dir)
+    store = NamespaceStore(
         data_dir / NAMESPACE_DIR,
         map_size=config.map_size,
         sync=config.sync,
@@ -473,7 +422,7 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
             service = MetaService(store, lambda: cache.current, rpc, refresh_routing=cache.refresh)
             server = RpcServer(secret, [service], name="meta")
             bound = await nursery.start(server.serve, host, port)
-            address = advertised_address(config, bound)
+            address = advertised_address(host, bound, advertise=config.advertise, host=config.host)
 
             async def routing_changed(version: int) -> None:
                 await cache.refresh(min_version=version)
@@ -483,9 +432,9 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
                 kind="meta",
                 address=address,
                 host=config.host or hostname(),
-                cluster_id=node.get("cluster_id"),
-                node_id=node.get("node_id"),
-                on_registered=functools.partial(save_node_state, data_dir),
+                cluster_id=node.cluster_id,
+                node_id=node.node_id,
+                on_registered=functools.partial(_save_node_state, node, data_dir),
                 on_routing_version=routing_changed,
             )
             try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shufflefs.metadata.protocol import Layout
-from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.store import NamespaceStore
 
 LAYOUT: Layout = {"chunk_size": 1 << 20, "chains": [1, 2]}
 
@@ -29,9 +29,9 @@ class FakeClock:
 
 
 class Fs:
-    """Shorthands for building trees in a Namespace."""
+    """Shorthands for building trees in a NamespaceStore."""
 
-    def __init__(self, ns: Namespace) -> None:
+    def __init__(self, ns: NamespaceStore) -> None:
         self.ns = ns
         self.layouts_made = 0
         self.session = ns.session_open("test", "localhost", os.getpid())["session"]
@@ -70,8 +70,10 @@ def ns_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def ns(ns_path: Path, clock: FakeClock) -> Iterator[Namespace]:
-    store = Namespace(ns_path, map_size=64 << 20, sync=False, session_timeout=60.0, clock=clock)
+def ns(ns_path: Path, clock: FakeClock) -> Iterator[NamespaceStore]:
+    store = NamespaceStore(
+        ns_path, map_size=64 << 20, sync=False, session_timeout=60.0, clock=clock
+    )
     try:
         yield store
         assert store.fsck() == []  # every test leaves a consistent namespace
@@ -80,5 +82,5 @@ def ns(ns_path: Path, clock: FakeClock) -> Iterator[Namespace]:
 
 
 @pytest.fixture
-def fs(ns: Namespace) -> Fs:
+def fs(ns: NamespaceStore) -> Fs:
     return Fs(ns)

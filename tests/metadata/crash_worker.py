@@ -16,7 +16,7 @@ import stat
 import sys
 
 from shufflefs.metadata.protocol import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, Layout
-from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc.errors import FsError
 
 NAMES = [b"%c" % c for c in b"abcdefgh"]
@@ -30,7 +30,7 @@ def layout() -> Layout:
 def main() -> None:
     path, seed = sys.argv[1], int(sys.argv[2])
     rng = random.Random(seed)
-    ns = Namespace(path, map_size=256 << 20, sync=True, session_timeout=5.0)
+    ns = NamespaceStore(path, map_size=256 << 20, sync=True, session_timeout=5.0)
     session = ns.session_open("crash-worker", "localhost", os.getpid())["session"]
     handles: list[tuple[int, int]] = []
     try:
@@ -51,7 +51,7 @@ def main() -> None:
             dirs = tree(ns)
 
 
-def tree(ns: Namespace) -> list[int]:
+def tree(ns: NamespaceStore) -> list[int]:
     """Every directory reachable from the root."""
     found = [ROOT_INODE]
     todo = [ROOT_INODE]
@@ -65,7 +65,7 @@ def tree(ns: Namespace) -> list[int]:
 
 
 def step(
-    ns: Namespace,
+    ns: NamespaceStore,
     rng: random.Random,
     dirs: list[int],
     handles: list[tuple[int, int]],

@@ -11,11 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from shufflefs.metadata.protocol import ROOT_INODE
-from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.store import NamespaceStore
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 ROUNDS = 6
+
+pytestmark = pytest.mark.e2e  # starts and kills real processes
 
 
 def test_sigkill_at_random_moments(tmp_path: Path) -> None:
@@ -37,7 +41,7 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == -signal.SIGKILL
         acknowledged = [int(line) for line in out.split() if line.isdigit()]
-        with Namespace(path, map_size=256 << 20) as ns:
+        with NamespaceStore(path, map_size=256 << 20) as ns:
             assert ns.fsck() == []
             progress = int(ns.getxattr(ROOT_INODE, b"user.progress"))
             assert acknowledged, "the worker committed nothing before it was killed"

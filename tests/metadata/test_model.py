@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from shufflefs.metadata.protocol import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, Layout
-from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc.errors import FsError
 
 ROOT = ROOT_INODE
@@ -39,7 +39,7 @@ class NamespaceModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="shufflefs-model-")
-        self.ns = Namespace(Path(self.tmp) / "ns", map_size=32 << 20, sync=False)
+        self.ns = NamespaceStore(Path(self.tmp) / "ns", map_size=32 << 20, sync=False)
         self.session = self.ns.session_open("model", "host", 1)["session"]
         self.entries: dict[int, dict[bytes, int]] = {ROOT: {}}  # live directories
         self.kind: dict[int, str] = {ROOT: "dir"}  # every live inode: dir, file, link

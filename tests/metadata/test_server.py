@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import trio
 
+from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import RoutingInfo, TargetRegistration, TargetUsage
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.config import MetaConfig
@@ -30,14 +31,8 @@ from shufflefs.metadata.protocol import (
     XATTR_CREATE,
     MetaStub,
 )
-from shufflefs.metadata.server import (
-    MetaService,
-    advertised_address,
-    check_config,
-    main,
-    serve,
-)
-from shufflefs.metadata.store import Namespace
+from shufflefs.metadata.server import MetaService, main, serve
+from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client, rpc_method
 from shufflefs.rpc.auth import generate_secret, load_secret
 from shufflefs.rpc.config import load_config
@@ -150,7 +145,7 @@ class ShiftedClock:
 class Env:
     meta: MetaStub
     service: MetaService
-    store: Namespace
+    store: NamespaceStore
     storage: FakeStorage
     routing: RoutingHolder
     session: int
@@ -170,9 +165,13 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
 
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    """The service without its background duties: a test runs the storage-job
+    pass (`service.jobs.run_once()`) and the session reaper
+    (`service.reaper.reap_once()`) itself, so "nothing happened yet" is a
+    fact, not a sleep. With no backoff, every pass retries every failed job."""
     storage = FakeStorage()
     clock = ShiftedClock()
-    store = Namespace(
+    store = NamespaceStore(
         tmp_path / "ns", map_size=64 << 20, sync=False, session_timeout=60.0, clock=clock
     )
     try:
@@ -181,12 +180,11 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
                 RpcServer(SECRET, [storage], name="storage").serve, "127.0.0.1", 0
             )
             routing = RoutingHolder(routing_info(f"127.0.0.1:{port}"))
-            service = MetaService(store, routing, rpc, storage_timeout=2.0, reap_interval=0.05)
-            service.jobs.base_delay = 0.1
+            service = MetaService(store, routing, rpc, storage_timeout=2.0)
+            service.jobs.base_delay = 0.0
             meta_port = await nursery.start(
                 RpcServer(SECRET, [service], name="meta").serve, "127.0.0.1", 0
             )
-            await nursery.start(service.run_background)
             meta = MetaStub(rpc, f"127.0.0.1:{meta_port}")
             session = (await meta.session_open("test", "localhost", os.getpid()))["session"]
             yield Env(meta, service, store, storage, routing, session, clock)
@@ -386,7 +384,8 @@ async def test_shrink_with_storage_down(env: Env) -> None:
     reader = await env.meta.open(ino, os.O_RDONLY, env.session)  # readers are fine
     await env.meta.release(ino, reader["handle"], env.session)
     env.storage.broken.clear()
-    await eventually(lambda: env.store.truncate_job(ino) is None)  # retried in the background
+    await env.service.jobs.run_once()  # the job is retried by the worker's next pass
+    assert env.store.truncate_job(ino) is None
     writer = await env.meta.open(ino, os.O_RDWR, env.session)
     await env.meta.release(ino, writer["handle"], env.session)
     await env.meta.release(ino, handle, env.session)
@@ -399,10 +398,11 @@ async def test_gc_after_last_name_and_handle(env: Env) -> None:
     targets = {CHAINS[c][0] for c in layout["chains"]}  # each chain's head
     await env.meta.unlink(ROOT, b"f")
     assert (await env.meta.getattr(ino))["nlink"] == 0
-    await trio.sleep(0.1)
+    await env.service.jobs.run_once()
     assert env.storage.calls == []  # still open: the data must stay
     await env.meta.session_close(env.session)  # closes both handles
-    await eventually(lambda: env.store.gc_jobs() == [])
+    await env.service.jobs.run_once()
+    assert env.store.gc_jobs() == []
     assert env.storage.targets_called("remove", ino) == targets
     await env.meta.release(ino, handle, env.session)  # already closed: not an error
     with pytest.raises(FsError) as info:
@@ -422,17 +422,30 @@ async def test_gc_waits_for_unreachable_targets(env: Env) -> None:
     await env.meta.session_close(env.session)
     await env.meta.rename(ROOT, b"f", ROOT, b"g")
     await env.meta.unlink(ROOT, b"g")
-    await trio.sleep(0.3)
+    await env.service.jobs.run_once()
     assert [j["ino"] for j in env.store.gc_jobs()] == [ino]  # kept while a chain fails
     assert env.storage.targets_called("remove", ino) == set()  # nobody serves: not called
     env.storage.broken.clear()
-    await trio.sleep(0.3)
+    await env.service.jobs.run_once()
+    assert env.storage.targets_called("remove", ino) == {sick}  # retried: the sick chain is done
     assert [j["ino"] for j in env.store.gc_jobs()] == [ino]  # still waits for the dead chain
     for t in down:
         env.routing.set_target_state(t, "serving")
-    env.service.jobs.wake()
-    await eventually(lambda: env.store.gc_jobs() == [])
+    await env.service.jobs.run_once()
+    assert env.store.gc_jobs() == []
     assert env.storage.targets_called("remove", ino) == {sick, down[0]}
+
+
+async def test_background_worker_runs_when_woken(env: Env) -> None:
+    """What the tests above run by hand, the service's background duties do
+    by themselves: a freed file's chunks go with nobody calling run_once."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(env.service.run_background)
+        ino = (await env.meta.mknod(ROOT, b"f", 0o644, 0, 0, 0))["ino"]
+        await env.meta.unlink(ROOT, b"f")  # freed: wakes the worker
+        await eventually(lambda: env.store.gc_jobs() == [])
+        nursery.cancel_scope.cancel()
+    assert env.storage.targets_called("remove", ino)
 
 
 async def test_expired_session_frees_its_files(env: Env) -> None:
@@ -442,10 +455,13 @@ async def test_expired_session_frees_its_files(env: Env) -> None:
     await env.meta.unlink(ROOT, b"f")
     env.clock.offset += 40
     await env.meta.session_renew(env.session)  # ours is renewed, the other one is not
-    await trio.sleep(0.2)
-    assert env.storage.calls == []  # the other lease has 20 s left
+    assert await env.service.reaper.reap_once() == []  # the other lease has 20 s left
+    await env.service.jobs.run_once()
+    assert env.storage.calls == []
     env.clock.offset += 40
-    await eventually(lambda: env.store.gc_jobs() == [] and bool(env.storage.calls))
+    assert [s["session"] for s in await env.service.reaper.reap_once()] == [other]
+    await env.service.jobs.run_once()
+    assert env.store.gc_jobs() == [] and bool(env.storage.calls)
     assert env.storage.targets_called("remove", ino)
     await env.meta.session_renew(env.session)
     with pytest.raises(FsError) as info:
@@ -541,7 +557,7 @@ async def test_serve_registers_recovers_and_unregisters(tmp_path: Path) -> None:
         )
 
         # a pending cut left by a crash is carried out at startup
-        with Namespace(tmp_path / "meta" / "namespace", map_size=64 << 20) as ns:
+        with NamespaceStore(tmp_path / "meta" / "namespace", map_size=64 << 20) as ns:
             f = ns.mknod(ROOT, b"f", 0o644, 0, 0, 0, lambda: {"chunk_size": 4096, "chains": [1]})
             ns.update_length(f["ino"], 1 << 20)
             ns.setattr(f["ino"], size=10)
@@ -566,7 +582,7 @@ async def test_serve_registers_recovers_and_unregisters(tmp_path: Path) -> None:
     assert mgmtd.unregistered == [7, 7]
     state = json.loads((tmp_path / "meta" / "node.json").read_text())
     assert state == {"node_id": 7, "cluster_id": "test-cluster"}
-    with Namespace(tmp_path / "meta" / "namespace", map_size=64 << 20) as ns:
+    with NamespaceStore(tmp_path / "meta" / "namespace", map_size=64 << 20) as ns:
         assert ns.truncate_jobs() == [] and ns.fsck() == []
 
 
@@ -579,13 +595,22 @@ def test_config_file_and_addresses(tmp_path: Path) -> None:
     config = load_config(path, MetaConfig)
     assert config.session_timeout == 30.0 and config.sync and config.advertise is None
     config.host = "meta-1.example"
-    assert advertised_address(config, 7000) == "meta-1.example:7000"
+    listen_host, _ = listen_address(config.listen)
+
+    def advertised() -> str:  # as serve() registers it
+        return advertised_address(listen_host, 7000, advertise=config.advertise, host=config.host)
+
+    assert advertised() == "meta-1.example:7000"
     config.advertise = "10.0.0.2:7000"
-    assert advertised_address(config, 7000) == "10.0.0.2:7000"
+    assert advertised() == "10.0.0.2:7000"
     for bad in ({"session_timeout": 0.0}, {"map_size": 4096}, {"mgmtd": "nohost"}):
         with pytest.raises(FsError) as info:
-            check_config(dataclasses.replace(config, **bad))
-        assert info.value.code == errno.EINVAL
+            dataclasses.replace(config, **bad).validate(str(path))
+        assert info.value.code == errno.EINVAL and str(path) in info.value.message
+    path.write_text(path.read_text() + "map_size = 4096\n")
+    with pytest.raises(FsError) as info:  # load_config runs the same checks
+        load_config(path, MetaConfig)
+    assert info.value.code == errno.EINVAL and "map_size" in info.value.message
     path.write_text('listen = "x"\nbogus = 1\n')
     with pytest.raises(FsError) as info:
         load_config(path, MetaConfig)

@@ -17,6 +17,7 @@ import lmdb
 import msgpack
 import pytest
 
+from shufflefs.metadata.namespace import READDIR_MAX
 from shufflefs.metadata.protocol import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
@@ -26,7 +27,8 @@ from shufflefs.metadata.protocol import (
     XATTR_REPLACE,
     Layout,
 )
-from shufflefs.metadata.store import READDIR_MAX, Namespace, u64
+from shufflefs.metadata.records import u64
+from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ def no_layout() -> Layout:
 # ---- root, persistence, format ------------------------------------------------------
 
 
-def test_root(ns: Namespace) -> None:
+def test_root(ns: NamespaceStore) -> None:
     root = ns.getattr(ROOT)
     assert stat.S_ISDIR(root["mode"]) and stat.S_IMODE(root["mode"]) == 0o755
     assert (root["nlink"], root["uid"], root["gid"], root["parent"]) == (2, 0, 0, ROOT)
@@ -59,11 +61,11 @@ def test_root(ns: Namespace) -> None:
 
 
 def test_reopen_keeps_everything(ns_path: Path, clock: FakeClock) -> None:
-    with Namespace(ns_path, map_size=64 << 20, sync=True, clock=clock) as ns:
+    with NamespaceStore(ns_path, map_size=64 << 20, sync=True, clock=clock) as ns:
         ino = ns.mkdir(ROOT, b"d", 0o700, 5, 6)["ino"]
         ns.setxattr(ino, b"user.k", b"v")
         d = ns.getattr(ino)
-    with Namespace(ns_path, map_size=64 << 20, clock=clock) as ns:
+    with NamespaceStore(ns_path, map_size=64 << 20, clock=clock) as ns:
         assert ns.lookup(ROOT, b"d") == d
         assert ns.getxattr(d["ino"], b"user.k") == b"v"
         assert ns.mkdir(ROOT, b"e", 0o700, 0, 0)["ino"] > d["ino"]  # ids never reused
@@ -71,18 +73,18 @@ def test_reopen_keeps_everything(ns_path: Path, clock: FakeClock) -> None:
 
 
 def test_refuses_other_format(ns_path: Path) -> None:
-    Namespace(ns_path, map_size=64 << 20).close()
+    NamespaceStore(ns_path, map_size=64 << 20).close()
     env = lmdb.open(str(ns_path), max_dbs=16, map_size=64 << 20)
     with env.begin(write=True) as txn:
         txn.put(b"format", u64(99), db=env.open_db(b"info", txn=txn))
     env.close()
-    assert code(lambda: Namespace(ns_path, map_size=64 << 20)) == errno.EINVAL
+    assert code(lambda: NamespaceStore(ns_path, map_size=64 << 20)) == errno.EINVAL
 
 
 # ---- name validation ----------------------------------------------------------------
 
 
-def _name_ops(ns: Namespace, fs: Fs, name: bytes) -> dict[str, Callable[[], Any]]:
+def _name_ops(ns: NamespaceStore, fs: Fs, name: bytes) -> dict[str, Callable[[], Any]]:
     f = fs.file(ROOT, b"existing")
     d = fs.dir(ROOT, b"dir")
     return {
@@ -108,19 +110,19 @@ def _name_ops(ns: Namespace, fs: Fs, name: bytes) -> dict[str, Callable[[], Any]
         (b"x" * 256, errno.ENAMETOOLONG),
     ],
 )
-def test_bad_names(ns: Namespace, fs: Fs, name: bytes, expected: int) -> None:
+def test_bad_names(ns: NamespaceStore, fs: Fs, name: bytes, expected: int) -> None:
     for op, call in _name_ops(ns, fs, name).items():
         assert code(call) == expected, op
 
 
-def test_longest_name(ns: Namespace, fs: Fs) -> None:
+def test_longest_name(ns: NamespaceStore, fs: Fs) -> None:
     name = b"n" * 255
     ino = fs.file(ROOT, name)
     assert ns.lookup(ROOT, name)["ino"] == ino
     assert fs.names(ROOT) == [name]
 
 
-def test_missing_and_non_directory_parents(ns: Namespace, fs: Fs) -> None:
+def test_missing_and_non_directory_parents(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     for parent, expected in ((999, errno.ENOENT), (f, errno.ENOTDIR)):
         assert code(lambda p=parent: ns.lookup(p, b"x")) == expected
@@ -138,7 +140,7 @@ def test_missing_and_non_directory_parents(ns: Namespace, fs: Fs) -> None:
         assert code(lambda b=bad: ns.getattr(b)) == errno.EINVAL
 
 
-def test_dot_names_as_new_names(ns: Namespace, fs: Fs) -> None:
+def test_dot_names_as_new_names(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     excl = os.O_CREAT | os.O_EXCL | os.O_RDWR
     for dot in (b".", b".."):
@@ -160,7 +162,7 @@ def test_dot_names_as_new_names(ns: Namespace, fs: Fs) -> None:
 # ---- creating -------------------------------------------------------------------------
 
 
-def test_mkdir(ns: Namespace, fs: Fs) -> None:
+def test_mkdir(ns: NamespaceStore, fs: Fs) -> None:
     before = ns.getattr(ROOT)
     d = ns.mkdir(ROOT, b"d", 0o7777, 7, 8)
     assert stat.S_ISDIR(d["mode"])
@@ -178,7 +180,7 @@ def test_mkdir(ns: Namespace, fs: Fs) -> None:
     assert ns.getattr(ROOT)["nlink"] == 3
 
 
-def test_setgid_directory_inheritance(ns: Namespace, fs: Fs) -> None:
+def test_setgid_directory_inheritance(ns: NamespaceStore, fs: Fs) -> None:
     shared = ns.mkdir(ROOT, b"shared", 0o775, 0, 50)["ino"]
     ns.setattr(shared, mode=0o2775)
     sub = ns.mkdir(shared, b"sub", 0o755, 1000, 1000)
@@ -191,7 +193,7 @@ def test_setgid_directory_inheritance(ns: Namespace, fs: Fs) -> None:
     assert plain["gid"] == 1000 and not plain["mode"] & stat.S_ISGID
 
 
-def test_mknod_kinds(ns: Namespace, fs: Fs) -> None:
+def test_mknod_kinds(ns: NamespaceStore, fs: Fs) -> None:
     fifo = ns.mknod(ROOT, b"fifo", stat.S_IFIFO | 0o640, 77, 1, 2, no_layout)
     assert stat.S_ISFIFO(fifo["mode"]) and stat.S_IMODE(fifo["mode"]) == 0o640
     assert fifo["rdev"] == 0  # only device files keep rdev
@@ -214,7 +216,7 @@ def test_mknod_kinds(ns: Namespace, fs: Fs) -> None:
     ns.session_close(fs.session)
 
 
-def test_no_layout_means_enospc_for_files_only(ns: Namespace, fs: Fs) -> None:
+def test_no_layout_means_enospc_for_files_only(ns: NamespaceStore, fs: Fs) -> None:
     def full() -> Layout:
         raise FsError(errno.ENOSPC, "no writable storage chains")
 
@@ -232,7 +234,7 @@ def test_no_layout_means_enospc_for_files_only(ns: Namespace, fs: Fs) -> None:
     ns.session_close(fs.session)
 
 
-def test_create_and_open(ns: Namespace, fs: Fs) -> None:
+def test_create_and_open(ns: NamespaceStore, fs: Fs) -> None:
     excl = os.O_CREAT | os.O_EXCL | os.O_WRONLY
     made = ns.create(ROOT, b"f", 0o4755, excl, 3, 4, fs.session, fs.layout)
     attr = made["attr"]
@@ -260,7 +262,7 @@ def test_create_and_open(ns: Namespace, fs: Fs) -> None:
     ns.session_close(fs.session)
 
 
-def test_open_directory_and_symlink(ns: Namespace, fs: Fs) -> None:
+def test_open_directory_and_symlink(ns: NamespaceStore, fs: Fs) -> None:
     d = fs.dir(ROOT, b"d")
     handle = ns.open(d, os.O_RDONLY | os.O_DIRECTORY, fs.session)["handle"]
     ns.release(d, handle, fs.session)
@@ -271,7 +273,7 @@ def test_open_directory_and_symlink(ns: Namespace, fs: Fs) -> None:
     assert code(lambda: ns.open(999, os.O_RDONLY, fs.session)) == errno.ENOENT
 
 
-def test_open_with_dead_session(ns: Namespace, fs: Fs, clock: FakeClock) -> None:
+def test_open_with_dead_session(ns: NamespaceStore, fs: Fs, clock: FakeClock) -> None:
     f = fs.file(ROOT, b"f")
     assert code(lambda: ns.open(f, os.O_RDONLY, 12345)) == SESSION_EXPIRED
     assert (
@@ -284,7 +286,7 @@ def test_open_with_dead_session(ns: Namespace, fs: Fs, clock: FakeClock) -> None
     ns.reap_sessions()
 
 
-def test_o_trunc(ns: Namespace, fs: Fs) -> None:
+def test_o_trunc(ns: NamespaceStore, fs: Fs) -> None:
     ino = fs.file(ROOT, b"f")
     ns.update_length(ino, 5000)
     before = ns.getattr(ino)
@@ -304,7 +306,7 @@ def test_o_trunc(ns: Namespace, fs: Fs) -> None:
 # ---- attributes --------------------------------------------------------------------
 
 
-def test_setattr(ns: Namespace, fs: Fs) -> None:
+def test_setattr(ns: NamespaceStore, fs: Fs) -> None:
     ino = fs.file(ROOT, b"f")
     before = ns.getattr(ino)
     attr = ns.setattr(ino, mode=0o104755, uid=5, gid=6, atime=-10, mtime=1234)
@@ -320,7 +322,7 @@ def test_setattr(ns: Namespace, fs: Fs) -> None:
     assert code(lambda: ns.setattr(999, mode=0o644)) == errno.ENOENT
 
 
-def test_setattr_size(ns: Namespace, fs: Fs) -> None:
+def test_setattr_size(ns: NamespaceStore, fs: Fs) -> None:
     ino = fs.file(ROOT, b"f")
     before = ns.getattr(ino)
     grown = ns.setattr(ino, size=10_000)
@@ -347,7 +349,7 @@ def test_setattr_size(ns: Namespace, fs: Fs) -> None:
     assert code(lambda: ns.setattr(link, size=0)) == errno.EINVAL
 
 
-def test_update_length(ns: Namespace, fs: Fs) -> None:
+def test_update_length(ns: NamespaceStore, fs: Fs) -> None:
     ino = fs.file(ROOT, b"f")
     before = ns.getattr(ino)
     attr = ns.update_length(ino, 100)
@@ -365,7 +367,7 @@ def test_update_length(ns: Namespace, fs: Fs) -> None:
 # ---- removing ------------------------------------------------------------------------
 
 
-def test_unlink(ns: Namespace, fs: Fs) -> None:
+def test_unlink(ns: NamespaceStore, fs: Fs) -> None:
     ino = fs.file(ROOT, b"f")
     ns.link(ino, ROOT, b"g")
     ns.setxattr(ino, b"user.a", b"1")
@@ -392,7 +394,7 @@ def test_unlink(ns: Namespace, fs: Fs) -> None:
         assert txn.get(u64(ino) + b"user.a", db=ns.dbs[b"xattrs"]) is None
 
 
-def test_rmdir(ns: Namespace, fs: Fs) -> None:
+def test_rmdir(ns: NamespaceStore, fs: Fs) -> None:
     d = fs.dir(ROOT, b"d")
     sub = fs.dir(d, b"sub")
     fs.file(sub, b"f")
@@ -414,7 +416,7 @@ def test_rmdir(ns: Namespace, fs: Fs) -> None:
 # ---- rename -----------------------------------------------------------------------------
 
 
-def test_rename_within_and_across(ns: Namespace, fs: Fs) -> None:
+def test_rename_within_and_across(ns: NamespaceStore, fs: Fs) -> None:
     a = fs.dir(ROOT, b"a")
     b = fs.dir(ROOT, b"b")
     f = fs.file(a, b"f")
@@ -435,7 +437,7 @@ def test_rename_within_and_across(ns: Namespace, fs: Fs) -> None:
     assert code(lambda: ns.rename(a, b"missing", b, b"x")) == errno.ENOENT
 
 
-def test_rename_over_existing(ns: Namespace, fs: Fs) -> None:
+def test_rename_over_existing(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     g = fs.file(ROOT, b"g")
     assert ns.rename(ROOT, b"f", ROOT, b"g")  # g's inode is freed
@@ -460,7 +462,7 @@ def test_rename_over_existing(ns: Namespace, fs: Fs) -> None:
     assert ns.getattr(inner)["parent"] == ROOT and ns.getattr(d)["nlink"] == 2
 
 
-def test_rename_into_own_subtree(ns: Namespace, fs: Fs) -> None:
+def test_rename_into_own_subtree(ns: NamespaceStore, fs: Fs) -> None:
     a = fs.dir(ROOT, b"a")
     b = fs.dir(a, b"b")
     c = fs.dir(b, b"c")
@@ -477,7 +479,7 @@ def test_rename_into_own_subtree(ns: Namespace, fs: Fs) -> None:
     assert ns.getattr(c)["parent"] == ROOT
 
 
-def test_rename_flags(ns: Namespace, fs: Fs) -> None:
+def test_rename_flags(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     g = fs.file(ROOT, b"g")
     assert code(lambda: ns.rename(ROOT, b"f", ROOT, b"g", RENAME_NOREPLACE)) == errno.EEXIST
@@ -495,7 +497,7 @@ def test_rename_flags(ns: Namespace, fs: Fs) -> None:
     assert code(lambda: ns.rename(ROOT, b"g", ROOT, b".", RENAME_NOREPLACE)) == errno.EEXIST
 
 
-def test_rename_exchange_directory_and_file(ns: Namespace, fs: Fs) -> None:
+def test_rename_exchange_directory_and_file(ns: NamespaceStore, fs: Fs) -> None:
     a = fs.dir(ROOT, b"a")
     b = fs.dir(ROOT, b"b")
     d = fs.dir(a, b"d")
@@ -511,7 +513,7 @@ def test_rename_exchange_directory_and_file(ns: Namespace, fs: Fs) -> None:
     assert ns.getattr(a)["nlink"] == 3 and ns.getattr(b)["nlink"] == 3
 
 
-def test_rename_onto_own_hard_link_is_a_no_op(ns: Namespace, fs: Fs) -> None:
+def test_rename_onto_own_hard_link_is_a_no_op(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     d = fs.dir(ROOT, b"d")
     ns.link(f, d, b"g")
@@ -523,7 +525,7 @@ def test_rename_onto_own_hard_link_is_a_no_op(ns: Namespace, fs: Fs) -> None:
     assert ns.getattr(ROOT)["nlink"] == 3
 
 
-def test_rename_over_open_file_keeps_it(ns: Namespace, fs: Fs) -> None:
+def test_rename_over_open_file_keeps_it(ns: NamespaceStore, fs: Fs) -> None:
     victim, handle = fs.open_new(ROOT, b"victim")
     fs.file(ROOT, b"new")
     assert not ns.rename(ROOT, b"new", ROOT, b"victim")
@@ -537,7 +539,7 @@ def test_rename_over_open_file_keeps_it(ns: Namespace, fs: Fs) -> None:
 # ---- links ---------------------------------------------------------------------------------
 
 
-def test_link(ns: Namespace, fs: Fs) -> None:
+def test_link(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     d = fs.dir(ROOT, b"d")
     before = ns.getattr(f)
@@ -554,7 +556,7 @@ def test_link(ns: Namespace, fs: Fs) -> None:
     ns.gc_done(ino)
 
 
-def test_symlink_and_readlink(ns: Namespace, fs: Fs) -> None:
+def test_symlink_and_readlink(ns: NamespaceStore, fs: Fs) -> None:
     attr = ns.symlink(ROOT, b"l", b"some/where", 3, 4)
     assert attr["mode"] == stat.S_IFLNK | 0o777
     assert (attr["size"], attr["uid"], attr["gid"], attr["nlink"]) == (10, 3, 4, 1)
@@ -573,7 +575,7 @@ def test_symlink_and_readlink(ns: Namespace, fs: Fs) -> None:
 # ---- resolve -------------------------------------------------------------------------------
 
 
-def test_resolve(ns: Namespace, fs: Fs) -> None:
+def test_resolve(ns: NamespaceStore, fs: Fs) -> None:
     a = fs.dir(ROOT, b"a")
     b = fs.dir(a, b"b")
     f = fs.file(b, b"f")
@@ -605,7 +607,7 @@ def test_resolve(ns: Namespace, fs: Fs) -> None:
     assert code(lambda: ns.resolve(b"/x" * 2100)) == errno.ENAMETOOLONG
 
 
-def test_resolve_symlink_limits(ns: Namespace, fs: Fs) -> None:
+def test_resolve_symlink_limits(ns: NamespaceStore, fs: Fs) -> None:
     target = fs.file(ROOT, b"l0")
     for i in range(1, 42):
         ns.symlink(ROOT, b"l%d" % i, b"l%d" % (i - 1), 0, 0)
@@ -621,7 +623,7 @@ def test_resolve_symlink_limits(ns: Namespace, fs: Fs) -> None:
 # ---- readdir ----------------------------------------------------------------------------------
 
 
-def test_readdir_pages(ns: Namespace, fs: Fs) -> None:
+def test_readdir_pages(ns: NamespaceStore, fs: Fs) -> None:
     names = sorted(b"n%03d" % i for i in range(25))
     inos = {name: fs.file(ROOT, name) for name in reversed(names)}
     seen: list[bytes] = []
@@ -645,14 +647,14 @@ def test_readdir_pages(ns: Namespace, fs: Fs) -> None:
     assert ns.readdir(fs.dir(ROOT, b"zz-empty")) == {"entries": [], "more": False}
 
 
-def test_readdir_page_size_is_capped(ns: Namespace, fs: Fs) -> None:
+def test_readdir_page_size_is_capped(ns: NamespaceStore, fs: Fs) -> None:
     for i in range(READDIR_MAX + 5):
         fs.file(ROOT, b"%05d" % i)
     page = ns.readdir(ROOT, None, 1 << 30)
     assert len(page["entries"]) == READDIR_MAX and page["more"]
 
 
-def test_readdir_stable_under_concurrent_changes(ns: Namespace, fs: Fs) -> None:
+def test_readdir_stable_under_concurrent_changes(ns: NamespaceStore, fs: Fs) -> None:
     """Entries present for the whole listing appear exactly once, whatever
     is inserted or removed (before or after the cursor) between pages."""
     stable = {b"s%02d" % i for i in range(0, 40, 2)}
@@ -689,7 +691,7 @@ def test_readdir_stable_under_concurrent_changes(ns: Namespace, fs: Fs) -> None:
 # ---- statfs --------------------------------------------------------------------------------------
 
 
-def test_statfs(ns: Namespace, fs: Fs) -> None:
+def test_statfs(ns: NamespaceStore, fs: Fs) -> None:
     first = ns.statfs()
     assert first["files"] == 1 and first["max_files"] > 1000
     fs.dir(ROOT, b"d")
@@ -700,7 +702,7 @@ def test_statfs(ns: Namespace, fs: Fs) -> None:
 # ---- xattrs --------------------------------------------------------------------------------------
 
 
-def test_xattrs(ns: Namespace, fs: Fs) -> None:
+def test_xattrs(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     before = ns.getattr(f)
     ns.setxattr(f, b"user.b", b"2")
@@ -744,14 +746,14 @@ def test_xattrs(ns: Namespace, fs: Fs) -> None:
         (b"user.a\0b", errno.EINVAL),
     ],
 )
-def test_xattr_names(ns: Namespace, fs: Fs, name: bytes, expected: int) -> None:
+def test_xattr_names(ns: NamespaceStore, fs: Fs, name: bytes, expected: int) -> None:
     f = fs.file(ROOT, b"f")
     assert code(lambda: ns.setxattr(f, name, b"v")) == expected
     assert code(lambda: ns.getxattr(f, name)) == expected
     assert code(lambda: ns.removexattr(f, name)) == expected
 
 
-def test_xattr_limits(ns: Namespace, fs: Fs) -> None:
+def test_xattr_limits(ns: NamespaceStore, fs: Fs) -> None:
     f = fs.file(ROOT, b"f")
     longest = b"user." + b"x" * 250
     ns.setxattr(f, longest, b"v")
@@ -767,7 +769,7 @@ def test_xattr_limits(ns: Namespace, fs: Fs) -> None:
     ns.setxattr(f, b"user.%0240d" % 0, b"replacing an existing name still works")
 
 
-def test_user_xattrs_only_on_files_and_directories(ns: Namespace, fs: Fs) -> None:
+def test_user_xattrs_only_on_files_and_directories(ns: NamespaceStore, fs: Fs) -> None:
     link = ns.symlink(ROOT, b"l", b"t", 0, 0)["ino"]
     fifo = ns.mknod(ROOT, b"p", stat.S_IFIFO | 0o600, 0, 0, 0, no_layout)["ino"]
     for ino in (link, fifo):
@@ -782,7 +784,7 @@ def test_user_xattrs_only_on_files_and_directories(ns: Namespace, fs: Fs) -> Non
 # ---- sessions and file lifetime ---------------------------------------------------------------
 
 
-def test_sessions(ns: Namespace, clock: FakeClock) -> None:
+def test_sessions(ns: NamespaceStore, clock: FakeClock) -> None:
     s = ns.session_open("client", "host", 42)
     assert s["lease"] == 60.0 and s["session"] > 0
     other = ns.session_open("client", "host", 43)["session"]
@@ -802,7 +804,7 @@ def test_sessions(ns: Namespace, clock: FakeClock) -> None:
     assert code(lambda: ns.session_open("c", "h", -1)) == errno.EINVAL
 
 
-def test_open_unlinked_file_lives_until_last_release(ns: Namespace, fs: Fs) -> None:
+def test_open_unlinked_file_lives_until_last_release(ns: NamespaceStore, fs: Fs) -> None:
     ino, h1 = fs.open_new(ROOT, b"f")
     h2 = ns.open(ino, os.O_RDONLY, fs.session)["handle"]
     ns.unlink(ROOT, b"f")
@@ -824,7 +826,7 @@ def test_open_unlinked_file_lives_until_last_release(ns: Namespace, fs: Fs) -> N
     ns.gc_done(ino)
 
 
-def test_session_expiry_frees_unlinked_files(ns: Namespace, fs: Fs, clock: FakeClock) -> None:
+def test_session_expiry_frees_unlinked_files(ns: NamespaceStore, fs: Fs, clock: FakeClock) -> None:
     dying = ns.session_open("dying", "h", 1)["session"]
     result = ns.create(ROOT, b"f", 0o644, RDWR_CREATE, 0, 0, dying, fs.layout)
     ino = result["attr"]["ino"]
@@ -848,16 +850,16 @@ def test_session_expiry_frees_unlinked_files(ns: Namespace, fs: Fs, clock: FakeC
 
 
 def test_restart_gives_sessions_a_fresh_lease(ns_path: Path, clock: FakeClock) -> None:
-    with Namespace(ns_path, map_size=64 << 20, clock=clock) as ns:
+    with NamespaceStore(ns_path, map_size=64 << 20, clock=clock) as ns:
         s = ns.session_open("c", "h", 1)["session"]
     clock.advance(3600)  # the server was down for an hour
-    with Namespace(ns_path, map_size=64 << 20, clock=clock) as ns:
+    with NamespaceStore(ns_path, map_size=64 << 20, clock=clock) as ns:
         assert ns.restart_leases() == 1
         assert ns.reap_sessions() == []
         ns.session_renew(s)
 
 
-def test_removed_directory_held_open(ns: Namespace, fs: Fs) -> None:
+def test_removed_directory_held_open(ns: NamespaceStore, fs: Fs) -> None:
     d = fs.dir(ROOT, b"d")
     handle = ns.open(d, os.O_RDONLY, fs.session)["handle"]
     ns.rmdir(ROOT, b"d")
@@ -875,7 +877,7 @@ def test_removed_directory_held_open(ns: Namespace, fs: Fs) -> None:
     assert ns.gc_jobs() == []
 
 
-def test_freed_file_drops_its_truncate_job(ns: Namespace, fs: Fs) -> None:
+def test_freed_file_drops_its_truncate_job(ns: NamespaceStore, fs: Fs) -> None:
     ino = fs.file(ROOT, b"f")
     ns.update_length(ino, 1 << 22)
     ns.setattr(ino, size=10)
@@ -889,7 +891,7 @@ def test_freed_file_drops_its_truncate_job(ns: Namespace, fs: Fs) -> None:
 # ---- fsck finds what is wrong --------------------------------------------------------------
 
 
-def _poke(ns: Namespace, db: bytes, key: bytes, value: bytes | None) -> None:
+def _poke(ns: NamespaceStore, db: bytes, key: bytes, value: bytes | None) -> None:
     with ns.env.begin(write=True) as txn:
         if value is None:
             txn.delete(key, db=ns.dbs[db])
@@ -897,14 +899,14 @@ def _poke(ns: Namespace, db: bytes, key: bytes, value: bytes | None) -> None:
             txn.put(key, value, db=ns.dbs[db])
 
 
-def _record(ns: Namespace, ino: int) -> dict[str, Any]:
+def _record(ns: NamespaceStore, ino: int) -> dict[str, Any]:
     with ns.env.begin() as txn:
         rec: dict[str, Any] = msgpack.unpackb(txn.get(u64(ino), db=ns.dbs[b"inodes"]))
         return rec
 
 
 def test_fsck_finds_damage(ns_path: Path, clock: FakeClock) -> None:
-    ns = Namespace(ns_path, map_size=64 << 20, clock=clock)
+    ns = NamespaceStore(ns_path, map_size=64 << 20, clock=clock)
     try:
         fs_dir = ns.mkdir(ROOT, b"d", 0o755, 0, 0)["ino"]
         f = ns.mknod(fs_dir, b"f", 0o644, 0, 0, 0, lambda: {"chunk_size": 4096, "chains": [1]})

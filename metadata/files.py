@@ -1,0 +1,199 @@
+"""The POSIX operations on open files and attributes: create, open, release,
+setattr and the length a writer reports.
+
+Opening takes a handle for the caller's session (`lifetime.add_handle`); the
+handle keeps an unlinked file alive until `release`. A shrink (setattr with a
+smaller size, or O_TRUNC) commits the new size together with a truncate job
+(`jobs.record_truncate`) that the server carries out on storage before it
+replies.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable
+
+from shufflefs.metadata.checks import (
+    DOTS,
+    check_id,
+    check_ino,
+    check_mode,
+    check_name,
+    check_owner,
+    check_size,
+    check_time,
+)
+from shufflefs.metadata.jobs import record_truncate
+from shufflefs.metadata.lifetime import add_handle, free_if_orphan, remove_handle
+from shufflefs.metadata.namespace import LayoutSource, make_inode
+from shufflefs.metadata.protocol import Attr, OpenResult
+from shufflefs.metadata.records import (
+    Rec,
+    attr_of,
+    is_dir,
+    is_lnk,
+    is_reg,
+    layout_of,
+    max_file_size,
+)
+from shufflefs.metadata.sessions import live_session
+from shufflefs.metadata.txn import Transactions, Tx
+from shufflefs.rpc.errors import FsError
+
+
+def set_size(tx: Tx, ino: int, rec: Rec, size: int) -> None:
+    if size < rec["size"]:
+        record_truncate(tx, ino, rec["layout"], size)
+    rec["size"] = size
+
+
+def regular_file(ino: int, rec: Rec, size: int, what: str) -> None:
+    """Only a regular file has a size to set, within its layout's limit."""
+    if is_dir(rec):
+        raise FsError(errno.EISDIR, f"inode {ino} is a directory")
+    if not is_reg(rec):
+        raise FsError(errno.EINVAL, f"inode {ino} is not a regular file")
+    if size > max_file_size(rec["layout"]):
+        raise FsError(errno.EFBIG, f"{what} {size} beyond the file's chunk index limit")
+
+
+def open_inode(tx: Tx, ino: int, flags: int, session: int) -> OpenResult:
+    rec = tx.inode(ino)
+    if is_dir(rec) and ((flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC):
+        raise FsError(errno.EISDIR, f"inode {ino} is a directory")
+    if is_lnk(rec):
+        raise FsError(errno.ELOOP, f"inode {ino} is a symbolic link")
+    if flags & os.O_TRUNC and is_reg(rec):
+        set_size(tx, ino, rec, 0)
+        rec["mtime"] = rec["ctime"] = tx.now
+    handle = add_handle(tx, ino, session)
+    return {"attr": attr_of(ino, rec), "layout": layout_of(rec), "handle": handle}
+
+
+class FileOps:
+    """The open-file and attribute operations of `NamespaceStore`."""
+
+    txns: Transactions
+    clock: Callable[[], float]
+
+    def create(
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        flags: int,
+        uid: int,
+        gid: int,
+        session: int,
+        layout: LayoutSource,
+    ) -> OpenResult:
+        """open(O_CREAT): an existing regular file is opened (EEXIST with
+        O_EXCL), an existing directory is EISDIR, an existing symlink ELOOP
+        (the caller resolves symlinks before it creates)."""
+        check_name(name)
+        check_mode(mode)
+        check_owner(uid, gid)
+        if name in DOTS:
+            raise FsError(
+                errno.EEXIST if flags & os.O_EXCL else errno.EISDIR, f"{name!r} is a directory"
+            )
+
+        def body(tx: Tx) -> OpenResult:
+            live_session(tx, session, self.clock())
+            tx.live_directory(parent)
+            existing = tx.entry(parent, name)
+            if existing is not None:
+                if flags & os.O_EXCL:
+                    raise FsError(errno.EEXIST, f"{name[:64]!r} exists in directory {parent}")
+                return open_inode(tx, existing, flags, session)
+            ino, rec = make_inode(
+                tx, parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, layout=layout()
+            )
+            handle = add_handle(tx, ino, session)
+            return {"attr": attr_of(ino, rec), "layout": layout_of(rec), "handle": handle}
+
+        return self.txns.write(body)
+
+    def open(self, ino: int, flags: int, session: int) -> OpenResult:
+        def body(tx: Tx) -> OpenResult:
+            live_session(tx, session, self.clock())
+            return open_inode(tx, ino, flags, session)
+
+        return self.txns.write(body)
+
+    def release(self, ino: int, handle: int, session: int) -> bool:
+        """Close a handle; releasing one already gone (its session expired) is
+        not an error. Returns whether the inode was freed."""
+        check_ino(ino)
+        check_ino(handle, "handle")
+
+        def body(tx: Tx) -> bool:
+            return remove_handle(tx, ino, handle, session) and free_if_orphan(tx, ino)
+
+        return self.txns.write(body)
+
+    def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime: int | None = None,
+        mtime: int | None = None,
+    ) -> Attr:
+        """A shrink records a truncate job in the same transaction (see
+        `truncate_job`); a size change alone sets mtime to now, as truncate(2)."""
+        if mode is not None:
+            check_mode(mode)
+        if uid is not None:
+            check_id(uid, "uid")
+        if gid is not None:
+            check_id(gid, "gid")
+        if size is not None:
+            check_size(size)
+        if atime is not None:
+            check_time(atime, "atime")
+        if mtime is not None:
+            check_time(mtime, "mtime")
+
+        def body(tx: Tx) -> Attr:
+            rec = tx.inode(ino)
+            if size is not None:
+                regular_file(ino, rec, size, "size")
+                set_size(tx, ino, rec, size)
+                rec["mtime"] = tx.now
+            if mode is not None:
+                rec["mode"] = stat.S_IFMT(rec["mode"]) | (mode & 0o7777)
+            if uid is not None:
+                rec["uid"] = uid
+            if gid is not None:
+                rec["gid"] = gid
+            if atime is not None:
+                rec["atime"] = atime
+            if mtime is not None:
+                rec["mtime"] = mtime
+            rec["ctime"] = tx.now
+            return attr_of(ino, rec)
+
+        return self.txns.write(body)
+
+    def update_length(self, ino: int, length: int, mtime: int | None = None) -> Attr:
+        """A writer's report of how far it wrote: the size only grows here
+        (shrinking is setattr's, with its truncate job)."""
+        check_size(length, "length")
+        if mtime is not None:
+            check_time(mtime, "mtime")
+
+        def body(tx: Tx) -> Attr:
+            rec = tx.inode(ino)
+            regular_file(ino, rec, length, "length")
+            rec["size"] = max(rec["size"], length)
+            if mtime is not None:
+                rec["mtime"] = rec["ctime"] = mtime
+            return attr_of(ino, rec)
+
+        return self.txns.write(body)

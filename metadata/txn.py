@@ -1,0 +1,211 @@
+"""The one place where LMDB transactions of the namespace are opened and
+committed, and the view of the namespace that an operation works on.
+
+Every mutation is exactly one `Transactions.write`: its body runs against a
+`Tx`, and either all of it commits or none of it does, so a process killed at
+any instant leaves the whole operation or nothing (LMDB commits by
+copy-on-write and one meta-page write; there is no journal and no recovery
+pass to get wrong). Reads are `Transactions.read`: a snapshot that never
+waits for the writer.
+
+Every change an operation makes goes through `Tx.put` / `Tx.delete` (or the
+inode cache that `Tx.flush` writes back), never through the raw LMDB
+transaction. That keeps two things possible here without touching the
+operations: committing several mutations in one transaction (group commit)
+and shipping each committed transaction's changes to followers.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import lmdb
+
+from shufflefs.metadata.checks import check_ino
+from shufflefs.metadata.protocol import ROOT_INODE
+from shufflefs.metadata.records import (
+    DB_COUNTERS,
+    DB_DENTRIES,
+    DB_INODES,
+    Rec,
+    dentry_child,
+    dentry_key,
+    dentry_value,
+    is_dir,
+    pack,
+    read_u64,
+    u64,
+    unpack,
+)
+from shufflefs.rpc.errors import FsError
+
+T = TypeVar("T")
+
+
+class Tx:
+    """One transaction's view of the namespace, with an inode cache.
+
+    Inode records are loaded once per transaction and written back at the
+    end only if they changed, so an operation that touches the same inode
+    twice (a rename within one directory) can never write a stale copy over
+    a fresh one.
+    """
+
+    def __init__(self, txn: Any, dbs: dict[bytes, Any]) -> None:
+        self.txn = txn
+        self.dbs = dbs
+        self.now = time.time_ns()  # the time stamped on everything this transaction changes
+        self._recs: dict[int, Rec | None] = {}
+        self._raw: dict[int, bytes | None] = {}
+
+    # ---- any sub-database --------------------------------------------------
+
+    def get_raw(self, db: bytes, key: bytes) -> bytes | None:
+        raw = self.txn.get(key, db=self.dbs[db])
+        return None if raw is None else bytes(raw)
+
+    def put(self, db: bytes, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self.dbs[db])
+
+    def delete(self, db: bytes, key: bytes) -> bool:
+        """Returns whether the key was there."""
+        return bool(self.txn.delete(key, db=self.dbs[db]))
+
+    def has_prefix(self, db: bytes, prefix: bytes) -> bool:
+        cur = self.txn.cursor(db=self.dbs[db])
+        return bool(cur.set_range(prefix)) and bytes(cur.key()).startswith(prefix)
+
+    def prefix_items(
+        self, db: bytes, prefix: bytes, start: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Items whose key starts with *prefix*, from key *start* on."""
+        cur = self.txn.cursor(db=self.dbs[db])
+        if not cur.set_range(prefix if start is None else start):
+            return
+        for key, value in cur.iternext():
+            if not key.startswith(prefix):
+                return
+            yield bytes(key), bytes(value)
+
+    def entries(self, db: bytes) -> int:
+        """How many items *db* holds."""
+        return int(self.txn.stat(self.dbs[db])["entries"])
+
+    def next_id(self, counter: bytes) -> int:
+        raw = self.get_raw(DB_COUNTERS, counter)
+        value = read_u64(raw) if raw is not None else 1
+        self.put(DB_COUNTERS, counter, u64(value + 1))
+        return value
+
+    # ---- inodes ------------------------------------------------------------
+
+    def get(self, ino: int) -> Rec | None:
+        if ino in self._recs:
+            return self._recs[ino]
+        raw = self.get_raw(DB_INODES, u64(ino))
+        rec = None if raw is None else unpack(raw)
+        self._recs[ino] = rec
+        self._raw[ino] = raw
+        return rec
+
+    def inode(self, ino: int) -> Rec:
+        check_ino(ino)
+        rec = self.get(ino)
+        if rec is None:
+            raise FsError(errno.ENOENT, f"no inode {ino}")
+        return rec
+
+    def directory(self, ino: int) -> Rec:
+        rec = self.inode(ino)
+        if not is_dir(rec):
+            raise FsError(errno.ENOTDIR, f"inode {ino} is not a directory")
+        return rec
+
+    def live_directory(self, ino: int) -> Rec:
+        """A directory new entries may go into (not one already removed)."""
+        rec = self.directory(ino)
+        if rec["nlink"] == 0:
+            raise FsError(errno.ENOENT, f"directory {ino} was removed")
+        return rec
+
+    def add_inode(self, ino: int, rec: Rec) -> None:
+        self._recs[ino] = rec
+        self._raw[ino] = None
+
+    def drop_inode(self, ino: int) -> None:
+        """Delete the inode's record when the transaction is flushed."""
+        self._recs[ino] = None
+
+    def touch_dir(self, rec: Rec) -> None:
+        rec["mtime"] = rec["ctime"] = self.now
+
+    def flush(self) -> None:
+        """Write back every inode record that changed."""
+        for ino, rec in self._recs.items():
+            old = self._raw.get(ino)
+            if rec is None:
+                if old is not None:
+                    self.delete(DB_INODES, u64(ino))
+                continue
+            raw = pack(rec)
+            if raw != old:
+                self.put(DB_INODES, u64(ino), raw)
+
+    # ---- directory entries -------------------------------------------------
+
+    def entry(self, parent: int, name: bytes) -> int | None:
+        raw = self.get_raw(DB_DENTRIES, dentry_key(parent, name))
+        return None if raw is None else dentry_child(raw)
+
+    def put_entry(self, parent: int, name: bytes, ino: int, mode: int) -> None:
+        self.put(DB_DENTRIES, dentry_key(parent, name), dentry_value(ino, mode))
+
+    def remove_entry(self, parent: int, name: bytes) -> None:
+        self.delete(DB_DENTRIES, dentry_key(parent, name))
+
+    def is_empty(self, ino: int) -> bool:
+        return not self.has_prefix(DB_DENTRIES, u64(ino))
+
+    def is_ancestor(self, ancestor: int, ino: int) -> bool:
+        """Is *ancestor* the directory *ino* itself or above it?"""
+        for _ in range(1 << 20):
+            if ino == ancestor:
+                return True
+            if ino == ROOT_INODE:
+                return False
+            ino = self.inode(ino)["parent"]
+        raise FsError(errno.EIO, "directory parent chain does not reach the root")
+
+
+class Transactions:
+    """Opens and commits the namespace's LMDB transactions.
+
+    `write` is where every write transaction begins and commits: the place
+    for group commit (several bodies, one commit) and for handing each
+    committed transaction to a replication log. LMDB ties a write
+    transaction to its thread, so a body must not block on anything else
+    (the server runs each `write` in one worker-thread call: `Writer`).
+    """
+
+    def __init__(self, env: Any, dbs: dict[bytes, Any]) -> None:
+        self.env = env
+        self.dbs = dbs
+
+    def write(self, body: Callable[[Tx], T]) -> T:
+        """Run *body* in one write transaction: all of it commits, or nothing."""
+        try:
+            with self.env.begin(write=True) as txn:
+                tx = Tx(txn, self.dbs)
+                result = body(tx)
+                tx.flush()
+            return result
+        except lmdb.MapFullError:
+            raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
+
+    def read(self, body: Callable[[Tx], T]) -> T:
+        """Run *body* on one read snapshot (it never waits for the writer)."""
+        with self.env.begin(write=False) as txn:
+            return body(Tx(txn, self.dbs))
