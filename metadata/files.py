@@ -149,16 +149,14 @@ class FileOps:
         `truncate_job`); a size change alone sets mtime to now, as truncate(2)."""
         if mode is not None:
             check_mode(mode)
-        if uid is not None:
-            check_id(uid, "uid")
-        if gid is not None:
-            check_id(gid, "gid")
+        for what, owner in (("uid", uid), ("gid", gid)):
+            if owner is not None:
+                check_id(owner, what)
         if size is not None:
             check_size(size)
-        if atime is not None:
-            check_time(atime, "atime")
-        if mtime is not None:
-            check_time(mtime, "mtime")
+        for what, when in (("atime", atime), ("mtime", mtime)):
+            if when is not None:
+                check_time(when, what)
 
         def body(tx: Tx) -> Attr:
             rec = tx.inode(ino)
