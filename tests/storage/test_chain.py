@@ -132,9 +132,9 @@ async def test_replica_behind_gets_the_whole_chunk(cluster: ChainCluster) -> Non
         )
     assert info.value.errno == NEED_FULL
     middle_service = cluster.node_of(middle).service
-    resends = middle_service.full_resends
+    resends = middle_service.forwarding.full_resends
     assert (await cluster.write(chain, cid, 5000, blob(9, 100)))["version"] == 6
-    assert middle_service.full_resends == resends + 1
+    assert middle_service.forwarding.full_resends == resends + 1
     await cluster.assert_identical(chain)
     expected = b"".join(blob(i, 1000) for i in range(5)) + blob(9, 100)
     assert await cluster.read_all(tail, [cid]) == {cid: expected}

@@ -18,9 +18,9 @@ from pathlib import Path
 import crcmod.predefined
 import pytest
 
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.layout import parse_chunk_file_name
 from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 CHUNK = 1 << 15

@@ -83,7 +83,7 @@ async def test_resync_after_missed_updates_with_writes_going_on(
             tail_service = tail_node.service
 
             def forwarded() -> int:
-                sync = tail_service._sync.get(tail)
+                sync = tail_service.resyncer.states.get(tail)
                 return sync.forwarded if sync is not None else 0
 
             await eventually(lambda: forwarded() >= 5)
@@ -240,8 +240,8 @@ async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: Chai
         await cluster.start_node(tail_node)
         await cluster.sync_maps()
         tail_service = tail_node.service
-        await eventually(lambda: tail in tail_service._resyncing and tail in tail_service._sync)
-        sync = tail_service._sync[tail]
+        await eventually(lambda: tail in tail_service.resyncer.running and tail in tail_service.resyncer.states)
+        sync = tail_service.resyncer.states[tail]
         assert cid not in sync.trusted
         stats = ResyncStats(tail, chain, middle)
 
@@ -249,7 +249,7 @@ async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: Chai
             await cluster.file_op(chain, ino, size)
 
         source = InterferingSource(cluster.stub_for(middle), functools.partial(cut, 51, 1000))
-        await tail_service._resync_chunk(
+        await tail_service.resyncer.copy_chunk(
             tail, tail_node.store(tail), sync, cast(StorageStub, source), middle, cid, stats
         )
         assert source.reads == 2  # the first copy predates the truncation: read again

@@ -24,10 +24,11 @@ from shufflefs.cluster.protocol import (
 from shufflefs.cluster.routing import Routing
 from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client, rpc_method
 from shufflefs.rpc.framing import Limits
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.config import StorageConfig, load_storage_config
+from shufflefs.storage.daemon import serve
 from shufflefs.storage.protocol import StorageStub, chunk_id
-from shufflefs.storage.server import StorageService, serve
+from shufflefs.storage.service import StorageService
+from shufflefs.storage.store import ChunkStore
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 CS = 1 << 16

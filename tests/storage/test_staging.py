@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.protocol import NEED_FULL, chunk_id
+from shufflefs.storage.store import ChunkStore
 
 CS = 1 << 16
 BS = 512
