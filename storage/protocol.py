@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any, TypedDict
 
 from shufflefs.rpc.client import RpcClient
-from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer
 
 # A replica's answer to an update built on a version it does not hold: send
@@ -44,13 +43,6 @@ CHUNK_ID_LEN = CHUNK_ID.size  # 12
 
 def chunk_id(ino: int, index: int) -> bytes:
     return CHUNK_ID.pack(ino, index)
-
-
-def split_chunk_id(cid: bytes) -> tuple[int, int]:
-    if len(cid) != CHUNK_ID_LEN:
-        raise FsError(errno.EINVAL, f"chunk id must be {CHUNK_ID_LEN} bytes, got {len(cid)}")
-    ino, index = CHUNK_ID.unpack(cid)
-    return int(ino), int(index)
 
 
 # One range to read: [target_id, chunk_id, offset in chunk, length].

@@ -33,6 +33,8 @@ CIDS = [chunk_id(ino, idx) for ino in INOS for idx in range(CHUNKS_PER_INO)]
 reference = crcmod.predefined.mkCrcFun("crc-32c")
 Model = dict[bytes, bytes]
 
+pytestmark = pytest.mark.e2e  # starts and kills writer processes
+
 
 def data_for(seed: int, n: int) -> bytes:
     return random.Random(seed).randbytes(n)

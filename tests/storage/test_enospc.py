@@ -21,6 +21,8 @@ from shufflefs.storage.store import ChunkStore
 MiB = 1 << 20
 CHUNK = MiB
 
+pytestmark = pytest.mark.e2e  # mounts a tmpfs (root, the mount command)
+
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:

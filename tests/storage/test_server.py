@@ -413,6 +413,7 @@ def test_config_validation(tmp_path: Path) -> None:
         'targets = ["a"]\nbogus = 1\n': "bogus",
         'targets = ["a"]\nforward_timeout = 0.0\n': "forward_timeout",
         'targets = ["a"]\nscrub_interval = -1.0\n': "scrub_interval",
+        'targets = ["a"]\nadvertise = "no-port"\n': "advertise",
     }
     for extra, word in cases.items():
         path = tmp_path / "storage.toml"
