@@ -4,12 +4,10 @@ A chunk is identified by (inode, chunk index), packed as 12 bytes big-endian;
 its hex form names the chunk's file on a target. Bulk bytes always travel as
 the frame's raw payload, never inside msgpack.
 
-Chain replication (docs/storage.md): clients send `write`, and the metadata
-server `truncate_file`/`remove_file`, to the head of a chain (the first of
-its write targets: serving ones, then syncing ones). Each replica stages the
-update and forwards it to its successor with `replicate` /
-`replicate_truncate` / `replicate_remove`; the tail commits first, the head
-last, and only then does the client get its answer. Errors a caller acts on:
+Clients send `write`, and the metadata server `truncate_file`/`remove_file`,
+to the head of a chain; replicas forward them with `replicate` /
+`replicate_truncate` / `replicate_remove` (the protocol: docs/storage.md,
+"Chain replication"). Errors a caller acts on:
 
 * ``ESTALE``: the chain version is not the daemon's (the caller refreshes its
   routing map and retries), the target is not where the call belongs in the
