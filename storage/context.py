@@ -28,6 +28,19 @@ T = TypeVar("T")
 COPY_TIMEOUT = 60.0  # read_chunk / list_chunks calls of resync, repair and scrub
 
 
+async def read_copy(
+    stub: StorageStub, target: int, cid: bytes
+) -> tuple[ChunkMeta | None, bytearray]:
+    """*target*'s whole committed copy of a chunk (`read_chunk`: verified
+    there, under its chunk lock), or ``(None, empty)`` if it holds none."""
+    try:
+        return await stub.read_chunk(target, cid)
+    except FsError as exc:
+        if exc.code != errno.ENOENT:
+            raise
+        return None, bytearray()
+
+
 class RoutingSource(Protocol):
     """What a storage node needs of the routing map (a `RoutingCache`)."""
 

@@ -23,8 +23,8 @@ from shufflefs.cluster.routing import Routing
 from shufflefs.rpc import FsError
 from shufflefs.rpc.retry import Backoff
 from shufflefs.storage.chain import Place, ResyncStats, SyncState, chain_of, same_info
-from shufflefs.storage.context import NodeContext
-from shufflefs.storage.protocol import ChunkMeta, StorageStub
+from shufflefs.storage.context import NodeContext, read_copy
+from shufflefs.storage.protocol import StorageStub
 from shufflefs.storage.store import ChunkStore
 
 log = logging.getLogger("shufflefs.storage.resync")
@@ -247,13 +247,7 @@ class ResyncWorker:
         for _ in range(RESYNC_RETRIES):
             self._still_current(target, sync)
             seq0 = sync.seq
-            meta: ChunkMeta | None
-            try:
-                meta, data = await stub.read_chunk(source, cid)
-            except FsError as exc:
-                if exc.code != errno.ENOENT:
-                    raise
-                meta, data = None, bytearray()
+            meta, data = await read_copy(stub, source, cid)
             async with node.locks.update(target, cid):
                 self._still_current(target, sync)
                 if cid in sync.trusted:

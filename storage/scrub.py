@@ -15,9 +15,9 @@ import trio
 from shufflefs.cluster.protocol import TargetInfo
 from shufflefs.rpc import FsError
 from shufflefs.storage.chain import chain_of, same_info
-from shufflefs.storage.context import NodeContext
+from shufflefs.storage.context import NodeContext, read_copy
 from shufflefs.storage.layout import same_record
-from shufflefs.storage.protocol import ChunkInfo, ChunkMeta, ScrubResult
+from shufflefs.storage.protocol import ChunkInfo, ScrubResult
 from shufflefs.storage.repair import RepairWorker
 from shufflefs.storage.resync import ResyncWorker
 
@@ -215,13 +215,7 @@ class ScrubWorker:
         store = node.store(target)
         for _ in range(RECONCILE_TRIES):
             rec0 = await node.io(store.committed, cid)
-            try:
-                meta: ChunkMeta | None
-                meta, data = await node.fetch(source, cid)
-            except FsError as exc:
-                if exc.code != errno.ENOENT:
-                    raise
-                meta, data = None, bytearray()
+            meta, data = await read_copy(node.stub_for(source["id"]), source["id"], cid)
             async with node.locks.update(target, cid):
                 rec = await node.io(store.committed, cid)
                 if not same_record(rec, rec0):
