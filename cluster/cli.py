@@ -25,7 +25,7 @@ CONFIG_ENV = "SHUFFLEFS_CONFIG"
 COMMANDS: dict[str, tuple[str, str]] = {
     "mgmtd": ("shufflefs.cluster.mgmtd", "cli_main"),
     "meta": ("shufflefs.metadata.server", "cli_main"),
-    "storage": ("shufflefs.storage.server", "cli_main"),
+    "storage": ("shufflefs.storage.daemon", "cli_main"),
     "up": ("shufflefs.cluster.launcher", "cli_up"),
     "down": ("shufflefs.cluster.launcher", "cli_down"),
     "format": ("shufflefs.cluster.launcher", "cli_format"),

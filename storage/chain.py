@@ -22,7 +22,6 @@ import trio
 
 from shufflefs.cluster.protocol import ChainInfo, TargetInfo
 from shufflefs.cluster.routing import Routing
-from shufflefs.storage.layout import ChunkRecord
 from shufflefs.storage.protocol import ChunkInfo
 
 # ---- locks -----------------------------------------------------------------
@@ -129,12 +128,6 @@ class LockTable:
 
 def ino_of(cid: bytes) -> int:
     return int.from_bytes(cid[:8], "big")
-
-
-def same_record(a: ChunkRecord | None, b: ChunkRecord | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return (a.version, a.generation, a.length) == (b.version, b.generation, b.length)
 
 
 def same_info(a: ChunkInfo, b: ChunkInfo) -> bool:

@@ -6,6 +6,7 @@ import errno
 import os
 from dataclasses import dataclass
 
+from shufflefs.cluster.node import check_addresses
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.layout import check_block_size
@@ -31,7 +32,9 @@ class StorageConfig:
     scrub_interval: float = 0.0  # seconds between background scrubs of every target; 0: off
 
     def validate(self, where: str = "storage config") -> None:
-        """Reject settings that would fail later in a less clear way."""
+        """Reject settings that would fail later in a less clear way (called
+        by `load_config`: the daemon relies on it and checks nothing again)."""
+        check_addresses(where, listen=self.listen, mgmtd=self.mgmtd, advertise=self.advertise)
         if not self.targets:
             raise FsError(errno.EINVAL, f"{where}: 'targets' must list at least one directory")
         paths = [os.path.realpath(t) for t in self.targets]

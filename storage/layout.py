@@ -137,3 +137,11 @@ class ChunkRecord:
 
     def crc_bytes(self) -> bytes:
         return crcs_to_bytes(self.crcs)
+
+
+def same_record(a: ChunkRecord | None, b: ChunkRecord | None) -> bool:
+    """Is *a* still the chunk's state *b* (same version, file and length)?
+    None is "no chunk"."""
+    if a is None or b is None:
+        return a is b
+    return (a.version, a.generation, a.length) == (b.version, b.generation, b.length)

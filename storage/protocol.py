@@ -4,12 +4,10 @@ A chunk is identified by (inode, chunk index), packed as 12 bytes big-endian;
 its hex form names the chunk's file on a target. Bulk bytes always travel as
 the frame's raw payload, never inside msgpack.
 
-Chain replication (docs/storage.md): clients send `write`, and the metadata
-server `truncate_file`/`remove_file`, to the head of a chain (the first of
-its write targets: serving ones, then syncing ones). Each replica stages the
-update and forwards it to its successor with `replicate` /
-`replicate_truncate` / `replicate_remove`; the tail commits first, the head
-last, and only then does the client get its answer. Errors a caller acts on:
+Clients send `write`, and the metadata server `truncate_file`/`remove_file`,
+to the head of a chain; replicas forward them with `replicate` /
+`replicate_truncate` / `replicate_remove` (the protocol: docs/storage.md,
+"Chain replication"). Errors a caller acts on:
 
 * ``ESTALE``: the chain version is not the daemon's (the caller refreshes its
   routing map and retries), the target is not where the call belongs in the
@@ -31,7 +29,6 @@ from collections.abc import Sequence
 from typing import Any, TypedDict
 
 from shufflefs.rpc.client import RpcClient
-from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer
 
 # A replica's answer to an update built on a version it does not hold: send
@@ -44,13 +41,6 @@ CHUNK_ID_LEN = CHUNK_ID.size  # 12
 
 def chunk_id(ino: int, index: int) -> bytes:
     return CHUNK_ID.pack(ino, index)
-
-
-def split_chunk_id(cid: bytes) -> tuple[int, int]:
-    if len(cid) != CHUNK_ID_LEN:
-        raise FsError(errno.EINVAL, f"chunk id must be {CHUNK_ID_LEN} bytes, got {len(cid)}")
-    ino, index = CHUNK_ID.unpack(cid)
-    return int(ino), int(index)
 
 
 # One range to read: [target_id, chunk_id, offset in chunk, length].

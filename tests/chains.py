@@ -26,10 +26,11 @@ from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.cluster.state import ClusterState
 from shufflefs.cluster.store import MgmtdStore
 from shufflefs.rpc import FsError, RpcClient, RpcServer
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.config import StorageConfig
+from shufflefs.storage.daemon import StorageDaemon
 from shufflefs.storage.protocol import ChunkInfo, StorageStub, WriteResult
-from shufflefs.storage.server import StorageDaemon, StorageService
+from shufflefs.storage.service import StorageService
+from shufflefs.storage.store import ChunkStore
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 CS = 1 << 16  # chunk size of the test files

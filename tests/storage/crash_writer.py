@@ -22,8 +22,8 @@ import sys
 import time
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 CHUNK = 1 << 15
 BLOCK = 512

@@ -132,9 +132,9 @@ async def test_replica_behind_gets_the_whole_chunk(cluster: ChainCluster) -> Non
         )
     assert info.value.errno == NEED_FULL
     middle_service = cluster.node_of(middle).service
-    resends = middle_service.full_resends
+    resends = middle_service.forwarding.full_resends
     assert (await cluster.write(chain, cid, 5000, blob(9, 100)))["version"] == 6
-    assert middle_service.full_resends == resends + 1
+    assert middle_service.forwarding.full_resends == resends + 1
     await cluster.assert_identical(chain)
     expected = b"".join(blob(i, 1000) for i in range(5)) + blob(9, 100)
     assert await cluster.read_all(tail, [cid]) == {cid: expected}
@@ -198,24 +198,35 @@ async def test_truncate_and_remove_travel_the_chain(cluster: ChainCluster) -> No
 
 
 async def test_truncate_is_ordered_with_writes(cluster: ChainCluster) -> None:
-    """Writes to new chunks of a file race with a truncation of it: every
-    replica ends up with the same chunks, whichever came first."""
+    """Writes to new chunks of a file race with truncations of it: every
+    replica ends up with the same chunks, whichever came first. No cut
+    reaches chunk 0, so the replicas compared are never empty."""
     [chain] = cluster.chain_ids()
     ino = 13
+    last_cut = CS + 100
 
     async def writes() -> None:
         for idx in range(24):
             await cluster.write(chain, chunk_id(ino, idx), 0, blob(idx, 3000))
 
     async def cuts() -> None:
-        for size in (20 * CS, 12 * CS + 5, 3 * CS, 0):
+        for size in (20 * CS, 12 * CS + 5, 3 * CS, last_cut):
             await trio.sleep(0.01)
             await cluster.file_op(chain, ino, size)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writes)
         nursery.start_soon(cuts)
-    await cluster.assert_identical(chain)
+    state = await cluster.assert_identical(chain)
+    cids = sorted(c for c in state if c[:8] == ino.to_bytes(8, "big"))
+    assert chunk_id(ino, 0) in cids, "chunk 0 (never cut) is missing: nothing was compared"
+    for target in cluster.members(chain):
+        content = await cluster.read_all(target, cids)
+        for cid, data in content.items():
+            idx = int.from_bytes(cid[8:], "big")
+            # written after the last cut: whole; before it: cut to the new size
+            whole = blob(idx, 3000)
+            assert data in (whole, whole[: max(0, last_cut - idx * CS)]) and data
 
 
 async def test_disk_full_fails_cleanly_everywhere(cluster: ChainCluster) -> None:

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.cache import FdCache, FdHandle
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.crc import block_crcs
 from shufflefs.storage.layout import ChunkRecord, parse_chunk_file_name
 from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 reference = crcmod.predefined.mkCrcFun("crc-32c")
 CS = 1 << 16  # chunk size used by most tests
@@ -287,7 +287,7 @@ def test_flipped_byte_is_never_returned(tmp_path: Path, caplog: pytest.LogCaptur
         path = store.file_path(cid)
         assert path is not None
         flip(path, 3 * BS + 100)  # damage block 3
-        caplog.set_level(logging.ERROR, logger="shufflefs.storage.chunks")
+        caplog.set_level(logging.ERROR, logger="shufflefs.storage")
         for off, n in [(3 * BS + 100, 1), (0, 4096), (3 * BS - 10, 20), (3 * BS, BS)]:
             assert store.read_nowait(cid, off, n) is None
             with pytest.raises(FsError) as info:

@@ -18,9 +18,9 @@ from pathlib import Path
 import crcmod.predefined
 import pytest
 
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.layout import parse_chunk_file_name
 from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 CHUNK = 1 << 15
@@ -32,6 +32,8 @@ CIDS = [chunk_id(ino, idx) for ino in INOS for idx in range(CHUNKS_PER_INO)]
 
 reference = crcmod.predefined.mkCrcFun("crc-32c")
 Model = dict[bytes, bytes]
+
+pytestmark = pytest.mark.e2e  # starts and kills writer processes
 
 
 def data_for(seed: int, n: int) -> bytes:

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 MiB = 1 << 20
 CHUNK = MiB
+
+pytestmark = pytest.mark.e2e  # mounts a tmpfs (root, the mount command)
 
 
 @pytest.fixture
@@ -65,7 +67,7 @@ def test_disk_full_fails_cleanly(
     rng = random.Random(3)
     root = small_fs / "t"
     acked: dict[bytes, bytearray] = {}
-    caplog.set_level(logging.WARNING, logger="shufflefs.storage.chunks")
+    caplog.set_level(logging.WARNING, logger="shufflefs.storage")
     with ChunkStore(root, block_size=4096, fsync=True, reserve_bytes=0) as store:
         if not checked:
             monkeypatch.setattr(store, "_check_space", lambda needed: None)

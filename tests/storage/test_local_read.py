@@ -17,10 +17,10 @@ import pytest
 from procfs import deleted_open_files
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.layout import parse_chunk_file_name
 from shufflefs.storage.local_read import LocalTarget
 from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 CS = 1 << 16
 

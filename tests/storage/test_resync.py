@@ -8,15 +8,14 @@ import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import cast
 
 import pytest
 import trio
-from chains import CS, SECRET, ChainCluster, eventually
+from chains import CS, ChainCluster, eventually
 from harness import flip
 
-from shufflefs.rpc import FsError, open_rpc_client
+from shufflefs.rpc import FsError
 from shufflefs.storage.chain import ResyncStats
 from shufflefs.storage.protocol import ChunkMeta, StorageStub, chunk_id
 
@@ -83,7 +82,7 @@ async def test_resync_after_missed_updates_with_writes_going_on(
             tail_service = tail_node.service
 
             def forwarded() -> int:
-                sync = tail_service._sync.get(tail)
+                sync = tail_service.resyncer.states.get(tail)
                 return sync.forwarded if sync is not None else 0
 
             await eventually(lambda: forwarded() >= 5)
@@ -123,17 +122,8 @@ async def test_read_of_a_damaged_chunk_repairs_it(
     lengths, _ = await cluster.stub_for(tail).read([(tail, cid, 0, 5000)])
     assert lengths == [-errno.EIO]  # never the damaged bytes; the client reads elsewhere
 
-    async def healed() -> bool:
-        return await cluster.read_all(tail, [cid]) == {cid: data}
-
-    with trio.fail_after(10):
-        while True:
-            try:
-                if await healed():
-                    break
-            except AssertionError:
-                pass
-            await trio.sleep(0.05)
+    await cluster.node_of(tail).service.repairs.run_once()  # the queued repair, done
+    assert await cluster.read_all(tail, [cid]) == {cid: data}
     assert any(
         f"repaired target={tail} chunk={cid.hex()}" in r.getMessage() for r in caplog.records
     )
@@ -240,8 +230,10 @@ async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: Chai
         await cluster.start_node(tail_node)
         await cluster.sync_maps()
         tail_service = tail_node.service
-        await eventually(lambda: tail in tail_service._resyncing and tail in tail_service._sync)
-        sync = tail_service._sync[tail]
+        await eventually(
+            lambda: tail in tail_service.resyncer.running and tail in tail_service.resyncer.states
+        )
+        sync = tail_service.resyncer.states[tail]
         assert cid not in sync.trusted
         stats = ResyncStats(tail, chain, middle)
 
@@ -249,7 +241,7 @@ async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: Chai
             await cluster.file_op(chain, ino, size)
 
         source = InterferingSource(cluster.stub_for(middle), functools.partial(cut, 51, 1000))
-        await tail_service._resync_chunk(
+        await tail_service.resyncer.copy_chunk(
             tail, tail_node.store(tail), sync, cast(StorageStub, source), middle, cid, stats
         )
         assert source.reads == 2  # the first copy predates the truncation: read again
@@ -263,25 +255,21 @@ async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: Chai
     await cluster.assert_identical(chain)
 
 
-async def test_periodic_scrub_repairs_in_the_background(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+async def test_periodic_scrub_repairs_damage_nobody_reads(
+    cluster: ChainCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """One pass of the periodic scrub (what its loop runs every
+    ``scrub_interval`` seconds) finds and repairs a chunk nobody reads."""
     caplog.set_level(logging.INFO, logger="shufflefs.storage")
-    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
-        cluster = ChainCluster(tmp_path, nursery, rpc)
-        await cluster.start(nodes=3, scrub_interval=0.2)
-        [chain] = cluster.chain_ids()
-        _, middle, _ = cluster.members(chain)
-        cid = chunk_id(70, 0)
-        await cluster.write(chain, cid, 0, blob(70, 2000))
-        flip(cluster.node_of(middle).store(middle).file_path(cid) or "", 1500)
-        # nobody reads it: the background scrub finds and repairs it
-        await eventually(
-            lambda: any(f"repaired target={middle}" in r.getMessage() for r in caplog.records)
-        )
-        await cluster.assert_identical(chain)
-        assert any(
-            f"periodic scrub target={middle} checked=1 corrupt=1" in r.getMessage()
-            for r in caplog.records
-        )
-        nursery.cancel_scope.cancel()
+    [chain] = cluster.chain_ids()
+    _, middle, _ = cluster.members(chain)
+    cid = chunk_id(70, 0)
+    await cluster.write(chain, cid, 0, blob(70, 2000))
+    flip(cluster.node_of(middle).store(middle).file_path(cid) or "", 1500)
+    await cluster.node_of(middle).service.scrubber.run_once()
+    assert any(f"repaired target={middle}" in r.getMessage() for r in caplog.records)
+    await cluster.assert_identical(chain)
+    assert any(
+        f"periodic scrub target={middle} checked=1 corrupt=1" in r.getMessage()
+        for r in caplog.records
+    )

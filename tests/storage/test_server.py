@@ -24,10 +24,11 @@ from shufflefs.cluster.protocol import (
 from shufflefs.cluster.routing import Routing
 from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client, rpc_method
 from shufflefs.rpc.framing import Limits
-from shufflefs.storage.chunks import ChunkStore
 from shufflefs.storage.config import StorageConfig, load_storage_config
+from shufflefs.storage.daemon import serve
 from shufflefs.storage.protocol import StorageStub, chunk_id
-from shufflefs.storage.server import StorageService, serve
+from shufflefs.storage.service import StorageService
+from shufflefs.storage.store import ChunkStore
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 CS = 1 << 16
@@ -412,6 +413,7 @@ def test_config_validation(tmp_path: Path) -> None:
         'targets = ["a"]\nbogus = 1\n': "bogus",
         'targets = ["a"]\nforward_timeout = 0.0\n': "forward_timeout",
         'targets = ["a"]\nscrub_interval = -1.0\n': "scrub_interval",
+        'targets = ["a"]\nadvertise = "no-port"\n': "advertise",
     }
     for extra, word in cases.items():
         path = tmp_path / "storage.toml"

@@ -1,0 +1,267 @@
+"""`Forwarding`: where a target stands in its chain, and sending an update on
+to its successor (the CRAQ-style write path, docs/storage.md "Chain
+replication").
+
+A replica forwards an update only after staging it itself, and commits only
+after its successor acknowledged: so the tail commits first and the head
+last. A successor that cannot be reached is reported to mgmtd (which checks
+for itself and takes it out of the chain) and the caller gets ESTALE: it
+retries once the chain changed. A forward to a chain that changes meanwhile
+is cancelled at once (`routing_changed`) rather than waiting for its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from shufflefs.cluster.protocol import TargetInfo
+from shufflefs.cluster.routing import Routing
+from shufflefs.rpc import FsError
+from shufflefs.rpc.errors import CONNECTION_FAILURES
+from shufflefs.storage.chain import Place
+from shufflefs.storage.context import NodeContext
+from shufflefs.storage.protocol import NEED_FULL, StorageStub
+from shufflefs.storage.staging import Staged
+from shufflefs.storage.store import ChunkStore
+
+log = logging.getLogger("shufflefs.storage.forwarding")
+
+FORWARD_TIMEOUT = 10.0  # per replica still ahead: the head of a 3-chain waits 20 s, its middle 10 s
+REPORT_TIMEOUT = 8.0  # telling mgmtd a successor is unreachable, and refreshing routing after
+
+
+class Forwarding:
+    """Chain membership checks and calls to this node's successors."""
+
+    def __init__(self, node: NodeContext, forward_timeout: float = FORWARD_TIMEOUT) -> None:
+        self.node = node
+        self.forward_timeout = forward_timeout
+        # forwards in flight: (chain, chain version, scope to cancel if it changes)
+        self.forwards: set[tuple[int, int, trio.CancelScope]] = set()
+        self.full_resends = 0  # deltas a successor refused (NEED_FULL) and got whole
+
+    # ---- where a call stands ---------------------------------------------
+
+    async def place(
+        self, target: int, chain: int, chain_version: int, *, head: bool
+    ) -> Place | None:
+        """Where *target* stands in *chain* at *chain_version*: ESTALE if the
+        chain is at another version, or the target is not the head (for a
+        client's call, *head*) or not a later replica (for a forwarded one).
+        A caller with a newer version than ours makes us refresh first.
+        None when this node has no routing map at all (a lone target)."""
+        routing_source = self.node.routing
+        if routing_source is None:
+            return None
+        try:
+            info = routing_source.current.chains.get(chain)
+            stale = info is None or chain_version > info["version"]
+        except FsError:
+            stale = True
+        if stale:
+            try:
+                await routing_source.refresh()
+            except FsError as exc:  # judge by ours: ESTALE below, the caller retries
+                log.info("routing refresh for chain=%d failed: %s", chain, exc.message)
+        try:
+            routing = routing_source.current
+        except FsError as exc:
+            raise FsError(errno.ESTALE, f"no routing map yet: {exc.message}") from None
+        info = routing.chains.get(chain)
+        if info is None:
+            raise FsError(errno.ESTALE, f"chain {chain} is unknown to this storage node")
+        if info["version"] != chain_version:
+            raise FsError(
+                errno.ESTALE,
+                f"chain {chain} is at version {info['version']}, the call used {chain_version}",
+            )
+        members = routing.write_targets(chain)
+        ids = [t["id"] for t in members]
+        if target not in ids:
+            raise FsError(
+                errno.ESTALE, f"target {target} takes no writes in chain {chain} (members: {ids})"
+            )
+        index = ids.index(target)
+        if head and index != 0:
+            raise FsError(
+                errno.ESTALE, f"target {target} is not the head of chain {chain} (members: {ids})"
+            )
+        if not head and index == 0:
+            raise FsError(
+                errno.ESTALE, f"target {target} is the head of chain {chain}, not a replica"
+            )
+        return Place(routing, chain, chain_version, members, index)
+
+    @staticmethod
+    def check_min_replicas(place: Place) -> None:
+        serving = place.routing.serving_targets(place.chain)
+        minimum = place.routing.config.get("min_replicas", 1)
+        if len(serving) < minimum:
+            raise FsError(
+                errno.EROFS,
+                f"chain {place.chain} has {len(serving)} serving replica(s), fewer than "
+                f"min_replicas={minimum}: writes are refused until a replica is back",
+            )
+
+    # ---- forwarding ------------------------------------------------------
+
+    async def forward_update(
+        self,
+        store: ChunkStore,
+        staged: Staged,
+        place: Place,
+        offset: int,
+        chunk_size: int,
+        data: bytes | bytearray,
+        full: bool,
+    ) -> None:
+        """Send an update staged here to our successor (`replicate`): the
+        delta, or the whole new chunk if *full* or if the successor answers
+        `NEED_FULL` (it does not hold the update's base version)."""
+        succ = place.successor
+        assert succ is not None
+
+        async def send(stub: StorageStub) -> None:
+            try:
+                await stub.replicate(
+                    succ["id"],
+                    place.chain,
+                    place.version,
+                    staged.cid,
+                    0 if full else offset,
+                    chunk_size,
+                    staged.version,
+                    staged.base_version,
+                    full,
+                    data,
+                )
+            except FsError as exc:
+                if exc.code != NEED_FULL or full:
+                    raise
+                content = await self.node.io(store.staged_content, staged)
+                self.full_resends += 1
+                log.info(
+                    "replica needs the whole chunk target=%d chunk=%s version=%d bytes=%d: %s",
+                    succ["id"],
+                    staged.cid.hex(),
+                    staged.version,
+                    len(content),
+                    exc.message,
+                )
+                await stub.replicate(
+                    succ["id"],
+                    place.chain,
+                    place.version,
+                    staged.cid,
+                    0,
+                    chunk_size,
+                    staged.version,
+                    staged.base_version,
+                    True,
+                    content,
+                )
+
+        await self.call_successor(place, send)
+
+    async def forward_file_op(
+        self, place: Place, ino: int, size: int | None, chunk_size: int
+    ) -> None:
+        """Send a truncation (*size* given) or a removal of file *ino* on to
+        our successor."""
+        succ = place.successor
+        assert succ is not None
+
+        async def send(stub: StorageStub) -> None:
+            if size is None:
+                await stub.replicate_remove(succ["id"], place.chain, place.version, ino)
+            else:
+                await stub.replicate_truncate(
+                    succ["id"], place.chain, place.version, ino, size, chunk_size
+                )
+
+        await self.call_successor(place, send)
+
+    async def call_successor(
+        self, place: Place, call: Callable[[StorageStub], Awaitable[None]]
+    ) -> None:
+        """Run *call* against our successor. If it cannot be reached, report it
+        to mgmtd, refresh our routing and answer ESTALE: the client retries
+        once the chain changed. Its answers (ENOSPC, EIO, ESTALE...) pass
+        through: a replica never relays a connection failure upstream."""
+        succ = place.successor
+        assert succ is not None
+        rpc = self.node.rpc
+        if rpc is None:
+            raise FsError(errno.EIO, "this storage service has no rpc client to forward with")
+        try:
+            address = place.routing.target_address(succ["id"])
+        except FsError as exc:
+            raise FsError(errno.ESTALE, exc.message) from None
+        stub = StorageStub(rpc, address, timeout=self.forward_timeout * place.remaining)
+        # If mgmtd changes the chain meanwhile (it took a silent successor out
+        # after the heartbeat timeout), stop waiting for the timeout: the
+        # client retries on the new chain at once.
+        watch = (place.chain, place.version, trio.CancelScope())
+        self.forwards.add(watch)
+        try:
+            with watch[2]:
+                await call(stub)
+        except FsError as exc:
+            if exc.code not in CONNECTION_FAILURES:
+                raise
+            await self._successor_unreachable(place, succ, address, exc)
+            raise FsError(
+                errno.ESTALE,
+                f"replica target {succ['id']} on node {succ['node']} of chain {place.chain} is "
+                f"unreachable ({exc.message}); reported to mgmtd: retry once the chain changed",
+            ) from None
+        finally:
+            self.forwards.discard(watch)
+        if watch[2].cancelled_caught:
+            raise FsError(
+                errno.ESTALE,
+                f"chain {place.chain} changed while forwarding to target {succ['id']}: retry",
+            )
+
+    def routing_changed(self, routing: Routing) -> None:
+        """Cancel forwards to chains that changed (a `RoutingCache` listener)."""
+        for chain, version, scope in list(self.forwards):
+            info = routing.chains.get(chain)
+            if info is None or info["version"] != version:
+                scope.cancel()
+
+    async def _successor_unreachable(
+        self, place: Place, succ: TargetInfo, address: str, exc: FsError
+    ) -> None:
+        log.warning(
+            "successor unreachable chain=%d target=%d node=%d address=%s: %s",
+            place.chain,
+            succ["id"],
+            succ["node"],
+            address,
+            exc.message,
+        )
+        node = self.node
+        if node.rpc is not None:
+            node.rpc.drop(address)
+        # bounded by our own forward timeout too: our predecessor waits for us
+        # only a forward timeout longer than we waited for our successor
+        with trio.move_on_after(min(REPORT_TIMEOUT, self.forward_timeout)):
+            if node.mgmtd is not None and node.node_id is not None:
+                try:
+                    marked = await node.mgmtd.report_unreachable(node.node_id, succ["node"])
+                    log.info(
+                        "reported node=%d unreachable; marked offline=%s", succ["node"], marked
+                    )
+                except FsError as report_exc:
+                    log.warning(
+                        "reporting node=%d unreachable failed: %s", succ["node"], report_exc.message
+                    )
+            if node.routing is not None:
+                with contextlib.suppress(FsError):
+                    await node.routing.refresh()

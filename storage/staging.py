@@ -1,0 +1,598 @@
+"""The stage/commit protocol: every update of a target's chunks, crash safe.
+
+An update is two steps, so that chain replication can make it durable on
+every replica before any replica shows it (docs/storage.md, "Writes and why
+they are crash safe"): `stage_write` (or `stage_replace`, whole-chunk content
+from another replica) does all the disk work and returns a `Staged`;
+`commit` is the one LMDB transaction that makes it visible; `abort` removes
+it. A staged update is invisible to readers (they read committed records
+only) and leaves no trace after an abort or a crash. `write` is stage +
+commit.
+
+* an **append** (a write at or past the committed length) goes in place:
+  cut the file back to the committed length, pwrite, fdatasync. Until the
+  commit the new bytes lie past the committed length, which is never trusted.
+* a write that **changes committed bytes** is copy-on-write: the new chunk is
+  built in a file of a new generation (old bytes + new) and fsynced; the
+  commit switches the record to it, then the old file is unlinked.
+* **truncate** commits the shorter record first, then cuts the file;
+  **remove** deletes the record first, then the file.
+
+So after a crash at any instant each chunk is, whole, either as before or as
+after the update in flight, and its checksums match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.files import fsync_dir
+from shufflefs.storage.cache import FdHandle
+from shufflefs.storage.crc import (
+    CRC_TYPECODE,
+    block_crcs,
+    crc32c,
+    first_bad_block,
+    zero_block_crc,
+)
+from shufflefs.storage.layout import (
+    ChunkRecord,
+    block_count,
+    check_chunk_id,
+    check_chunk_size,
+    same_record,
+)
+from shufflefs.storage.protocol import NEED_FULL, WriteResult
+from shufflefs.storage.target import Target
+
+log = logging.getLogger("shufflefs.storage.staging")
+
+Data = bytes | bytearray | memoryview
+
+BATCH = 512  # chunks per transaction in truncate_file / remove_file
+COPY_PIECE = 8 << 20
+
+
+def _pwrite_all(fd: int, data: Data, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    """Copy [offset, offset+length) between files at the same offsets, in
+    the kernel where it can (copy_file_range may even share extents)."""
+    end = offset + length
+    pos = offset
+    try:
+        while pos < end:
+            n = os.copy_file_range(src, dst, end - pos, pos, pos)
+            if n == 0:
+                raise FsError(errno.EIO, f"chunk file ends at {pos}, expected {end} bytes")
+            pos += n
+        return
+    except OSError as exc:
+        if isinstance(exc, FsError) or exc.errno not in (
+            errno.EXDEV,
+            errno.ENOSYS,
+            errno.EOPNOTSUPP,
+            errno.EINVAL,
+        ):
+            raise
+    while pos < end:
+        piece = os.pread(src, min(COPY_PIECE, end - pos), pos)
+        if not piece:
+            raise FsError(errno.EIO, f"chunk file ends at {pos}, expected {end} bytes")
+        _pwrite_all(dst, piece, pos)
+        pos += len(piece)
+
+
+# What a staged update does on disk (and so how commit and abort finish it).
+NOOP = "noop"  # a zero-length write: nothing at all
+APPEND = "append"  # bytes written in place past the committed length of the chunk's file
+CREATE = "create"  # a new chunk: a new file
+COW = "cow"  # an overwrite: a new generation file holding the whole new chunk
+REPLACE = "replace"  # whole-chunk content from another replica: a new generation file
+
+
+@dataclass(eq=False)
+class Staged:
+    """An update that is durable on disk but not committed: readers see the
+    committed record only, so they never see it. `ChunkStore.commit` makes it
+    visible in one LMDB transaction; `ChunkStore.abort` removes it. The
+    caller serializes updates of one chunk from stage to commit (the storage
+    service holds the chunk's lock); commit refuses an update whose base is
+    no longer the committed record."""
+
+    cid: bytes
+    kind: str
+    base: ChunkRecord | None  # the committed record the update was built on
+    new: ChunkRecord | None  # the record commit installs (None: a zero-length write)
+    fd: int = -1  # the new file (CREATE, COW, REPLACE), owned until commit or abort
+    handle: FdHandle | None = None  # the committed file appended to (APPEND)
+    d_used: int = 0
+    d_chunks: bool = False
+    done: bool = False
+
+    @property
+    def version(self) -> int:
+        """The version this update produces."""
+        if self.new is not None:
+            return self.new.version
+        return self.base.version if self.base is not None else 0
+
+    @property
+    def base_version(self) -> int:
+        return self.base.version if self.base is not None else 0
+
+
+def _check_ino(ino: int) -> None:
+    if not 0 <= ino < 1 << 64:
+        raise FsError(errno.EINVAL, f"inode {ino} out of range")
+
+
+class WritableTarget(Target):
+    """A `Target` with the update protocol: every change of a chunk is
+    staged, then committed or aborted, under the chunk's striped lock."""
+
+    # ---- writes: stage, then commit or abort -------------------------------
+
+    def write(self, cid: bytes, offset: int, chunk_size: int, data: Data) -> WriteResult:
+        """Write *data* at *offset*; durable (if fsync) and committed on return.
+        A gap between the chunk's end and *offset* reads as zeros. The same
+        as `stage_write` + `commit`, under the chunk's lock throughout."""
+        with self._lock(cid):
+            staged = self._stage_write_locked(cid, offset, data, chunk_size, None)
+            return self._commit_locked(staged)
+
+    def stage_write(
+        self, cid: bytes, offset: int, data: Data, chunk_size: int, version: int | None = None
+    ) -> Staged:
+        """Make the chunk's next version (*data* at *offset*) durable on disk,
+        invisible to readers until `commit`. *version* is the version the
+        update produces: it must be the committed version + 1 (else
+        `NEED_FULL`: this replica holds another base than the sender);
+        None means exactly that. Appends go in place, past the committed
+        length; overwrites into a new generation file. A zero-length write
+        stages nothing (committing it changes nothing)."""
+        with self._lock(cid):
+            return self._stage_write_locked(cid, offset, data, chunk_size, version)
+
+    def stage_replace(self, cid: bytes, data: Data, chunk_size: int, version: int) -> Staged:
+        """Stage *data* as the chunk's whole content at *version* (a full
+        resend along the chain, a resync or a repair copies a chunk from
+        another replica), in a new generation file: whatever this target held
+        before is replaced on commit, whatever its version was."""
+        check_chunk_id(cid)
+        check_chunk_size(chunk_size)
+        if len(data) > chunk_size:
+            raise FsError(errno.EINVAL, f"{len(data)} bytes do not fit the chunk size {chunk_size}")
+        if version < 1:
+            raise FsError(errno.EINVAL, f"chunk version {version} must be positive")
+        with self._lock(cid):
+            rec = self._record(cid)
+            self._check_space(len(data))
+            generation = next(self._next_gen)
+            path = self._path(cid, generation)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise self._os_error(exc, f"replace of chunk {cid.hex()}") from None
+            try:
+                _pwrite_all(fd, data, 0)
+                if self.fsync:
+                    os.fsync(fd)
+                    fsync_dir(os.path.dirname(path))
+            except BaseException as exc:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                if isinstance(exc, OSError) and not isinstance(exc, FsError):
+                    raise self._os_error(exc, f"replace of chunk {cid.hex()}") from None
+                raise
+            crcs = block_crcs(data, self.block_size)
+            new = ChunkRecord(version, generation, len(data), chunk_size, crcs)
+            old_len = rec.length if rec is not None else 0
+            return Staged(
+                cid, REPLACE, rec, new, fd=fd, d_used=len(data) - old_len, d_chunks=rec is None
+            )
+
+    def commit(self, staged: Staged) -> WriteResult:
+        """Make a staged update the chunk's committed state (one LMDB
+        transaction). If the commit fails the update is aborted."""
+        with self._lock(staged.cid):
+            return self._commit_locked(staged)
+
+    def abort(self, staged: Staged) -> None:
+        """Drop a staged update without a trace: the bytes it appended past
+        the committed length are cut, its new generation file is deleted.
+        Aborting twice, or after a commit, does nothing."""
+        with self._lock(staged.cid):
+            self._abort_locked(staged)
+
+    def staged_content(self, staged: Staged) -> bytes:
+        """The whole chunk as the staged update makes it (for a full resend
+        to a replica that lacks the base), verified against the new
+        checksums: damage in blocks a copy-on-write carried over is refused
+        with EIO rather than sent on."""
+        if staged.done:
+            raise FsError(errno.EINVAL, "the staged update is already committed or aborted")
+        new = staged.new
+        if new is None:
+            raise FsError(errno.EINVAL, "a zero-length write has no content to send")
+        fd = staged.fd if staged.handle is None else staged.handle.fd
+        data = os.pread(fd, new.length, 0)
+        if len(data) != new.length:
+            raise self._corrupt(staged.cid, new, len(data) // self.block_size, "staged file short")
+        bad = first_bad_block(data, 0, new.crcs, self.block_size)
+        if bad >= 0:
+            raise self._corrupt(staged.cid, new, bad, "checksum mismatch in staged update")
+        return data
+
+    def _stage_write_locked(
+        self, cid: bytes, offset: int, data: Data, chunk_size: int, version: int | None
+    ) -> Staged:
+        check_chunk_id(cid)
+        check_chunk_size(chunk_size)
+        n = len(data)
+        if offset < 0 or offset + n > chunk_size:
+            raise FsError(
+                errno.EINVAL, f"write {offset}+{n} does not fit the chunk size {chunk_size}"
+            )
+        rec = self._record(cid)
+        if rec is not None and rec.chunk_size != chunk_size:
+            raise FsError(
+                errno.EINVAL,
+                f"chunk {cid.hex()} has chunk size {rec.chunk_size}, not {chunk_size}",
+            )
+        current = rec.version if rec is not None else 0
+        if version is not None and version != current + 1:
+            raise FsError(
+                NEED_FULL,
+                f"chunk {cid.hex()} is at version {current} on target {self.label}; "
+                f"an update to version {version} needs the whole chunk",
+            )
+        if n == 0:
+            return Staged(cid, NOOP, rec, None)
+        try:
+            if rec is None or offset >= rec.length:
+                return self._stage_in_place(cid, rec, offset, chunk_size, data, current + 1)
+            return self._stage_cow(cid, rec, offset, data, current + 1)
+        except FsError:
+            raise
+        except OSError as exc:
+            raise self._os_error(exc, f"write to chunk {cid.hex()}") from None
+
+    def _stage_in_place(
+        self,
+        cid: bytes,
+        rec: ChunkRecord | None,
+        offset: int,
+        chunk_size: int,
+        data: Data,
+        version: int,
+    ) -> Staged:
+        old_len = rec.length if rec is not None else 0
+        new_len = offset + len(data)
+        self._check_space(new_len - old_len)
+        handle: FdHandle | None = None
+        if rec is None:
+            generation = next(self._next_gen)
+            path = self._path(cid, generation)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        else:
+            generation = rec.generation
+            path = self._path(cid, generation)
+            try:
+                handle = self._acquire_fd(cid, generation)
+            except FileNotFoundError:
+                raise self._corrupt(cid, rec, 0, "chunk file missing") from None
+            fd = handle.fd
+        wrote = staged = False
+        try:
+            if rec is not None:
+                size = os.fstat(fd).st_size
+                if size < old_len:
+                    raise self._corrupt(
+                        cid, rec, size // self.block_size, "chunk file shorter than committed"
+                    )
+                if size > old_len:  # the untrusted remains of an update that did not commit
+                    os.ftruncate(fd, old_len)
+            crcs = self._updated_crcs(cid, rec, fd, offset, data, new_len)
+            wrote = True
+            _pwrite_all(fd, data, offset)
+            if self.fsync:
+                if rec is None:
+                    os.fsync(fd)
+                    fsync_dir(os.path.dirname(path))
+                else:
+                    os.fdatasync(fd)
+            new = ChunkRecord(version, generation, new_len, chunk_size, crcs)
+            result = Staged(
+                cid,
+                APPEND if rec is not None else CREATE,
+                rec,
+                new,
+                fd=fd if handle is None else -1,
+                handle=handle,
+                d_used=new_len - old_len,
+                d_chunks=rec is None,
+            )
+            staged = True
+            return result
+        finally:
+            if not staged:
+                if handle is not None:
+                    if wrote:  # drop what will never commit
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(fd, old_len)
+                    self._fds.release(handle)
+                else:
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+    def _stage_cow(
+        self, cid: bytes, rec: ChunkRecord, offset: int, data: Data, version: int
+    ) -> Staged:
+        end = offset + len(data)
+        new_len = max(rec.length, end)
+        self._check_space(new_len)
+        try:
+            old = self._acquire_fd(cid, rec.generation)
+        except FileNotFoundError:
+            raise self._corrupt(cid, rec, 0, "chunk file missing") from None
+        generation = next(self._next_gen)
+        path = self._path(cid, generation)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                crcs = self._updated_crcs(cid, rec, old.fd, offset, data, new_len)
+                _copy_range(old.fd, fd, 0, offset)
+                if end < rec.length:
+                    _copy_range(old.fd, fd, end, rec.length - end)
+                _pwrite_all(fd, data, offset)
+                if self.fsync:
+                    os.fsync(fd)
+                    fsync_dir(os.path.dirname(path))
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+        finally:
+            self._fds.release(old)
+        new = ChunkRecord(version, generation, new_len, rec.chunk_size, crcs)
+        return Staged(cid, COW, rec, new, fd=fd, d_used=new_len - rec.length)
+
+    def _commit_locked(self, staged: Staged) -> WriteResult:
+        if staged.done:
+            raise FsError(errno.EINVAL, "the staged update is already committed or aborted")
+        new = staged.new
+        if new is None:  # a zero-length write: nothing changes
+            staged.done = True
+            base = staged.base
+            return {
+                "version": base.version if base else 0,
+                "length": base.length if base else 0,
+            }
+        try:
+            current = self._record(staged.cid)
+            if not same_record(current, staged.base):
+                raise FsError(
+                    errno.EAGAIN,
+                    f"chunk {staged.cid.hex()} changed on target {self.label} while an update "
+                    "was staged",
+                )
+            self._commit([(staged.cid, new)], [], staged.d_used, int(staged.d_chunks))
+        except BaseException:
+            self._abort_locked(staged)
+            raise
+        staged.done = True
+        if staged.handle is not None:  # an append: the file stays the same
+            self._fds.release(staged.handle)
+        else:
+            self._fds.release(
+                self._fds.put((staged.cid, new.generation), staged.fd, self._fds.epoch)
+            )
+            if staged.base is not None:
+                self._discard_file(staged.cid, staged.base.generation)
+        return {"version": new.version, "length": new.length}
+
+    def _abort_locked(self, staged: Staged) -> None:
+        if staged.done:
+            return
+        staged.done = True
+        if staged.new is None:
+            return
+        if staged.handle is not None:
+            base_len = staged.base.length if staged.base is not None else 0
+            with contextlib.suppress(OSError):
+                os.ftruncate(staged.handle.fd, base_len)
+            self._fds.release(staged.handle)
+            return
+        os.close(staged.fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self._path(staged.cid, staged.new.generation))
+
+    def _updated_crcs(
+        self,
+        cid: bytes,
+        rec: ChunkRecord | None,
+        fd: int,
+        offset: int,
+        data: Data,
+        new_len: int,
+    ) -> array[int]:
+        """The chunk's checksums after writing *data* at *offset*. Only the
+        touched blocks are computed; old bytes that share a block with new
+        ones are read back and verified first, so a corrupt block is never
+        given a fresh, matching checksum."""
+        bs = self.block_size
+        old_len = rec.length if rec is not None else 0
+        end = offset + len(data)
+        b0 = min(offset, old_len) // bs
+        b1 = block_count(end, bs)
+        lo = b0 * bs
+        hi = min(b1 * bs, new_len)
+        span = bytearray(hi - lo)  # zeros: the gap of a sparse append
+        for b in sorted({b0, b1 - 1}):
+            blo = b * bs
+            if rec is None or blo >= old_len:
+                continue
+            if offset <= blo and end >= min(blo + bs, new_len):
+                continue  # wholly overwritten
+            old = self._read_block_verified(cid, rec, fd, b)
+            span[blo - lo : blo - lo + len(old)] = old
+        span[offset - lo : end - lo] = data
+        crcs = array(CRC_TYPECODE, rec.crcs[:b0]) if rec is not None else array(CRC_TYPECODE)
+        zero = zero_block_crc(bs)
+        view = memoryview(span)
+        for blo in range(lo, hi, bs):
+            bhi = min(blo + bs, hi)
+            if blo >= old_len and bhi <= offset and bhi - blo == bs:
+                crcs.append(zero)
+            else:
+                crcs.append(crc32c(bytes(view[blo - lo : bhi - lo])))
+        if rec is not None and b1 < len(rec.crcs):
+            crcs.extend(rec.crcs[b1:])
+        return crcs
+
+    def _read_block_verified(self, cid: bytes, rec: ChunkRecord, fd: int, block: int) -> bytes:
+        bs = self.block_size
+        lo = block * bs
+        n = min(lo + bs, rec.length) - lo
+        data = os.pread(fd, n, lo)
+        if len(data) != n:
+            raise self._corrupt(cid, rec, block, "chunk file shorter than committed")
+        if crc32c(data) != rec.crcs[block]:
+            raise self._corrupt(cid, rec, block, "checksum mismatch (refusing to update)")
+        return data
+
+    # ---- whole files -----------------------------------------------------
+
+    def _scan_prefix(self, prefix: bytes, after: bytes | None, limit: int) -> list[bytes]:
+        out: list[bytes] = []
+        with self.env.begin(db=self.db_chunks) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(after or prefix):
+                return out
+            for key in cursor.iternext(values=False):
+                if not key.startswith(prefix):
+                    break
+                if after is not None and key <= after:
+                    continue
+                out.append(bytes(key))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def truncate_file(self, ino: int, size: int, chunk_size: int) -> int:
+        """Cut this target's chunks of *ino* to a file size of *size*: chunks
+        wholly past it are removed, the one it falls in is shortened.
+        Returns how many chunks changed."""
+        _check_ino(ino)
+        check_chunk_size(chunk_size)
+        if size < 0:
+            raise FsError(errno.EINVAL, f"negative size {size}")
+        return self._each_batch(ino, lambda cids: self._truncate_batch(cids, size, chunk_size))
+
+    def remove_file(self, ino: int) -> int:
+        """Remove every chunk of *ino* on this target; returns how many."""
+        _check_ino(ino)
+        return self._each_batch(ino, self._remove_batch)
+
+    def _each_batch(self, ino: int, apply: Callable[[list[bytes]], int]) -> int:
+        prefix = ino.to_bytes(8, "big")
+        changed = 0
+        after: bytes | None = None
+        while True:
+            cids = self._scan_prefix(prefix, after, BATCH)
+            if not cids:
+                return changed
+            after = cids[-1]
+            with self._locks_for(cids):
+                try:
+                    changed += apply(cids)
+                except FsError:
+                    raise
+                except OSError as exc:
+                    raise self._os_error(exc, f"update of inode {ino}") from None
+
+    def _truncate_batch(self, cids: list[bytes], size: int, chunk_size: int) -> int:
+        bs = self.block_size
+        puts: list[tuple[bytes, ChunkRecord]] = []
+        deletes: list[tuple[bytes, ChunkRecord]] = []
+        d_used = 0
+        for cid in cids:
+            rec = self._record(cid)
+            if rec is None:
+                continue
+            if rec.chunk_size != chunk_size:
+                raise FsError(
+                    errno.EINVAL,
+                    f"chunk {cid.hex()} has chunk size {rec.chunk_size}, not {chunk_size}",
+                )
+            start = int.from_bytes(cid[8:], "big") * chunk_size
+            if start >= size:
+                deletes.append((cid, rec))
+                d_used -= rec.length
+            elif size - start < rec.length:
+                new_len = size - start
+                nblocks = block_count(new_len, bs)
+                crcs = array(CRC_TYPECODE, rec.crcs[:nblocks])
+                if new_len % bs:
+                    handle = self._acquire_fd(cid, rec.generation)
+                    try:
+                        last = self._read_block_verified(cid, rec, handle.fd, nblocks - 1)
+                    finally:
+                        self._fds.release(handle)
+                    crcs[-1] = crc32c(last[: new_len - (nblocks - 1) * bs])
+                puts.append(
+                    (cid, ChunkRecord(rec.version + 1, rec.generation, new_len, chunk_size, crcs))
+                )
+                d_used += new_len - rec.length
+        if not puts and not deletes:
+            return 0
+        self._commit(puts, [cid for cid, _ in deletes], d_used, -len(deletes))
+        for cid, new in puts:  # committed: the tail is now untrusted, cut it
+            try:
+                handle = self._acquire_fd(cid, new.generation)
+                try:
+                    os.ftruncate(handle.fd, new.length)
+                finally:
+                    self._fds.release(handle)
+            except OSError as exc:
+                log.warning("target=%s cannot cut chunk=%s: %s", self.label, cid.hex(), exc)
+        for cid, rec in deletes:
+            self._discard_file(cid, rec.generation)
+        return len(puts) + len(deletes)
+
+    def _remove_batch(self, cids: list[bytes]) -> int:
+        gone = [(cid, rec) for cid in cids if (rec := self._record(cid)) is not None]
+        if not gone:
+            return 0
+        self._commit([], [cid for cid, _ in gone], -sum(r.length for _, r in gone), -len(gone))
+        for cid, rec in gone:
+            self._discard_file(cid, rec.generation)
+        return len(gone)
+
+    def remove_chunk(self, cid: bytes) -> bool:
+        """Delete one chunk (a replica's copy that its chain no longer holds);
+        returns whether it existed."""
+        check_chunk_id(cid)
+        with self._lock(cid):
+            try:
+                return self._remove_batch([cid]) > 0
+            except FsError:
+                raise
+            except OSError as exc:
+                raise self._os_error(exc, f"removal of chunk {cid.hex()}") from None

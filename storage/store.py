@@ -1,0 +1,231 @@
+"""`ChunkStore`: a target's chunks behind a synchronous API, reads and listing
+on top of the update protocol (`staging.py`) and the target format
+(`target.py`).
+
+Every method may block on disk I/O; the storage service calls them from
+worker threads, except `read_nowait`, which never blocks and runs on the
+event loop (a page-cache hit costs no thread round trip).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+from shufflefs.rpc.errors import FsError
+from shufflefs.storage.cache import Missing
+from shufflefs.storage.crc import first_bad_block
+from shufflefs.storage.layout import (
+    MAX_CHUNK_SIZE,
+    ChunkRecord,
+    block_span,
+    check_chunk_id,
+    same_record,
+)
+from shufflefs.storage.protocol import ChunkInfo, ChunkPage
+from shufflefs.storage.staging import WritableTarget
+
+log = logging.getLogger("shufflefs.storage.store")
+
+READ_RETRIES = 8  # a read that keeps meeting concurrent updates gives up with EAGAIN
+NOWAIT_MAX = 256 << 10  # larger reads always go to a thread (CRC time on the event loop)
+LIST_MAX = 10000  # chunks per list_chunks page
+LIST_CRC_BUDGET = 512 << 10  # checksum bytes per page: the reply must fit one frame body
+EMPTY = memoryview(b"")
+
+
+def _check_range(offset: int, length: int) -> None:
+    if offset < 0 or length < 0 or offset + length > MAX_CHUNK_SIZE:
+        raise FsError(
+            errno.EINVAL,
+            f"bad range offset={offset} length={length} (chunk size <= {MAX_CHUNK_SIZE})",
+        )
+
+
+class ChunkStore(WritableTarget):
+    """One target: its format and recovery (`Target`), its updates
+    (`WritableTarget`), and here what reads it: verified range reads,
+    whole-chunk reads for copies between replicas, and listing.
+
+    Readers take no lock: what they read is validated against the record (a
+    checksum mismatch or a short read is re-checked against the current
+    record, and retried if the chunk changed under them)."""
+
+    # ---- reads -----------------------------------------------------------
+
+    def read(self, cid: bytes, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset+length) of a chunk, verified. Short past the
+        committed length; empty for a chunk that does not exist. A block
+        whose checksum fails is never returned: EIO, logged as an error."""
+        check_chunk_id(cid)
+        _check_range(offset, length)
+        bs = self.block_size
+        for _ in range(READ_RETRIES):
+            rec = self._record(cid)
+            if rec is None:
+                return EMPTY
+            if offset + length > rec.chunk_size:
+                raise FsError(
+                    errno.EINVAL,
+                    f"range {offset}+{length} passes the chunk size {rec.chunk_size}",
+                )
+            span = block_span(offset, length, rec.length, bs)
+            if span is None:
+                return EMPTY
+            first, start, stop, end = span
+            try:
+                handle = self._acquire_fd(cid, rec.generation)
+            except FileNotFoundError:
+                bad, problem = first, "chunk file missing"
+            else:
+                try:
+                    data = os.pread(handle.fd, stop - start, start)
+                finally:
+                    self._fds.release(handle)
+                if len(data) != stop - start:
+                    bad, problem = (start + len(data)) // bs, "chunk file shorter than committed"
+                else:
+                    bad = first_bad_block(data, first, rec.crcs, bs)
+                    if bad < 0:
+                        return memoryview(data)[offset - start : end - start]
+                    problem = "checksum mismatch"
+            if self._changed_since(cid, rec):
+                continue  # raced with an update: read the new state
+            raise self._corrupt(cid, rec, bad, problem)
+        raise FsError(errno.EAGAIN, f"chunk {cid.hex()} kept changing during the read")
+
+    def read_nowait(self, cid: bytes, offset: int, length: int) -> memoryview | None:
+        """`read` if it can be done without blocking (record and fd cached,
+        data in the page cache: preadv2 with RWF_NOWAIT); None otherwise,
+        and for anything unusual, which `read` then handles in a thread."""
+        check_chunk_id(cid)
+        _check_range(offset, length)
+        if not self._nowait:
+            return None
+        cached = self._records.get(cid)
+        if cached is None:
+            return None
+        if isinstance(cached, Missing):
+            return EMPTY
+        rec = cached
+        if offset + length > rec.chunk_size:
+            raise FsError(
+                errno.EINVAL, f"range {offset}+{length} passes the chunk size {rec.chunk_size}"
+            )
+        bs = self.block_size
+        span = block_span(offset, length, rec.length, bs)
+        if span is None:
+            return EMPTY
+        first, start, stop, end = span
+        n = stop - start
+        if n > NOWAIT_MAX:
+            return None
+        handle = self._fds.get((cid, rec.generation))
+        if handle is None:
+            return None
+        buf = bytearray(n)
+        try:
+            got = os.preadv(handle.fd, [buf], start, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait = False
+                log.info("target=%s: RWF_NOWAIT unsupported, reads use threads", self.label)
+            return None
+        finally:
+            self._fds.release(handle)
+        if got != n or first_bad_block(buf, first, rec.crcs, bs) >= 0:
+            return None
+        return memoryview(buf)[offset - start : end - start]
+
+    # ---- inspection ------------------------------------------------------
+
+    def _info(self, cid: bytes, rec: ChunkRecord) -> ChunkInfo:
+        return {
+            "chunk": cid,
+            "version": rec.version,
+            "length": rec.length,
+            "block_size": self.block_size,
+            "crcs": rec.crc_bytes(),
+        }
+
+    def chunk_info(self, cid: bytes) -> ChunkInfo:
+        check_chunk_id(cid)
+        rec = self._record(cid)
+        if rec is None:
+            raise FsError(errno.ENOENT, f"no chunk {cid.hex()} on target {self.label}")
+        return self._info(cid, rec)
+
+    def read_full(self, cid: bytes) -> tuple[ChunkRecord, bytes]:
+        """The whole committed chunk and the record it belongs to, every block
+        verified (EIO on damage, ENOENT if the chunk does not exist): what a
+        replica sends when another one copies the chunk."""
+        check_chunk_id(cid)
+        for _ in range(READ_RETRIES):
+            rec = self._record(cid)
+            if rec is None:
+                raise FsError(errno.ENOENT, f"no chunk {cid.hex()} on target {self.label}")
+            data = bytes(self.read(cid, 0, rec.chunk_size))
+            if len(data) == rec.length and same_record(self._record(cid), rec):
+                return rec, data
+        raise FsError(errno.EAGAIN, f"chunk {cid.hex()} kept changing during the read")
+
+    def verify(self, cid: bytes) -> str | None:
+        """Check every block of a committed chunk against its checksums;
+        None if it is intact (or gone), else what is wrong (scrub)."""
+        try:
+            self.read_full(cid)
+        except FsError as exc:
+            if exc.code == errno.ENOENT:
+                return None
+            if exc.code == errno.EIO:
+                return exc.message
+            raise
+        return None
+
+    def list_range(self, after: bytes | None, until: bytes | None) -> dict[bytes, ChunkInfo]:
+        """Every chunk with after < id <= until (None: unbounded), by id."""
+        out: dict[bytes, ChunkInfo] = {}
+        while True:
+            page = self.list_chunks(after, LIST_MAX)
+            for info in page["chunks"]:
+                if until is not None and info["chunk"] > until:
+                    return out
+                out[info["chunk"]] = info
+            if not page["more"] or not page["chunks"]:
+                return out
+            after = page["chunks"][-1]["chunk"]
+
+    def list_chunks(self, after: bytes | None = None, limit: int = 1000) -> ChunkPage:
+        """A page of chunks in id order, starting after *after*. Pages are
+        also cut by checksum bytes so that a reply fits one frame."""
+        if after is not None:
+            check_chunk_id(after)
+        if limit < 1:
+            raise FsError(errno.EINVAL, f"limit {limit} must be positive")
+        limit = min(limit, LIST_MAX)
+        chunks: list[ChunkInfo] = []
+        budget = LIST_CRC_BUDGET
+        more = False
+        with self.env.begin(db=self.db_chunks) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(after or b""):
+                return {"chunks": chunks, "more": False}
+            for key, raw in cursor:
+                if after is not None and key <= after:
+                    continue
+                if len(chunks) >= limit or budget <= 0:
+                    more = True
+                    break
+                try:
+                    rec = ChunkRecord.decode(raw, self.block_size)
+                except FsError as exc:
+                    log.error(
+                        "corrupt record target=%s chunk=%s: %s", self.label, key.hex(), exc.message
+                    )
+                    continue
+                chunks.append(self._info(bytes(key), rec))
+                budget -= 4 * len(rec.crcs) + 64
+        return {"chunks": chunks, "more": more}
