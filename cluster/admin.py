@@ -11,8 +11,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from shufflefs.cluster.cli import default_client_config
-from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.config import find_client_config, load_client_config
 from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
 from shufflefs.rpc.client import RpcClient, open_rpc_client
 
@@ -21,7 +20,7 @@ T = TypeVar("T")
 
 def with_mgmtd(args: argparse.Namespace, fn: Callable[[MgmtdStub, RpcClient], Awaitable[T]]) -> T:
     """Run *fn* against the cluster named by --config / $SHUFFLEFS_CONFIG / the default."""
-    config, secret = load_client_config(default_client_config(args))
+    config, secret = load_client_config(find_client_config(getattr(args, "config", None)))
 
     async def run() -> T:
         async with open_rpc_client(secret, connect_timeout=3.0, call_timeout=5.0) as rpc:

@@ -18,6 +18,7 @@ import trio
 from shufflefs.cluster.protocol import MgmtdStub, RegisterResult, TargetRegistration, TargetUsage
 from shufflefs.rpc.client import open_rpc_client
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.retry import Backoff
 
 log = logging.getLogger("shufflefs.agent")
 
@@ -55,7 +56,7 @@ class NodeAgent:
     async def register(self) -> RegisterResult:
         """Register, retrying while mgmtd is unreachable. A refusal (EINVAL:
         another cluster's node) is final and raised."""
-        delay = 0.1
+        backoff = Backoff(first=0.1, cap=2.0)
         while True:
             try:
                 result = await self.mgmtd.register_node(
@@ -73,8 +74,7 @@ class NodeAgent:
                 log.info(
                     "registering with mgmtd at %s: %s; retrying", self.mgmtd.address, exc.message
                 )
-                await trio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
                 continue
             self.node_id = result["node_id"]
             self.cluster_id = result["cluster_id"]

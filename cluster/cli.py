@@ -15,11 +15,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from shufflefs.cluster.config import DEFAULT_DATA_DIR, find_client_config
 from shufflefs.rpc.errors import FsError
 
-DEFAULT_DATA_DIR = ".shufflefs"
 DEFAULT_MOUNTPOINT = "mnt"
-CONFIG_ENV = "SHUFFLEFS_CONFIG"
 
 # subcommand -> (module, function taking the parsed args and returning an exit code)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -40,14 +39,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def default_client_config(args: argparse.Namespace) -> Path:
-    """--config, then $SHUFFLEFS_CONFIG, then ./.shufflefs/client.toml."""
-    explicit = getattr(args, "config", None)
-    if explicit:
-        return Path(explicit)
-    env = os.environ.get(CONFIG_ENV)
-    if env:
-        return Path(env)
-    return Path(DEFAULT_DATA_DIR) / "client.toml"
+    """The client config a command's ``--config`` names, found the way every
+    command and API finds it (`find_client_config`)."""
+    return find_client_config(getattr(args, "config", None))
 
 
 def build_parser() -> argparse.ArgumentParser:

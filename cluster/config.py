@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shufflefs.cluster.node import check_addresses
 from shufflefs.rpc.auth import load_secret
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
@@ -34,7 +35,8 @@ class MgmtdConfig:
     def effective_min_replicas(self) -> int:
         return self.min_replicas if self.min_replicas is not None else min(2, self.replicas)
 
-    def check(self, where: str) -> None:
+    def validate(self, where: str) -> None:
+        check_addresses(where, listen=self.listen, advertise=self.advertise)
         cs = self.chunk_size
         if cs < 4096 or cs > 64 << 20 or cs & (cs - 1):
             raise FsError(errno.EINVAL, f"{where}: chunk_size must be a power of two, 4K..64M")
@@ -49,7 +51,8 @@ class MgmtdConfig:
 
 
 CONFIG_ENV = "SHUFFLEFS_CONFIG"
-DEFAULT_CLIENT_CONFIG = Path(".shufflefs") / "client.toml"
+DEFAULT_DATA_DIR = ".shufflefs"  # where `shufflefs format`/`up` put a local cluster
+DEFAULT_CLIENT_CONFIG = Path(DEFAULT_DATA_DIR) / "client.toml"
 
 
 def find_client_config(explicit: str | os.PathLike[str] | None = None) -> Path:

@@ -33,7 +33,7 @@ from typing import Any
 import trio
 
 from shufflefs.cluster import procs
-from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.config import CONFIG_ENV, find_client_config, load_client_config
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.metadata.protocol import MetaStub
 from shufflefs.rpc.auth import generate_secret
@@ -451,7 +451,8 @@ def cli_up(args: argparse.Namespace) -> int:
         host=args.host,
     )
     print(f"cluster up; client config: {cluster.client_config}")
-    if os.environ.get("SHUFFLEFS_CONFIG") is None and Path.cwd() / ".shufflefs" != cluster.dir:
+    found = find_client_config().absolute()
+    if CONFIG_ENV not in os.environ and found != cluster.client_config:
         print(f"  export SHUFFLEFS_CONFIG={cluster.client_config}")
     return 0
 

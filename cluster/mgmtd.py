@@ -17,6 +17,7 @@ from pathlib import Path
 import trio
 
 from shufflefs.cluster.config import MgmtdConfig
+from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import (
     AssignResult,
     Capacity,
@@ -178,12 +179,11 @@ def open_state(config: MgmtdConfig, store: MgmtdStore) -> ClusterState:
 
 
 async def serve(config: MgmtdConfig) -> None:
-    config.check("mgmtd config")
     secret = load_secret(Path(config.secret_file))
     store = MgmtdStore(config.data_dir)
     try:
         state = open_state(config, store)
-        host, port = parse_address(config.listen, listen=True)
+        host, port = listen_address(config.listen)
         async with (
             open_rpc_client(secret, connect_timeout=1.0) as rpc,
             trio.open_nursery() as nursery,
@@ -191,7 +191,9 @@ async def serve(config: MgmtdConfig) -> None:
             service = MgmtdService(state, store, rpc)
             server = RpcServer(secret, [service], name="mgmtd")
             bound = await nursery.start(server.serve, host, port)
-            advertise = config.advertise or f"{host}:{bound}"
+            advertise = advertised_address(
+                host, bound, advertise=config.advertise, host=config.host
+            )
             state.register_self(advertise, config.host or hostname(), os.getpid(), time.time())
             await service.persist()
             nursery.start_soon(service.watch_heartbeats)

@@ -80,9 +80,11 @@ def advertised_address(
     return f"[{listen_host}]:{port}" if ":" in listen_host else f"{listen_host}:{port}"
 
 
-def check_addresses(where: str, *, listen: str, mgmtd: str, advertise: str | None) -> None:
-    """The address settings every server config has, checked up front with
-    the config's name in the message."""
+def check_addresses(
+    where: str, *, listen: str, advertise: str | None, mgmtd: str | None = None
+) -> None:
+    """The address settings every server config has (mgmtd itself has no
+    *mgmtd*), checked up front with the config's name in the message."""
     for key, value, parse in (
         ("listen", listen, listen_address),
         ("mgmtd", mgmtd, parse_address),

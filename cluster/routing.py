@@ -24,6 +24,7 @@ from shufflefs.cluster.protocol import (
 )
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.retry import Backoff
 
 log = logging.getLogger("shufflefs.routing")
 
@@ -117,7 +118,6 @@ class RoutingCache:
         self.poll_interval = poll_interval
         self._routing: Routing | None = None
         self._lock = trio.Lock()
-        self._changed = trio.Event()
         self.listeners: list[Callable[[Routing], None]] = []
 
     @property
@@ -129,6 +129,7 @@ class RoutingCache:
     async def start(self, nursery: trio.Nursery, timeout: float = 30.0) -> Routing:
         """Fetch the first map (retrying while mgmtd is unreachable, up to
         *timeout*) and keep polling in the background."""
+        backoff = Backoff(first=0.2, cap=0.2)
         with trio.move_on_after(timeout):
             while True:
                 try:
@@ -136,7 +137,7 @@ class RoutingCache:
                     break
                 except FsError as exc:
                     log.info("waiting for mgmtd at %s: %s", self.mgmtd.address, exc.message)
-                    await trio.sleep(0.2)
+                    await backoff.sleep()
         if self._routing is None:
             raise FsError(errno.EHOSTDOWN, f"mgmtd at {self.mgmtd.address} is unreachable")
         nursery.start_soon(self._poll)
@@ -159,14 +160,8 @@ class RoutingCache:
         self._routing = routing
         if old is None or routing.version != old.version:
             log.info("routing map version %d", routing.version)
-            self._changed.set()
-            self._changed = trio.Event()
             for listener in self.listeners:
                 listener(routing)
-
-    async def wait_changed(self) -> Routing:
-        await self._changed.wait()
-        return self.current
 
     async def _poll(self) -> None:
         while True:

@@ -30,8 +30,6 @@ from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.mgmtd")
 
-NODE_KINDS = ("mgmtd", "meta", "storage")
-
 # Target states. A chain lists its targets in the order writes flow (head
 # first): serving targets, then syncing ones (being brought up to date; they
 # receive every new write, but serve no reads), then waiting and offline ones

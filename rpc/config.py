@@ -71,11 +71,6 @@ def config_from_dict(data: dict[str, Any], cls: type[T], where: str) -> T:
     return config
 
 
-def config_to_dict(config: Any) -> dict[str, Any]:
-    """The TOML-writable fields of a config (None values are left out)."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
-
-
 def write_toml(path: str | os.PathLike[str], data: dict[str, Any], mode: int = 0o644) -> None:
     """Write a TOML file atomically (temp file + rename)."""
     path = Path(path)

@@ -1,74 +1,33 @@
-"""Shared fixtures: a real local cluster, mounted with FUSE, for end-to-end tests.
+"""Fixtures of every test, and the two layers of the suite.
 
-The cluster is started with the real `shufflefs up` command (mgmtd, a metadata
-server and three storage daemons as separate processes on loopback) and stopped
-with `shufflefs down`, which signals them by pid. One cluster serves the whole
-session; tests that kill or restart processes make their own.
+Clusters come from clusters.py (see its docstring): `cluster` runs mgmtd and
+storage daemons in the test's own process; `mounted`, `mnt`, `native`,
+`process_cluster` and `fault_cluster` run real processes through the real
+launcher and need root and /dev/fuse.
+
+Layers: a test is `e2e` when it lives under tests/e2e or tests/faults or uses
+one of the process fixtures (or says so with ``pytest.mark.e2e``);
+``pytest -m "not e2e"`` runs the rest, the unit layer, without root or FUSE.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import trio
-from chains import SECRET, ChainCluster
-from harness import shufflefs
+from clusters import cluster, fault_cluster, mnt, mounted, native, process_cluster
 
-from shufflefs.rpc import open_rpc_client
+__all__ = ["cluster", "fault_cluster", "mnt", "mounted", "native", "process_cluster"]
 
-
-@dataclass
-class Mounted:
-    data_dir: Path
-    mountpoint: Path
-
-    @property
-    def client_config(self) -> Path:
-        return self.data_dir / "client.toml"
+TESTS = Path(__file__).parent
+E2E_FOLDERS = (TESTS / "e2e", TESTS / "faults")
+# Fixtures that start service processes or mount (directly or through another).
+PROCESS_FIXTURES = frozenset({"mounted", "mnt", "native", "process_cluster", "fault_cluster"})
 
 
-def require_fuse() -> None:
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.fail("end-to-end tests need root and /dev/fuse (run via `make test` as root)")
-
-
-@pytest.fixture(scope="session")
-def mounted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
-    require_fuse()
-    base = tmp_path_factory.mktemp("cluster")
-    m = Mounted(base / "data", base / "mnt")
-    shufflefs("up", "--data-dir", str(m.data_dir), "--mountpoint", str(m.mountpoint))
-    try:
-        yield m
-    finally:
-        shufflefs("down", "--data-dir", str(m.data_dir), check=False)
-
-
-@pytest.fixture
-def mnt(mounted: Mounted, request: pytest.FixtureRequest) -> Iterator[Path]:
-    """A fresh directory inside the shared mount, for one test."""
-    d = mounted.mountpoint / request.node.name.replace("/", "_")[:100]
-    d.mkdir()
-    yield d
-
-
-@pytest.fixture
-def native(mounted: Mounted) -> Iterator[object]:
-    from shufflefs.client import Client
-
-    with Client(mounted.client_config) as c:
-        yield c
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[ChainCluster]:
-    """Three storage daemons and a real mgmtd in this process (`ChainCluster`)."""
-    async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
-        c = ChainCluster(tmp_path, nursery, rpc)
-        await c.start(nodes=3)
-        yield c
-        nursery.cancel_scope.cancel()
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        in_e2e_folder = any(item.path.is_relative_to(folder) for folder in E2E_FOLDERS)
+        uses_processes = PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if in_e2e_folder or uses_processes:
+            item.add_marker(pytest.mark.e2e)

@@ -4,10 +4,12 @@
     python loadgen.py write DIR SECONDS ACKLOG           # files written and closed, logged
 
 Both are bounded in time. The reader checks every byte it reads against the
-file's known content (a pure function of SEED) and writes a JSON report: how
-many reads, how many failed (an error), how many returned wrong bytes, and
-the longest single read. The writer appends one line per file whose close()
-returned (acknowledged), with its SHA-256, fsynced before the next file.
+file's known content (a pure function of SEED), keeps the number of reads so
+far in REPORT.progress (so a test can wait until the load is under way), and
+at the end writes a JSON report: how many reads, how many failed (an error),
+how many returned wrong bytes, and the longest single read. The writer
+appends one line per file whose close() returned (acknowledged), with its
+SHA-256, fsynced before the next file.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ def content(seed: int, size: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
+def write_progress(report: str, reads: int) -> None:
+    tmp = f"{report}.progress.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(reads))
+    os.replace(tmp, f"{report}.progress")
+
+
 def read_loop(path: str, seed: int, seconds: float, report: str) -> None:
     size = os.path.getsize(path)
     expected = content(seed, size)
@@ -39,7 +48,11 @@ def read_loop(path: str, seed: int, seconds: float, report: str) -> None:
     errors: list[str] = []
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     deadline = time.monotonic() + seconds
+    next_progress = 0.0
     while time.monotonic() < deadline:
+        if time.monotonic() >= next_progress:
+            write_progress(report, reads)
+            next_progress = time.monotonic() + 0.2
         n = rng.choice((1, 2, 16))  # 4 KiB, 8 KiB, 64 KiB
         off = rng.randrange(0, size // BLOCK - n) * BLOCK
         t0 = time.monotonic()

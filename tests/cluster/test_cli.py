@@ -65,6 +65,7 @@ def test_format_writes_configs_and_a_private_secret(tmp_path: Path) -> None:
     assert again.returncode != 0 and "already holds a cluster" in again.stderr
 
 
+@pytest.mark.e2e  # starts the services as processes
 def test_status_json_shape(tmp_path: Path) -> None:
     data = tmp_path / "c"
     shufflefs("up", "--data-dir", str(data), "--no-mount", "--storage-nodes", "2")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import trio
-from chains import ChainCluster, eventually
+from clusters import ChainCluster, eventually
 from harness import flip
 
 from shufflefs.cluster.scrub import Progress

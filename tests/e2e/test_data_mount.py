@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import Mounted
+from clusters import ProcessCluster
 from tokendata import write_tokens
 from torch.utils.data import DataLoader
 
@@ -48,7 +48,7 @@ class Places:
 
 
 @pytest.fixture(scope="module")
-def places(mounted: Mounted, tmp_path_factory: pytest.TempPathFactory) -> Places:
+def places(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Places:
     local = tmp_path_factory.mktemp("data-local")
     write_tokens(local, FILES, dtype="uint16")
     files = local / "files"
@@ -207,7 +207,7 @@ def test_batched_reads_across_files_split_per_request(places: Places) -> None:
     assert got == [local[f][o : o + n] for f, o, n in picks]
 
 
-def test_forked_child_reconnects_with_inherited_client(mounted: Mounted) -> None:
+def test_forked_child_reconnects_with_inherited_client(mounted: ProcessCluster) -> None:
     with Client(mounted.client_config) as client:
         client.write_bytes("/fork-probe.bin", b"inherited")
         assert client.listdir("/")  # connected in the parent
@@ -225,7 +225,7 @@ def test_forked_child_reconnects_with_inherited_client(mounted: Mounted) -> None
         client.unlink("/fork-probe.bin")
 
 
-def test_fsspec_and_pandas_read_without_a_mount(places: Places, mounted: Mounted) -> None:
+def test_fsspec_and_pandas_read_without_a_mount(places: Places, mounted: ProcessCluster) -> None:
     opts = {"config": places.config}
     table = pd.DataFrame({"x": np.arange(500), "y": np.arange(500) * 0.5})
     table.to_csv(places.mount / "table.csv", index=False)
@@ -263,7 +263,7 @@ def test_fsspec_and_pandas_read_without_a_mount(places: Places, mounted: Mounted
         fs.info("/data-tests/missing")
 
 
-def test_bench_loader_runs_every_row(mounted: Mounted, tmp_path: Path) -> None:
+def test_bench_loader_runs_every_row(mounted: ProcessCluster, tmp_path: Path) -> None:
     plot = tmp_path / "loader.png"
     result = subprocess.run(
         [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "loader",

@@ -8,13 +8,13 @@ import os
 import random
 from pathlib import Path
 
-from conftest import Mounted
+from clusters import ProcessCluster
 from procfs import deleted_open_files
 
 MiB = 1 << 20
 
 
-def test_damaged_local_replica_is_never_returned(mounted: Mounted, mnt: Path) -> None:
+def test_damaged_local_replica_is_never_returned(mounted: ProcessCluster, mnt: Path) -> None:
     data = os.urandom(3 * MiB)
     p = mnt / "local-damage.bin"
     p.write_bytes(data)
@@ -51,7 +51,7 @@ def test_damaged_local_replica_is_never_returned(mounted: Mounted, mnt: Path) ->
     assert p.read_bytes() == data
 
 
-def test_removed_chunks_are_not_held_open_by_the_reader(mounted: Mounted, mnt: Path) -> None:
+def test_removed_chunks_are_not_held_open_by_the_reader(mounted: ProcessCluster, mnt: Path) -> None:
     """A short-circuit reader must not keep chunk files open after the file is
     closed: once the daemons delete them (unlink, overwrite), their space comes
     back. Held fds once kept a full target full after half its files were gone."""

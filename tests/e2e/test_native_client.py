@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Mounted
+from clusters import ProcessCluster
 
 
-def test_native_file_api(native: Any, mounted: Mounted) -> None:
+def test_native_file_api(native: Any, mounted: ProcessCluster) -> None:
     fs = native
     fs.makedirs("/native/sub", exist_ok=True)
     data = os.urandom(3 * (1 << 20) + 123)

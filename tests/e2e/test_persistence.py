@@ -4,7 +4,6 @@ every process (mount included), and the same cluster comes back with `up`."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import shufflefs
+from clusters import ProcessCluster
 
 from shufflefs.cluster import procs
 from shufflefs.cluster.launcher import LocalCluster, mounted_fstype
@@ -59,31 +58,29 @@ def kill_everything(cluster: LocalCluster, mountpoint: Path) -> None:
 
 def test_clean_restart_and_kill9_restart(tmp_path: Path) -> None:
     data, mnt = tmp_path / "data", tmp_path / "mnt"
-    cluster = LocalCluster(data)
-    shufflefs("up", "--data-dir", str(data), "--mountpoint", str(mnt))
+    cluster = ProcessCluster(data, mnt)
+    cluster.up()
     try:
         expect = populate(mnt)
         verify(mnt, expect)
-        shufflefs("down", "--data-dir", str(data))
+        cluster.down(check=True)
         assert mounted_fstype(mnt) is None
-        assert all_pids(cluster, mnt) == []
+        assert all_pids(cluster.local, mnt) == []
 
-        shufflefs("up", "--data-dir", str(data), "--mountpoint", str(mnt))
+        cluster.up()
         verify(mnt, expect)
-        status = json.loads(
-            shufflefs("status", "--json", "--config", str(data / "client.toml")).stdout
-        )
+        status = cluster.status()
         assert (
             sum(1 for n in status["nodes"] if n["kind"] == "storage" and n["state"] == "online")
             == 3
         )
 
-        kill_everything(cluster, mnt)
+        kill_everything(cluster.local, mnt)
         # the mount is dead now; `up` must clear it and bring everything back
-        shufflefs("up", "--data-dir", str(data), "--mountpoint", str(mnt))
+        cluster.up()
         verify(mnt, expect)
     finally:
-        shufflefs("down", "--data-dir", str(data), check=False)
+        cluster.down()
 
 
 WRITER = r"""
@@ -106,8 +103,8 @@ with open(log, "a") as out:
 
 def test_kill9_during_writes_keeps_every_acknowledged_file(tmp_path: Path) -> None:
     data, mnt = tmp_path / "data", tmp_path / "mnt"
-    cluster = LocalCluster(data)
-    shufflefs("up", "--data-dir", str(data), "--mountpoint", str(mnt))
+    cluster = ProcessCluster(data, mnt)
+    cluster.up()
     log = tmp_path / "acked.log"
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(mnt), str(log)])
     try:
@@ -117,16 +114,16 @@ def test_kill9_during_writes_keeps_every_acknowledged_file(tmp_path: Path) -> No
                 break
             assert writer.poll() is None, "writer died early"
             time.sleep(0.1)
-        kill_everything(cluster, mnt)
+        kill_everything(cluster.local, mnt)
         writer.kill()
         writer.wait()
         acked = [line.split() for line in log.read_text().splitlines()]
         assert len(acked) >= 15
-        shufflefs("up", "--data-dir", str(data), "--mountpoint", str(mnt))
+        cluster.up()
         for path, digest in acked:
             got = hashlib.sha256(Path(path).read_bytes()).hexdigest()
             assert got == digest, f"{path} changed after kill -9"
     finally:
         if writer.poll() is None:
             writer.kill()
-        shufflefs("down", "--data-dir", str(data), check=False)
+        cluster.down()

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from conftest import Mounted
+from clusters import ProcessCluster
 
 from shufflefs.cluster.launcher import LocalCluster
 
@@ -33,7 +33,7 @@ def wait_until_gone(data_dir: Path, ino: int, timeout: float = 10.0) -> list[Pat
         time.sleep(0.1)
 
 
-def test_statfs(mounted: Mounted, mnt: Path) -> None:
+def test_statfs(mounted: ProcessCluster, mnt: Path) -> None:
     st = os.statvfs(mnt)
     disk = os.statvfs(mounted.data_dir)
     assert st.f_namemax == 255
@@ -48,7 +48,9 @@ def test_statfs(mounted: Mounted, mnt: Path) -> None:
     assert (inner.f_blocks, inner.f_namemax) == (st.f_blocks, st.f_namemax)
 
 
-def test_unlinked_open_file_chunks_freed_after_last_close(mounted: Mounted, mnt: Path) -> None:
+def test_unlinked_open_file_chunks_freed_after_last_close(
+    mounted: ProcessCluster, mnt: Path
+) -> None:
     p = mnt / "ghost.bin"
     data = os.urandom(3 * CHUNK + 77)
     p.write_bytes(data)
@@ -70,7 +72,7 @@ def test_unlinked_open_file_chunks_freed_after_last_close(mounted: Mounted, mnt:
     assert wait_until_gone(mounted.data_dir, ino) == []
 
 
-def test_unlinked_closed_file_chunks_freed(mounted: Mounted, mnt: Path) -> None:
+def test_unlinked_closed_file_chunks_freed(mounted: ProcessCluster, mnt: Path) -> None:
     p = mnt / "plain.bin"
     p.write_bytes(os.urandom(2 * CHUNK))
     ino = p.stat().st_ino
@@ -79,7 +81,7 @@ def test_unlinked_closed_file_chunks_freed(mounted: Mounted, mnt: Path) -> None:
     assert wait_until_gone(mounted.data_dir, ino) == []
 
 
-def test_file_replaced_by_rename_is_freed(mounted: Mounted, mnt: Path) -> None:
+def test_file_replaced_by_rename_is_freed(mounted: ProcessCluster, mnt: Path) -> None:
     (mnt / "old").write_bytes(os.urandom(CHUNK + 1))
     ino = (mnt / "old").stat().st_ino
     (mnt / "new").write_bytes(b"replacement")
@@ -87,7 +89,7 @@ def test_file_replaced_by_rename_is_freed(mounted: Mounted, mnt: Path) -> None:
     assert wait_until_gone(mounted.data_dir, ino) == []
 
 
-def test_shrink_cuts_chunks(mounted: Mounted, mnt: Path) -> None:
+def test_shrink_cuts_chunks(mounted: ProcessCluster, mnt: Path) -> None:
     p = mnt / "shrink.bin"
     data = os.urandom(4 * CHUNK)
     p.write_bytes(data)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import hypothesis.strategies as st
 import pytest
-from conftest import Mounted
+from clusters import ProcessCluster
 from harness import shufflefs
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -36,7 +36,7 @@ CHUNK = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def second(mounted: Mounted, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def second(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     mountpoint = tmp_path_factory.mktemp("second-mount")
     shufflefs("mount", "--config", str(mounted.client_config), str(mountpoint))
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import trio
-from faultcluster import FaultCluster
+from clusters import ProcessCluster
 from harness import flip, shufflefs
 from loadgen import content
 
@@ -44,6 +44,24 @@ def start_writer(directory: Path, seconds: float, acklog: Path) -> subprocess.Po
     return subprocess.Popen(
         [sys.executable, WORKERS, "write", str(directory), str(seconds), str(acklog)]
     )
+
+
+def reads_so_far(report: Path) -> int:
+    try:
+        return int(Path(f"{report}.progress").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def under_way(report: Path | None = None, acklog: Path | None = None) -> None:
+    """Wait (up to 60 s) until the load has started: the reader has read and
+    the writer has had files acknowledged, so a fault lands in the middle of it."""
+    deadline = time.monotonic() + 60
+    while (report is not None and reads_so_far(report) < 20) or (
+        acklog is not None and (not acklog.exists() or len(acked(acklog)) < 3)
+    ):
+        assert time.monotonic() < deadline, "the load did not get going"
+        time.sleep(0.1)
 
 
 def finish(proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
@@ -72,13 +90,13 @@ def check_acked(acklog: Path) -> int:
     return len(files)
 
 
-def write_dataset(cluster: FaultCluster, name: str, size: int, seed: int) -> Path:
+def write_dataset(cluster: ProcessCluster, name: str, size: int, seed: int) -> Path:
     path = cluster.mountpoint / name
     path.write_bytes(content(seed, size))
     return path
 
 
-def replica_states(cluster: FaultCluster) -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
+def replica_states(cluster: ProcessCluster) -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
     """For every chain, each member's chunks: id -> (version, length, CRCs)."""
     routing = cluster.routing()
     _, secret = load_client_config(cluster.config)
@@ -111,7 +129,7 @@ def replica_states(cluster: FaultCluster) -> dict[int, list[dict[bytes, tuple[in
     return trio.run(collect)
 
 
-def assert_replicas_identical(cluster: FaultCluster) -> int:
+def assert_replicas_identical(cluster: ProcessCluster) -> int:
     """Every chunk has the same version, length and CRCs on every replica."""
     states = replica_states(cluster)
     total = 0
@@ -125,11 +143,11 @@ def assert_replicas_identical(cluster: FaultCluster) -> int:
     return total
 
 
-def test_kill9_storage_during_reads(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+def test_kill9_storage_during_reads(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
     c = fault_cluster
     data = write_dataset(c, "reads.bin", 48 * MiB, seed=11)
     reader = start_reader(data, 11, 12.0, tmp_path / "r.json")
-    time.sleep(3)
+    under_way(report=tmp_path / "r.json")
     c.kill("storage2")
     detected = c.wait_for(
         "storage2's target offline", lambda s: any(t["state"] == "offline" for t in s["targets"])
@@ -146,11 +164,11 @@ def test_kill9_storage_during_reads(fault_cluster: FaultCluster, tmp_path: Path)
     assert_replicas_identical(c)
 
 
-def test_kill9_during_writes_then_resync(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+def test_kill9_during_writes_then_resync(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
     c = fault_cluster
     acklog = tmp_path / "acked.log"
     writer = start_writer(c.mountpoint / "w", 14.0, acklog)
-    time.sleep(4)
+    under_way(acklog=acklog)
     kill_time = time.time()
     c.kill("storage3")
     finish(writer)
@@ -169,7 +187,7 @@ def test_kill9_during_writes_then_resync(fault_cluster: FaultCluster, tmp_path: 
     check_acked(acklog)
 
 
-def test_cut_host_during_reads_and_writes(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+def test_cut_host_during_reads_and_writes(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
     c = fault_cluster
     if c.hosts is None:
         pytest.fail("network namespaces are unavailable here: cannot cut a host's link")
@@ -177,7 +195,7 @@ def test_cut_host_during_reads_and_writes(fault_cluster: FaultCluster, tmp_path:
     reader = start_reader(data, 5, 16.0, tmp_path / "r.json")
     acklog = tmp_path / "acked.log"
     writer = start_writer(c.mountpoint / "w", 16.0, acklog)
-    time.sleep(3)
+    under_way(report=tmp_path / "r.json", acklog=acklog)
     cut_time = time.time()
     c.hosts.cut(1)
     c.wait_for("host 1 offline", lambda s: any(t["state"] == "offline" for t in s["targets"]))
@@ -194,13 +212,13 @@ def test_cut_host_during_reads_and_writes(fault_cluster: FaultCluster, tmp_path:
     check_acked(acklog)
 
 
-def chunk_files_of(cluster: FaultCluster, name: str) -> list[Path]:
+def chunk_files_of(cluster: ProcessCluster, name: str) -> list[Path]:
     ino = (cluster.mountpoint / name).stat().st_ino
     return sorted(cluster.local.dir.glob(f"storage1/target1/chunks/*/{ino:016x}*"))
 
 
 def test_corruption_is_never_returned_and_repaired(
-    fault_cluster: FaultCluster, tmp_path: Path
+    fault_cluster: ProcessCluster, tmp_path: Path
 ) -> None:
     c = fault_cluster
     data = write_dataset(c, "corrupt.bin", 4 * MiB, seed=9)
@@ -228,7 +246,7 @@ def test_corruption_is_never_returned_and_repaired(
     assert_replicas_identical(c)
 
 
-def test_two_of_three_down(fault_cluster: FaultCluster, tmp_path: Path) -> None:
+def test_two_of_three_down(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
     c = fault_cluster
     data = write_dataset(c, "last.bin", 8 * MiB, seed=3)
     existing = c.mountpoint / "existing.bin"
@@ -260,18 +278,15 @@ def test_two_of_three_down(fault_cluster: FaultCluster, tmp_path: Path) -> None:
 
 def test_full_target(tmp_path: Path) -> None:
     """One target on a small tmpfs: writes get ENOSPC cleanly, nothing written is lost."""
-    import io
-
-    from shufflefs.cluster.launcher import LocalCluster, up
-
-    local = LocalCluster(tmp_path / "data")
-    local.format(3, 3, 1 << 20, "127.0.0.1", mgmtd_settings={"heartbeat_interval": 0.5})
-    small = local.dir / "storage3" / "target1"
+    cluster = ProcessCluster(
+        tmp_path / "data", tmp_path / "mnt", mgmtd_settings={"heartbeat_interval": 0.5}
+    )
+    small = cluster.data_dir / "storage3" / "target1"
     small.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(small)], check=True)
     try:
-        mnt = tmp_path / "mnt"
-        up(local.dir, mnt, out=io.StringIO())
+        mnt = cluster.mountpoint
+        cluster.up()
         written: list[tuple[Path, bytes]] = []
         code = None
         for i in range(200):
@@ -289,8 +304,7 @@ def test_full_target(tmp_path: Path) -> None:
             assert p.read_bytes() == data
 
         def small_target_free() -> int:
-            out = shufflefs("status", "--json", "--config", str(local.client_config)).stdout
-            (target,) = [t for t in json.loads(out)["targets"] if t["path"] == str(small)]
+            (target,) = [t for t in cluster.status()["targets"] if t["path"] == str(small)]
             return int(target["free"])
 
         deadline = time.monotonic() + 10  # usage reaches status with the next heartbeats
@@ -310,5 +324,5 @@ def test_full_target(tmp_path: Path) -> None:
         for p, data in written[len(written) // 2 :]:
             assert p.read_bytes() == data
     finally:
-        shufflefs("down", "--data-dir", str(local.dir), check=False)
+        cluster.down()
         subprocess.run(["umount", "-l", str(small)], check=False)

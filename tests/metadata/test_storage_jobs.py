@@ -9,7 +9,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from chains import CS, ChainCluster, eventually
+from clusters import CS, ChainCluster, eventually
 
 from shufflefs.metadata.gc import StorageJobs
 from shufflefs.metadata.protocol import ROOT_INODE

@@ -26,6 +26,7 @@ class Item(TypedDict):
 class Echo:
     def __init__(self) -> None:
         self.release = trio.Event()
+        self.blocked = trio.Event()  # a `block` call has arrived
 
     @rpc_method
     async def echo(self, value: Any) -> Any:
@@ -59,6 +60,7 @@ class Echo:
 
     @rpc_method
     async def block(self) -> None:
+        self.blocked.set()
         await self.release.wait()
 
 
@@ -309,7 +311,8 @@ async def test_server_restart_fails_inflight_then_reconnects(nursery: trio.Nurse
 
             async with trio.open_nursery() as n:
                 n.start_soon(blocked)
-                await trio.sleep(0.1)
+                with trio.fail_after(5):
+                    await echo.blocked.wait()
                 inner.cancel_scope.cancel()
     server2 = RpcServer(SECRET, [Echo()], name="test")
     await nursery.start(server2.serve, "127.0.0.1", port)

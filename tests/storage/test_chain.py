@@ -10,7 +10,7 @@ import os
 
 import pytest
 import trio
-from chains import CS, ChainCluster, eventually
+from clusters import CS, ChainCluster, eventually
 
 from shufflefs.rpc import FsError
 from shufflefs.storage.protocol import NEED_FULL, chunk_id

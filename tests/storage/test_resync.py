@@ -12,7 +12,7 @@ from typing import cast
 
 import pytest
 import trio
-from chains import CS, ChainCluster, eventually
+from clusters import CS, ChainCluster, eventually
 from harness import flip
 
 from shufflefs.rpc import FsError

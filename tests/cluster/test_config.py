@@ -1,0 +1,51 @@
+"""mgmtd's config is checked when it loads; every command finds the client
+config the same way."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+from pathlib import Path
+
+import pytest
+
+from shufflefs.cluster.cli import default_client_config
+from shufflefs.cluster.config import CONFIG_ENV, DEFAULT_CLIENT_CONFIG, MgmtdConfig
+from shufflefs.rpc.config import load_config
+from shufflefs.rpc.errors import FsError
+
+GOOD = 'listen = "127.0.0.1:0"\ndata_dir = "d"\nsecret_file = "s"\n'
+
+
+@pytest.mark.parametrize(
+    "extra,key",
+    [
+        ('advertise = "no-port"\n', "advertise"),
+        ("chunk_size = 5000\n", "chunk_size"),
+        ("heartbeat_interval = 20.0\n", "heartbeat_interval"),
+    ],
+)
+def test_mgmtd_config_mistakes_name_the_file_and_key(tmp_path: Path, extra: str, key: str) -> None:
+    path = tmp_path / "mgmtd.toml"
+    path.write_text(GOOD + extra)
+    with pytest.raises(FsError) as info:
+        load_config(path, MgmtdConfig)
+    assert info.value.errno == errno.EINVAL
+    assert str(path) in info.value.message and key in info.value.message
+
+
+def test_bad_listen_address_is_refused_at_load(tmp_path: Path) -> None:
+    path = tmp_path / "mgmtd.toml"
+    path.write_text(GOOD.replace("127.0.0.1:0", "127.0.0.1:port"))
+    with pytest.raises(FsError) as info:
+        load_config(path, MgmtdConfig)
+    assert info.value.errno == errno.EINVAL and "listen" in info.value.message
+
+
+def test_client_config_lookup_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert default_client_config(argparse.Namespace()) == DEFAULT_CLIENT_CONFIG
+    monkeypatch.setenv(CONFIG_ENV, "/env/client.toml")
+    assert default_client_config(argparse.Namespace(config=None)) == Path("/env/client.toml")
+    explicit = argparse.Namespace(config="/flag/client.toml")
+    assert default_client_config(explicit) == Path("/flag/client.toml")
