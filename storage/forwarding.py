@@ -97,16 +97,37 @@ class Forwarding:
             )
         return Place(routing, chain, chain_version, members, index)
 
+    async def check_min_replicas(self, place: Place, target: int, head: bool) -> Place:
+        """EROFS when fewer than min_replicas of the chain serve. Our map may
+        be older than mgmtd's (a replica just came back and our poll has not
+        seen it yet), so before refusing we fetch the current map once: a
+        chain that moved on answers ESTALE (the client retries on the new
+        map), and a refusal always reflects what mgmtd knows."""
+        if self._enough_replicas(place):
+            return place
+        routing_source = self.node.routing
+        if routing_source is None:
+            return place
+        try:
+            await routing_source.refresh()
+        except FsError as exc:
+            log.info("routing refresh for chain=%d failed: %s", place.chain, exc.message)
+        again = await self.place(target, place.chain, place.version, head=head)
+        if again is None or self._enough_replicas(again):
+            return again or place
+
+        serving = again.routing.serving_targets(again.chain)
+        minimum = again.routing.config.get("min_replicas", 1)
+        raise FsError(
+            errno.EROFS,
+            f"chain {again.chain} has {len(serving)} serving replica(s), fewer than "
+            f"min_replicas={minimum}: writes are refused until a replica is back",
+        )
+
     @staticmethod
-    def check_min_replicas(place: Place) -> None:
+    def _enough_replicas(place: Place) -> bool:
         serving = place.routing.serving_targets(place.chain)
-        minimum = place.routing.config.get("min_replicas", 1)
-        if len(serving) < minimum:
-            raise FsError(
-                errno.EROFS,
-                f"chain {place.chain} has {len(serving)} serving replica(s), fewer than "
-                f"min_replicas={minimum}: writes are refused until a replica is back",
-            )
+        return len(serving) >= place.routing.config.get("min_replicas", 1)
 
     # ---- forwarding ------------------------------------------------------
 

@@ -242,7 +242,7 @@ class StorageService:
         async with node.locks.update(target, chunk):
             place = await self.forwarding.place(target, chain, chain_version, head=True)
             if place is not None:
-                self.forwarding.check_min_replicas(place)
+                place = await self.forwarding.check_min_replicas(place, target, head=True)
             try:
                 staged = await node.io(store.stage_write, chunk, offset, data, chunk_size, None)
             except FsError as exc:
