@@ -321,17 +321,6 @@ class FileSystem:
             await self.read_into(extents, memoryview(out))
         return out
 
-    async def read_many(self, fh: int, ranges: list[tuple[int, int]]) -> bytearray:
-        """Many (offset, length) reads of one open file in one go (one request
-        per storage node): their bytes end to end, each clamped to the file."""
-        f = self.file(fh)
-        await self.drain(f.ino)
-        extents = self.extents(f, ranges)
-        out = bytearray(sum(e[3] for e in extents))
-        if out:
-            await self.read_into(extents, memoryview(out))
-        return out
-
     async def read_into(self, extents: Sequence[Extent], out: memoryview) -> None:
         """THE read: *extents* into *out*, laid end to end in the order given
         (the caller clamps each to its file; bytes past a chunk's end read as
