@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import errno
 import functools
+from dataclasses import dataclass, field
 
 import trio
 
 from shufflefs.client.layout import Piece, plan
-from shufflefs.client.local_reads import LocalReads
-from shufflefs.client.replicas import Replicas
-from shufflefs.cluster.routing import Routing, RoutingCache
+from shufflefs.client.storage_parts import StoragePart
+from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import Layout
-from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.retry import TRANSIENT, retrying
 from shufflefs.rpc.transport import Buffer
@@ -27,24 +26,10 @@ from shufflefs.storage.protocol import StorageStub
 MAX_PARALLEL_CHUNK_WRITES = 8
 
 
-class ChainWriter:
-    def __init__(
-        self,
-        rpc: RpcClient,
-        routing: RoutingCache,
-        replicas: Replicas,
-        local: LocalReads,
-        *,
-        write_timeout: float,
-        retry_budget: float,
-    ) -> None:
-        self.rpc = rpc
-        self.routing = routing
-        self.replicas = replicas
-        self.local = local
-        self.write_timeout = write_timeout
-        self.retry_budget = retry_budget
-        self.in_flight: set[tuple[int, int, trio.CancelScope]] = set()  # (chain, version, scope)
+@dataclass(eq=False)
+class ChainWriter(StoragePart):
+    # writes awaiting a head: (chain, its version when sent, the scope to cancel)
+    in_flight: set[tuple[int, int, trio.CancelScope]] = field(default_factory=set)
 
     async def write(self, ino: int, layout: Layout, offset: int, data: Buffer) -> None:
         """Write *data* at *offset*; returns once every chunk piece is acknowledged."""
@@ -72,7 +57,7 @@ class ChainWriter:
                 f"write chunk {p[1].hex()}",
                 functools.partial(self._to_head, layout, p, piece_data),
                 budget=self.retry_budget,
-                on_failure=self._refresh,
+                on_failure=self.refresh_routing,
             )
         finally:
             # what we cached of this chunk is older than this write (forgotten
@@ -87,7 +72,7 @@ class ChainWriter:
         if not serving:
             raise FsError(errno.ENXIO, f"chain {p[0]} has no serving target")
         head = serving[0]
-        stub = StorageStub(self.rpc, routing.target_address(head["id"]), self.write_timeout)
+        stub = StorageStub(self.rpc, routing.target_address(head["id"]), self.timeout)
         # a head that went silent is taken out of the chain by mgmtd: then
         # stop waiting for it and retry on the new head at once
         watch = (chain["id"], chain["version"], trio.CancelScope())
@@ -119,6 +104,3 @@ class ChainWriter:
             info = routing.chains.get(chain)
             if info is None or info["version"] != version:
                 scope.cancel()
-
-    async def _refresh(self, exc: FsError) -> None:
-        await self.routing.refresh()

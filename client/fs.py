@@ -30,7 +30,7 @@ import stat
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
@@ -70,7 +70,6 @@ class OpenFile:
     handle: int
     layout: Layout | None
     position: int = 0  # for the native file API
-    lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
     def readable(self) -> bool:

@@ -12,6 +12,7 @@ caller, which reads it through the daemon.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 from shufflefs.client.layout import Piece
@@ -36,23 +37,31 @@ class LocalReads:
         self.replicas = replicas
         self.enabled = enabled
         self._targets: dict[int, LocalTarget | None] = {}  # None: not readable here
+        # Readers come from the trio thread, its worker threads and the native
+        # client's calling threads: one opens a target (LMDB refuses a second
+        # open of one environment in a process, which would disable it here).
+        self._opening = threading.Lock()
 
     def target(self, routing: Routing, target_id: int) -> LocalTarget | None:
         """A short-circuit reader for a target on this host, if it can be used."""
         if not self.enabled or target_id not in self.replicas.local_targets(routing):
             return None
         if target_id not in self._targets:
-            info = routing.targets[target_id]
-            try:
-                reader: LocalTarget | None = LocalTarget(
-                    info["path"], target_id, routing.cluster_id
-                )
-                log.info("short-circuit reads from target %d at %s", target_id, info["path"])
-            except Exception as exc:  # unreadable here: always through the daemon
-                log.info("no short-circuit reads from target %d: %s", target_id, exc)
-                reader = None
-            self._targets[target_id] = reader
+            with self._opening:
+                if target_id not in self._targets:
+                    self._targets[target_id] = self._open(routing, target_id)
         return self._targets[target_id]
+
+    @staticmethod
+    def _open(routing: Routing, target_id: int) -> LocalTarget | None:
+        info = routing.targets[target_id]
+        try:
+            reader = LocalTarget(info["path"], target_id, routing.cluster_id)
+        except Exception as exc:  # unreadable here: always through the daemon
+            log.info("no short-circuit reads from target %d: %s", target_id, exc)
+            return None
+        log.info("short-circuit reads from target %d at %s", target_id, info["path"])
+        return reader
 
     def read_pieces(self, pieces: list[Piece], out: memoryview, wait: bool) -> list[Piece]:
         """The fast path, before any replica choice or task: serve the pieces
@@ -101,7 +110,7 @@ class LocalReads:
     def forget(self, ino: int, cids: Sequence[bytes] | None = None) -> None:
         """Cached chunk records of a file may be stale (it was opened again,
         written or cut): the next local read looks them up afresh."""
-        for reader in self._targets.values():
+        for reader in list(self._targets.values()):  # other threads may add one
             if reader is not None:
                 if cids is None:
                     reader.forget_file(ino)

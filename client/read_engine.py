@@ -20,14 +20,14 @@ import errno
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import trio
 
 from shufflefs.client.layout import Piece
-from shufflefs.client.local_reads import LocalReads
-from shufflefs.client.replicas import Placed, Replicas
-from shufflefs.cluster.routing import Routing, RoutingCache
-from shufflefs.rpc.client import RpcClient
+from shufflefs.client.replicas import Placed
+from shufflefs.client.storage_parts import StoragePart
+from shufflefs.cluster.routing import Routing
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.rpc.retry import TRANSIENT, retrying
@@ -82,25 +82,12 @@ def scatter(
     return failures
 
 
-class ReadEngine:
-    def __init__(
-        self,
-        rpc: RpcClient,
-        routing: RoutingCache,
-        replicas: Replicas,
-        local: LocalReads,
-        *,
-        read_timeout: float,
-        retry_budget: float,
-    ) -> None:
-        self.rpc = rpc
-        self.routing = routing
-        self.replicas = replicas
-        self.local = local
-        self.read_timeout = read_timeout
-        self.retry_budget = retry_budget
-        self.reads_in_flight = 0
-        self.local_threads = trio.CapacityLimiter(LOCAL_READ_THREADS)
+@dataclass(eq=False)
+class ReadEngine(StoragePart):
+    reads_in_flight: int = 0
+    local_threads: trio.CapacityLimiter = field(
+        default_factory=lambda: trio.CapacityLimiter(LOCAL_READ_THREADS)
+    )
 
     def read_local_now(self, pieces: list[Piece], out: memoryview) -> list[Piece]:
         """The fast path, inline: the pieces a local chunk file serves now
@@ -120,13 +107,10 @@ class ReadEngine:
                 f"read of {len(pieces)} chunk ranges",
                 job.round,
                 budget=self.retry_budget,
-                on_failure=self._refresh,
+                on_failure=self.refresh_routing,
             )
         finally:
             self.reads_in_flight -= 1
-
-    async def _refresh(self, exc: FsError) -> None:
-        await self.routing.refresh()
 
 
 class ReadJob:
@@ -190,8 +174,8 @@ class ReadJob:
         # timeout on one that went silent (a cut link resets nothing).
         chain = items[0][0][0]
         others = len(self.routing.serving_targets(chain)) > 1 + len(self.avoid[chain])
-        timeout = min(engine.read_timeout, FAILOVER_READ_TIMEOUT) if others else None
-        stub = StorageStub(engine.rpc, address, timeout=engine.read_timeout)
+        timeout = min(engine.timeout, FAILOVER_READ_TIMEOUT) if others else None
+        stub = StorageStub(engine.rpc, address, timeout=engine.timeout)
         try:
             lengths, payload = await stub.read(
                 [(tid, p[1], p[2], p[3]) for p, tid in items], timeout=timeout

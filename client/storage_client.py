@@ -43,7 +43,7 @@ class StorageClient:
             routing,
             self.replicas,
             self.local,
-            read_timeout=read_timeout,
+            timeout=read_timeout,
             retry_budget=retry_budget,
         )
         self.writes = ChainWriter(
@@ -51,7 +51,7 @@ class StorageClient:
             routing,
             self.replicas,
             self.local,
-            write_timeout=write_timeout,
+            timeout=write_timeout,
             retry_budget=retry_budget,
         )
         self.background: trio.Nursery | None = None  # see `start`
