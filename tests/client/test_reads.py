@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import trio
 from chains import CS, ChainCluster
+from harness import flip
 
 from shufflefs.client.blocking_read import BlockingReader
 from shufflefs.client.layout import Extent, plan
@@ -19,6 +20,8 @@ from shufflefs.client.storage_client import StorageClient
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.errors import FsError
+from shufflefs.storage.layout import CHUNKS_DIR, chunk_dir_name
+from shufflefs.storage.protocol import chunk_id
 
 BLOCK = 512  # the test daemons' block size
 INO = 4242
@@ -193,3 +196,20 @@ async def test_write_retries_on_the_new_head(cluster: ChainCluster) -> None:
     serving = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
     assert head not in serving and len(serving) == 2
     assert await read(storage, [(INO, layout, 0, CS + 10)]) == data
+
+
+async def test_checksum_failure_reads_another_replica(cluster: ChainCluster) -> None:
+    storage = storage_client(cluster, local_reads=False)
+    layout: Layout = {"chunk_size": CS, "chains": [cluster.chain_ids()[0]]}
+    data = os.urandom(CS)
+    await storage.writes.write(INO, layout, 0, data)
+    cid = chunk_id(INO, 0)
+    targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
+    damaged = targets[0]
+    folder = cluster.node_of(damaged).store(damaged).path / CHUNKS_DIR / chunk_dir_name(cid)
+    (chunk_file,) = [p for p in folder.iterdir() if p.name.startswith(cid.hex())]
+    flip(chunk_file, 1000)
+    for t in targets[1:]:
+        storage.replicas.outstanding[t] += 100  # so the damaged one is asked first
+    assert await read(storage, [(INO, layout, 0, CS)]) == data  # never the damaged bytes
+    assert damaged in storage.replicas.suspect
