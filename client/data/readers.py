@@ -15,9 +15,10 @@ Two ways in, one interface:
 `submit` runs a read on a small per-reader thread pool and returns a future;
 that is how readahead keeps several batches in flight (for the native reader
 each thread reads over its own blocking connections, or waits on the trio
-loop when the async path must answer). Both readers are fork-safe and picklable: file descriptors, open
-handles and threads belong to one process, are dropped when pickled and
-re-created lazily in a process that finds them missing or inherited.
+loop when the async path must answer). Both readers are fork-safe and
+picklable: file descriptors, open handles and threads belong to one process,
+are dropped when pickled and re-created lazily in a process that finds them
+missing or inherited.
 """
 
 from __future__ import annotations
