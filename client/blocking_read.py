@@ -8,9 +8,11 @@ idempotent. So reads are made from the caller's own thread over blocking
 connections that thread owns (`rpc.blocking`), all the requests of a batch
 sent before any reply is awaited, so storage nodes work in parallel.
 
-This is the fast path only: any failure (a dead replica, a checksum error,
-a stale map) returns False and the caller repeats the read on the async path,
-which fails over, retries and reports.
+It uses the same parts as the async read (`FileSystem.read_into`): the one
+planner, the inline short-circuit pass, the replica choice. This is the fast
+path only: any failure (a dead replica, a checksum error, a stale map)
+returns False and the caller repeats the read on the async path, which fails
+over, retries and reports.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from shufflefs.client.storage_client import Extent, StorageClient, plan, scatter, split_requests
+from shufflefs.client.layout import Extent, plan
+from shufflefs.client.read_engine import scatter, split_requests
+from shufflefs.client.storage_client import StorageClient
 from shufflefs.rpc.blocking import BlockingPeers
 from shufflefs.rpc.errors import FsError
 
@@ -32,16 +36,19 @@ class BlockingReader:
 
     def read_into(self, extents: Sequence[Extent], out: memoryview) -> bool:
         """Read *extents* into *out* end to end; False if the async path must."""
+        storage = self.storage
         try:
-            pieces = plan(extents)
-            routing = self.storage.routing.current
-            groups = self.storage.assign(routing, pieces)
+            pieces = storage.reads.read_local_now(plan(extents), out)
+            if not pieces:
+                return True
+            routing = storage.routing.current
+            groups = storage.replicas.assign(routing, pieces)
         except FsError:
             return False
         sent = []
         ok = True
         for address, items in groups.items():
-            items = self.storage.read_local(routing, items, out, nowait=False)
+            items = storage.local.read_placed(routing, items, out, nowait=False)
             if not items:
                 continue
             for request in split_requests(items):

@@ -4,13 +4,19 @@
 path-level ones (what native code needs) over the metadata and storage
 clients, and owns this client's open files:
 
-* a metadata *session*, renewed in the background, under which every open
-  file holds a handle (so an unlinked file keeps its data until closed);
 * the layout of every open file, so reads and writes go straight to the
   storage daemons without asking the metadata server again;
-* per-inode write state: a file's length and mtime after local writes are
+* the attribute overlay: a file's length and mtime after local writes are
   reported to the metadata server on flush/fsync/close (close-to-open, as
   in 3FS), and until then overlaid on the attributes this client hands out.
+
+Its parts, one module each: the metadata session (client/session.py),
+write-behind (client/write_behind.py), and the storage side
+(client/storage_client.py: replica choice, short-circuit reads, the read
+engine, chain writes), all over the one chunk planner (client/layout.py).
+`read_into` is the ONE read entry point: the FUSE mount, the native API and
+the data sampler all read through it (the native ones first try the
+blocking fast path of client/blocking_read.py, which shares its parts).
 """
 
 from __future__ import annotations
@@ -23,25 +29,19 @@ import posixpath
 import stat
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import trio
 
+from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
+from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
+from shufflefs.client.write_behind import InodeState, WriteBehind, drain
 from shufflefs.cluster.protocol import Capacity
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.metadata.protocol import (
-    ROOT_INODE,
-    SESSION_EXPIRED,
-    Attr,
-    FsStats,
-    Layout,
-    MetaStub,
-    OpenResult,
-    ReaddirPage,
-)
+from shufflefs.metadata.protocol import ROOT_INODE, Attr, FsStats, Layout, OpenResult, ReaddirPage
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import hostname
@@ -58,25 +58,8 @@ class ClientOptions:
     read_timeout: float = 10.0
     write_timeout: float = 30.0
     retry_budget: float = 30.0  # seconds a call keeps retrying through transient failures
-    routing_poll: float = 1.0
     local_reads: bool = True  # read chunk files of this host's targets directly
     write_buffer: int = 64 << 20  # bytes per file written behind (0: every write waits)
-
-
-@dataclass
-class InodeState:
-    """What this client knows better than the metadata server about a file it has open."""
-
-    size: int
-    opens: int = 0
-    dirty: bool = False  # written since the length was last reported
-    mtime: int = 0  # ns of the last local write
-    generation: int = 0  # bumps with every local write
-    # Writes acknowledged to the caller but still on their way to storage.
-    pending_bytes: int = 0
-    progress: trio.Event = field(default_factory=trio.Event)  # set when a write completes
-    chunk_tails: dict[int, trio.Event] = field(default_factory=dict)  # last write per chunk
-    error: FsError | None = None  # the first failure of a write: reported by the next call
 
 
 @dataclass
@@ -87,7 +70,6 @@ class OpenFile:
     handle: int
     layout: Layout | None
     position: int = 0  # for the native file API
-    lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
     def readable(self) -> bool:
@@ -120,61 +102,27 @@ class FileSystem:
             retry_budget=self.options.retry_budget,
             local_reads=self.options.local_reads,
         )
+        self.write_behind = WriteBehind(self.storage, self.options.write_buffer)
         self.name = name or f"{hostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.session = 0
+        self.session = Session(self.meta, self.name, self._reopen_files)
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
         self._fh = itertools.count(1)
-        self._session_lock = trio.Lock()
 
     # ---- lifecycle ------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
-        self.storage.background = nursery
-        self.routing.listeners.append(self.storage.routing_changed)
+        self.storage.start(nursery)
         await self.routing.start(nursery)
-        lease = await self._open_session()
-        nursery.start_soon(self._keep_session, lease)
-
-    async def _open_session(self) -> float:
-        s = await self.meta.mutate(
-            "session_open", lambda m: m.session_open(self.name, hostname(), os.getpid())
-        )
-        self.session = s["session"]
-        log.info("metadata session %d opened (lease %.0fs)", self.session, s["lease"])
-        return s["lease"]
-
-    async def _keep_session(self, lease: float) -> None:
-        while True:
-            await trio.sleep(max(0.5, lease / 3))
-            session = self.session
-            try:
-                # the lambda is awaited right here, inside this iteration
-                await self.meta.read("session_renew", lambda m: m.session_renew(session))  # noqa: B023
-            except FsError as exc:
-                if exc.code != errno.ENOENT:
-                    log.warning("session %d renewal failed: %s", session, exc.message)
-                    continue
-                await self._recover_session(session)
-
-    async def _recover_session(self, lost: int) -> None:
-        """The metadata server no longer holds session *lost* (it expired
-        while we could not reach it): open a new one and take new handles for
-        our open files. Several callers may notice at once; one recovers."""
-        async with self._session_lock:
-            if self.session != lost:
-                return
-            log.warning("session %d expired; opening a new one", lost)
-            await self._open_session()
-            await self._reopen_files()
+        await self.session.start(nursery)
 
     async def _reopen_files(self) -> None:
-        """Take new handles for our open files under the new session."""
+        """Take new handles for our open files under a new session."""
         for f in list(self.files.values()):
             try:
-                res = await self.meta.mutate(
+                res = await self.meta.call_at_most_once(
                     "reopen",
-                    lambda m, f=f: m.open(f.ino, f.flags, self.session),  # type: ignore[misc]
+                    lambda m, f=f: m.open(f.ino, f.flags, self.session.id),  # type: ignore[misc]
                 )
                 f.handle = res["handle"]
             except FsError as exc:
@@ -187,12 +135,7 @@ class FileSystem:
                 await self.release(fh)
             except FsError as exc:
                 log.warning("closing fh=%d: %s", fh, exc.message)
-        if self.session:
-            try:
-                await self.meta.mutate("session_close", lambda m: m.session_close(self.session))
-            except FsError as exc:
-                log.warning("closing session %d: %s", self.session, exc.message)
-            self.session = 0
+        await self.session.close()
 
     # ---- attributes ---------------------------------------------------------
 
@@ -213,10 +156,12 @@ class FileSystem:
         return attr
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
-        return self.overlay(await self.meta.read("lookup", lambda m: m.lookup(parent, name)))
+        return self.overlay(
+            await self.meta.call_idempotent("lookup", lambda m: m.lookup(parent, name))
+        )
 
     async def getattr(self, ino: int) -> Attr:
-        return self.overlay(await self.meta.read("getattr", lambda m: m.getattr(ino)))
+        return self.overlay(await self.meta.call_idempotent("getattr", lambda m: m.getattr(ino)))
 
     async def setattr(
         self,
@@ -235,78 +180,82 @@ class FileSystem:
             # report pending writes first, so their mtime cannot overwrite an
             # explicit one later (cp -p sets times on the open file)
             await self._report_length(ino, st)
-        attr = await self.meta.mutate(
+        attr = await self.meta.call_at_most_once(
             "setattr",
             lambda m: m.setattr(
                 ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime
             ),
         )
         if size is not None:
-            self.storage.forget_local(ino)
+            self.storage.local.forget(ino)
         if st is not None and size is not None:
             st.size = size
         return self.overlay(attr)
 
     async def statfs(self) -> tuple[Capacity, FsStats]:
         capacity = await self.routing.mgmtd.capacity()
-        stats = await self.meta.read("statfs", lambda m: m.statfs())
+        stats = await self.meta.call_idempotent("statfs", lambda m: m.statfs())
         return capacity, stats
 
     # ---- namespace ------------------------------------------------------------
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        return await self.meta.mutate("mkdir", lambda m: m.mkdir(parent, name, mode, uid, gid))
+        return await self.meta.call_at_most_once(
+            "mkdir", lambda m: m.mkdir(parent, name, mode, uid, gid)
+        )
 
     async def mknod(
         self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
     ) -> Attr:
-        return await self.meta.mutate(
+        return await self.meta.call_at_most_once(
             "mknod", lambda m: m.mknod(parent, name, mode, rdev, uid, gid)
         )
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
-        return await self.meta.mutate(
+        return await self.meta.call_at_most_once(
             "symlink", lambda m: m.symlink(parent, name, target, uid, gid)
         )
 
     async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
-        attr = await self.meta.mutate("link", lambda m: m.link(ino, new_parent, new_name))
+        attr = await self.meta.call_at_most_once(
+            "link", lambda m: m.link(ino, new_parent, new_name)
+        )
         return self.overlay(attr)
 
     async def readlink(self, ino: int) -> bytes:
-        return await self.meta.read("readlink", lambda m: m.readlink(ino))
+        return await self.meta.call_idempotent("readlink", lambda m: m.readlink(ino))
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        await self.meta.mutate("unlink", lambda m: m.unlink(parent, name))
+        await self.meta.call_at_most_once("unlink", lambda m: m.unlink(parent, name))
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        await self.meta.mutate("rmdir", lambda m: m.rmdir(parent, name))
+        await self.meta.call_at_most_once("rmdir", lambda m: m.rmdir(parent, name))
 
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
-        await self.meta.mutate(
+        await self.meta.call_at_most_once(
             "rename", lambda m: m.rename(parent, name, new_parent, new_name, flags)
         )
 
     async def readdir(self, ino: int, after: bytes | None, limit: int) -> ReaddirPage:
-        page = await self.meta.read("readdir", lambda m: m.readdir(ino, after, limit))
+        page = await self.meta.call_idempotent("readdir", lambda m: m.readdir(ino, after, limit))
         return {
             "entries": [(name, self.overlay(attr)) for name, attr in page["entries"]],
             "more": page["more"],
         }
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
-        return await self.meta.read("getxattr", lambda m: m.getxattr(ino, name))
+        return await self.meta.call_idempotent("getxattr", lambda m: m.getxattr(ino, name))
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
-        await self.meta.mutate("setxattr", lambda m: m.setxattr(ino, name, value, flags))
+        await self.meta.call_at_most_once("setxattr", lambda m: m.setxattr(ino, name, value, flags))
 
     async def listxattr(self, ino: int) -> list[bytes]:
-        return await self.meta.read("listxattr", lambda m: m.listxattr(ino))
+        return await self.meta.call_idempotent("listxattr", lambda m: m.listxattr(ino))
 
     async def removexattr(self, ino: int, name: bytes) -> None:
-        await self.meta.mutate("removexattr", lambda m: m.removexattr(ino, name))
+        await self.meta.call_at_most_once("removexattr", lambda m: m.removexattr(ino, name))
 
     # ---- open files -------------------------------------------------------------
 
@@ -314,7 +263,7 @@ class FileSystem:
         attr = res["attr"]
         ino = attr["ino"]
         # close-to-open: what this client cached of the file's chunks is re-read
-        self.storage.forget_local(ino)
+        self.storage.local.forget(ino)
         st = self.inodes.get(ino)
         if st is None:
             st = self.inodes[ino] = InodeState(size=attr["size"])
@@ -323,29 +272,16 @@ class FileSystem:
         self.files[f.fh] = f
         return f, self.overlay(attr)
 
-    async def _in_session(
-        self, what: str, call: Callable[[MetaStub, int], Awaitable[OpenResult]]
-    ) -> OpenResult:
-        """An open/create under our session, renewing a lost session once."""
-        session = self.session
-        try:
-            return await self.meta.mutate(what, lambda m: call(m, session))
-        except FsError as exc:
-            if exc.code != SESSION_EXPIRED:
-                raise
-        await self._recover_session(session)
-        return await self.meta.mutate(what, lambda m: call(m, self.session))
-
     async def create(
         self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int
     ) -> tuple[OpenFile, Attr]:
-        res = await self._in_session(
+        res = await self.session.call(
             "create", lambda m, s: m.create(parent, name, mode, flags, uid, gid, s)
         )
         return self._track(res, flags)
 
     async def open(self, ino: int, flags: int) -> tuple[OpenFile, Attr]:
-        res = await self._in_session("open", lambda m, s: m.open(ino, flags, s))
+        res = await self.session.call("open", lambda m, s: m.open(ino, flags, s))
         return self._track(res, flags)
 
     def file(self, fh: int) -> OpenFile:
@@ -358,46 +294,54 @@ class FileSystem:
         st = self.inodes.get(ino)
         return st.size if st is not None else 0
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray:
-        f = self.file(fh)
+    def extents(self, f: OpenFile, ranges: Sequence[tuple[int, int]]) -> list[Extent]:
+        """(offset, length) reads of an open file as extents, each clamped to
+        the file's end as this client knows it (with its own writes)."""
         if f.layout is None:
             raise FsError(errno.EINVAL, "not a regular file")
-        st = self.inodes.get(f.ino)
-        if st is not None and (st.pending_bytes or st.error):
-            await self.drain(f.ino)  # read our own writes
-        end = min(offset + size, self.known_size(f.ino))
-        if offset >= end:
-            return b""
-        data = self.storage.read_local_fast(f.ino, f.layout, offset, end - offset)
-        if data is not None:
-            return data
-        return await self.storage.read(f.ino, f.layout, offset, end - offset)
-
-    async def read_many(self, fh: int, ranges: list[tuple[int, int]]) -> bytearray:
-        """Many (offset, length) reads of one open file in one go (one request
-        per storage node): their bytes end to end, each clamped to the file."""
-        f = self.file(fh)
-        if f.layout is None:
-            raise FsError(errno.EINVAL, "not a regular file")
-        await self.drain(f.ino)
         size = self.known_size(f.ino)
-        extents = [
-            (f.ino, f.layout, off, max(0, min(length, size - off))) for off, length in ranges
-        ]
-        out = bytearray(sum(e[3] for e in extents))
+        return [(f.ino, f.layout, off, max(0, min(length, size - off))) for off, length in ranges]
+
+    def writes_behind(self, extents: Sequence[Extent]) -> bool:
+        """Whether a file of *extents* has writes in flight (or an unreported
+        failure): then only `read_into` may read, as it waits for them."""
+        inodes = self.inodes
+        return any(st.behind for e in extents if (st := inodes.get(e[0])) is not None)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytearray:
+        """One positioned read (what FUSE asks): clamped to the file's end."""
+        f = self.file(fh)
+        st = self.inodes.get(f.ino)
+        if st is not None and st.behind:
+            await self.drain(f.ino)  # read our own writes (and the size they give)
+        extents = self.extents(f, ((offset, size),))
+        out = bytearray(extents[0][3])
         if out:
-            await self.storage.read_extents_into(extents, memoryview(out))
+            await self.read_into(extents, memoryview(out))
         return out
 
+    async def read_into(self, extents: Sequence[Extent], out: memoryview) -> None:
+        """THE read: *extents* into *out*, laid end to end in the order given
+        (the caller clamps each to its file; bytes past a chunk's end read as
+        zeros, as a hole does). Our own writes first; then local chunk files
+        inline (no task, no message: most reads on a storage host end here);
+        the rest through the read engine, which fails over and retries."""
+        total = sum(e[3] for e in extents)
+        if len(out) < total:
+            raise FsError(errno.EINVAL, f"output buffer of {len(out)} bytes for {total} bytes")
+        if self.writes_behind(extents):
+            for ino in {e[0] for e in extents}:
+                await self.drain(ino)
+        out = out.cast("B") if out.format != "B" else out
+        reads = self.storage.reads
+        pieces = reads.read_local_now(plan(extents), out)
+        if pieces:
+            await reads.read(pieces, out)
+
     async def write(self, fh: int, offset: int, data: Buffer) -> int:
-        """Write-behind: the bytes are handed to background tasks and the call
-        returns at once, so a stream of writes keeps several chunk writes in
-        flight instead of paying each one's round trip (and durable commit)
-        in turn. Writes to the same chunk stay in order. At most
-        `options.write_buffer` bytes per file are in flight; flush, fsync,
-        close, a truncate and any read of the file wait for them first and
-        report the first failure (as a local filesystem reports a failed
-        writeback at fsync/close); a failure also fails the next write."""
+        """Write-behind (see client/write_behind.py): returns once the bytes
+        are handed over, unless `options.write_buffer` bytes of the file are
+        already in flight; a failure is reported by the next call."""
         f = self.file(fh)
         if f.layout is None:
             raise FsError(errno.EINVAL, "not a regular file")
@@ -407,85 +351,22 @@ class FileSystem:
         if n == 0:
             return 0
         st = self.inodes[f.ino]
-        self._raise_write_error(st)
-        if self.storage.background is None or self.options.write_buffer <= 0:
-            await self.storage.write(f.ino, f.layout, offset, data)
-        else:
-            while st.pending_bytes and st.pending_bytes + n > self.options.write_buffer:
-                await st.progress.wait()
-                self._raise_write_error(st)
-            self._write_behind(f.ino, f.layout, st, offset, bytes(data))
+        await self.write_behind.write(f.ino, f.layout, st, offset, data)
         st.size = max(st.size, offset + n)
         st.dirty = True
         st.mtime = time.time_ns()
         st.generation += 1
         return n
 
-    def _write_behind(
-        self, ino: int, layout: Layout, st: InodeState, offset: int, data: bytes
-    ) -> None:
-        assert self.storage.background is not None
-        view = memoryview(data)
-        size = layout["chunk_size"]
-        pos = offset
-        while pos < offset + len(data):
-            index = pos // size
-            end = min((index + 1) * size, offset + len(data))
-            piece = view[pos - offset : end - offset]
-            before = st.chunk_tails.get(index)
-            done = st.chunk_tails[index] = trio.Event()
-            st.pending_bytes += len(piece)
-            self.storage.background.start_soon(
-                self._write_piece, ino, layout, st, index, pos, piece, before, done
-            )
-            pos = end
-
-    async def _write_piece(
-        self,
-        ino: int,
-        layout: Layout,
-        st: InodeState,
-        index: int,
-        offset: int,
-        piece: memoryview,
-        before: trio.Event | None,
-        done: trio.Event,
-    ) -> None:
-        try:
-            if before is not None:
-                await before.wait()
-            if st.error is None:
-                await self.storage.write(ino, layout, offset, piece)
-        except FsError as exc:
-            log.warning("write-behind ino=%d off=%d failed: %s", ino, offset, exc.message)
-            if st.error is None:
-                st.error = exc
-        finally:
-            st.pending_bytes -= len(piece)
-            if st.chunk_tails.get(index) is done:
-                del st.chunk_tails[index]
-            done.set()
-            st.progress.set()
-            st.progress = trio.Event()
-
-    @staticmethod
-    def _raise_write_error(st: InodeState) -> None:
-        if st.error is not None:
-            exc, st.error = st.error, None
-            raise FsError(exc.code, f"an earlier write failed: {exc.message}")
-
     async def drain(self, ino: int) -> None:
         """Wait for this file's writes in flight; raise the first failure."""
         st = self.inodes.get(ino)
-        if st is None:
-            return
-        while st.pending_bytes:
-            await st.progress.wait()
-        self._raise_write_error(st)
+        if st is not None:
+            await drain(st)
 
     async def _report_length(self, ino: int, st: InodeState) -> None:
         generation = st.generation
-        attr = await self.meta.read(
+        attr = await self.meta.call_idempotent(
             "update_length", lambda m: m.update_length(ino, st.size, st.mtime)
         )
         if st.generation == generation:
@@ -519,8 +400,10 @@ class FileSystem:
                     del self.inodes[f.ino]
                     # no chunk file of it stays open here: a removed chunk's
                     # space must come back once the daemons delete it
-                    self.storage.forget_local(f.ino)
-            await self.meta.mutate("release", lambda m: m.release(f.ino, f.handle, self.session))
+                    self.storage.local.forget(f.ino)
+            await self.meta.call_at_most_once(
+                "release", lambda m: m.release(f.ino, f.handle, self.session.id)
+            )
 
     # ---- paths (the native API) ---------------------------------------------------
 
@@ -528,7 +411,9 @@ class FileSystem:
         p = normalize(path)
         if p == b"/":
             return await self.getattr(ROOT_INODE)
-        return self.overlay(await self.meta.read("resolve", lambda m: m.resolve(p, follow)))
+        return self.overlay(
+            await self.meta.call_idempotent("resolve", lambda m: m.resolve(p, follow))
+        )
 
     async def parent_of(self, path: str | bytes) -> tuple[int, bytes]:
         """(parent inode, name) of a path that need not exist."""

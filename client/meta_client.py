@@ -1,8 +1,11 @@
 """Calls to the metadata server, wherever the routing map says it is.
 
-Reads of the namespace are retried through transient failures (a metadata
-server restarting); mutations only when the request provably never left
-(connection refused), so a retried mutation can never apply twice.
+Two calls, named for their retry semantics: `call_idempotent` for what may
+be applied any number of times (lookups, getattr, readdir, but also a length
+update to a given size) is retried through every transient failure (a
+metadata server restarting); `call_at_most_once` for what must not apply
+twice (create, rename, unlink...) is retried only when the request provably
+never left (connection refused). Both use the one policy, `rpc.retry`.
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ class MetaClient:
     async def _refresh(self, exc: FsError) -> None:
         await self.routing.refresh()
 
-    async def read(self, what: str, fn: Callable[[MetaStub], Awaitable[T]]) -> T:
-        """An idempotent call (lookup, getattr, readdir, ...)."""
+    async def call_idempotent(self, what: str, fn: Callable[[MetaStub], Awaitable[T]]) -> T:
+        """A call that may be repeated: retried through any transient failure."""
         return await retrying(
             what, lambda: fn(self.stub()), budget=self.retry_budget, on_failure=self._refresh
         )
 
-    async def mutate(self, what: str, fn: Callable[[MetaStub], Awaitable[T]]) -> T:
-        """A call that must not be applied twice."""
+    async def call_at_most_once(self, what: str, fn: Callable[[MetaStub], Awaitable[T]]) -> T:
+        """A call that must not be applied twice: retried only if never sent."""
         return await retrying(
             what,
             lambda: fn(self.stub()),

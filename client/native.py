@@ -24,14 +24,14 @@ import stat as stat_mod
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
 from shufflefs.client.blocking_read import BlockingReader
 from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile, current_umask
-from shufflefs.cluster.config import load_client_config
+from shufflefs.client.layout import Extent
+from shufflefs.cluster.config import find_client_config, load_client_config
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.client import open_rpc_client
@@ -39,17 +39,9 @@ from shufflefs.rpc.errors import FsError
 
 T = TypeVar("T")
 
-CONFIG_ENV = "SHUFFLEFS_CONFIG"
-DEFAULT_CONFIG = Path(".shufflefs") / "client.toml"
-
 PathLike = str | bytes | os.PathLike[str]
 
-
-def find_config(config: str | os.PathLike[str] | None) -> Path:
-    if config is not None:
-        return Path(config)
-    env = os.environ.get(CONFIG_ENV)
-    return Path(env) if env else DEFAULT_CONFIG
+find_config = find_client_config  # the name client/data/urls.py imports
 
 
 def os_error(exc: FsError) -> OSError:
@@ -110,7 +102,7 @@ class Client:
     def __init__(
         self, config: str | os.PathLike[str] | None = None, options: ClientOptions | None = None
     ) -> None:
-        self.config_path = find_config(config)
+        self.config_path = find_client_config(config)
         self.options = options or ClientOptions()
         self._pid = -1
         self._start_locks: dict[int, threading.Lock] = {}
@@ -187,26 +179,28 @@ class Client:
 
     def read_ranges(self, handle: OpenFile, ranges: list[tuple[int, int]]) -> bytearray:
         """(offset, length) reads of an open file, end to end, each clamped to
-        the file's end: from this thread when it can (see `BlockingReader`),
-        else through the async core, which fails over and retries."""
+        the file's end."""
         fs = self._fs
-        if handle.layout is None:
-            raise OSError(errno.EINVAL, "not a regular file")
-        size = fs.known_size(handle.ino)
-        extents = [
-            (handle.ino, handle.layout, off, max(0, min(length, size - off)))
-            for off, length in ranges
-        ]
+        try:
+            extents = fs.extents(handle, ranges)
+        except FsError as exc:
+            raise os_error(exc) from None
         out = bytearray(sum(e[3] for e in extents))
-        if not out:
-            return out
-        st = fs.inodes.get(handle.ino)
-        behind = st is not None and (st.pending_bytes > 0 or st.error is not None)
+        if out:
+            self.read_extents(extents, memoryview(out))
+        return out
+
+    def read_extents(self, extents: list[Extent], out: memoryview) -> None:
+        """The native way into `FileSystem.read_into` (file API and data
+        sampler alike): from this thread when it can (see `BlockingReader`),
+        else through the async core, which waits for our own writes, fails
+        over and retries."""
+        fs = self._fs
+        reader = self._reader
         # with writes in flight the async path must answer: it waits for them
-        reader = None if behind else self._reader
-        if reader is not None and reader.read_into(extents, memoryview(out)):
-            return out
-        return self._run(fs.read_many, handle.fh, ranges)
+        if reader is not None and not fs.writes_behind(extents) and reader.read_into(extents, out):
+            return
+        self._run(fs.read_into, extents, out)
 
     def close(self) -> None:
         """Close open files (their lengths reported) and the session."""

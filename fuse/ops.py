@@ -325,9 +325,10 @@ class ShuffleOps(pyfuse3.Operations):
         return self.file_info(f.fh, attr, flags), entry
 
     @fuse_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes:
-        data = await self.fs.read(fh, off, size)
-        return data if isinstance(data, bytes) else bytes(data)
+    async def read(self, fh: int, off: int, size: int) -> bytearray:  # type: ignore[override]
+        # pyfuse3 replies from any contiguous buffer (its stub says bytes):
+        # the bytes go to the kernel without a copy into a bytes object
+        return await self.fs.read(fh, off, size)
 
     @fuse_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:

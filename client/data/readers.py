@@ -8,15 +8,17 @@ Two ways in, one interface:
   against.
 * `NativeReader`: ``shufflefs://`` URLs through the native client. Each file is
   opened once per process and its layout kept; a whole batch's ranges, over
-  all its files, go out as ONE request per storage node
-  (`StorageClient.read_extents_into`), inside the client's trio loop.
+  all its files, go out as ONE request per storage node, through the native
+  client's one read path (`Client.read_extents`: from the calling thread
+  when it can, else inside the client's trio loop).
 
 `submit` runs a read on a small per-reader thread pool and returns a future;
 that is how readahead keeps several batches in flight (for the native reader
-the threads only wait: the reads themselves run concurrently in the trio
-loop). Both readers are fork-safe and picklable: file descriptors, open
-handles and threads belong to one process, are dropped when pickled and
-re-created lazily in a process that finds them missing or inherited.
+each thread reads over its own blocking connections, or waits on the trio
+loop when the async path must answer). Both readers are fork-safe and
+picklable: file descriptors, open handles and threads belong to one process,
+are dropped when pickled and re-created lazily in a process that finds them
+missing or inherited.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import trio
 
 from shufflefs.client.data.urls import client_for, is_url, parse_url
 from shufflefs.client.fs import FileSystem
+from shufflefs.client.layout import Extent
 from shufflefs.client.native import Client
-from shufflefs.client.storage_client import Extent
 from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.errors import FsError
 
@@ -247,25 +249,20 @@ class NativeReader(RangeReader):
                 log.warning("closing %s: %s", self.paths[i], exc.message)
         return out
 
-    async def _read(
-        self, files: list[int], offsets: list[int], lengths: list[int], out: memoryview
-    ) -> None:
-        layouts = await self._layouts(files)
-        extents: list[Extent] = []
-        for f, off, n in zip(files, offsets, lengths, strict=True):
-            ino, layout = layouts[f]
-            extents.append((ino, layout, off, n))
-        fs = self.client.fs
-        assert fs is not None
-        await fs.storage.read_extents_into(extents, out)
-
     def read_into(
         self, files: IntArray, offsets: IntArray, lengths: IntArray, out: memoryview
     ) -> None:
         out = out.cast("B") if out.format != "B" else out
         if self._pid != os.getpid():
             self._reset()
-        self.client._run(self._read, files.tolist(), offsets.tolist(), lengths.tolist(), out)
+        client = self.client
+        file_list = files.tolist()
+        layouts = client._run(self._layouts, file_list)
+        extents: list[Extent] = []
+        for f, off, n in zip(file_list, offsets.tolist(), lengths.tolist(), strict=True):
+            ino, layout = layouts[f]
+            extents.append((ino, layout, off, n))
+        client.read_extents(extents, out)  # the one read path, blocking fast path first
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from shufflefs.client import Client
 from shufflefs.client.data import FileDataset, ShuffleLoader, TokenWindowDataset
 from shufflefs.client.data.urls import client_for
-from shufflefs.client.storage_client import MAX_REQUEST_ITEMS
+from shufflefs.client.read_engine import MAX_REQUEST_ITEMS
 from shufflefs.cluster.config import load_client_config
 
 SEQ = 256
@@ -193,7 +193,7 @@ def test_batched_reads_across_files_split_per_request(places: Places) -> None:
         try:
             extents = [(opened[f][0].ino, opened[f][0].layout, o, n) for f, o, n in picks]
             buf = bytearray(sum(n for _, _, n in picks))
-            await fs.storage.read_extents_into(extents, memoryview(buf))
+            await fs.read_into(extents, memoryview(buf))
             out, pos = [], 0
             for _, _, n in picks:
                 out.append(bytes(buf[pos : pos + n]))

@@ -1,0 +1,106 @@
+"""Writes to the storage daemons: every chunk piece to the head of its chain.
+
+The head stages the bytes, forwards them down the chain and answers once
+every serving replica holds them durably (CRAQ; see docs/storage.md). A head
+that went silent is taken out of its chain by mgmtd; the write then stops
+waiting for it (`routing_changed`) and is retried on the new head.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+from dataclasses import dataclass, field
+
+import trio
+
+from shufflefs.client.layout import Piece, plan
+from shufflefs.client.storage_parts import StoragePart
+from shufflefs.cluster.routing import Routing
+from shufflefs.metadata.protocol import Layout
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.retry import TRANSIENT, retrying
+from shufflefs.rpc.transport import Buffer
+from shufflefs.storage.protocol import StorageStub
+
+MAX_PARALLEL_CHUNK_WRITES = 8
+
+
+@dataclass(eq=False)
+class ChainWriter(StoragePart):
+    # writes awaiting a head: (chain, its version when sent, the scope to cancel)
+    in_flight: set[tuple[int, int, trio.CancelScope]] = field(default_factory=set)
+
+    async def write(self, ino: int, layout: Layout, offset: int, data: Buffer) -> None:
+        """Write *data* at *offset*; returns once every chunk piece is acknowledged."""
+        view = memoryview(data)
+        pieces = plan([(ino, layout, offset, len(view))])
+        if len(pieces) == 1:
+            await self.write_piece(ino, layout, pieces[0], view)
+            return
+        limit = trio.CapacityLimiter(MAX_PARALLEL_CHUNK_WRITES)
+        async with trio.open_nursery() as nursery:
+            for p in pieces:
+                nursery.start_soon(self._write_limited, limit, ino, layout, p, view)
+
+    async def _write_limited(
+        self, limit: trio.CapacityLimiter, ino: int, layout: Layout, p: Piece, data: memoryview
+    ) -> None:
+        async with limit:
+            await self.write_piece(ino, layout, p, data)
+
+    async def write_piece(self, ino: int, layout: Layout, p: Piece, data: memoryview) -> None:
+        """Write one chunk piece (its bytes are ``data[p.dst : p.dst + p.length]``)."""
+        piece_data = data[p[4] : p[4] + p[3]]
+        try:
+            await retrying(
+                f"write chunk {p[1].hex()}",
+                functools.partial(self._to_head, layout, p, piece_data),
+                budget=self.retry_budget,
+                on_failure=self.refresh_routing,
+            )
+        finally:
+            # what we cached of this chunk is older than this write (forgotten
+            # after it: a read racing the write may have cached the old record)
+            if self.local.in_use:
+                self.local.forget(ino, [p[1]])
+
+    async def _to_head(self, layout: Layout, p: Piece, data: memoryview) -> None:
+        routing = self.routing.current
+        chain = routing.chain(p[0])
+        serving = routing.serving_targets(p[0])
+        if not serving:
+            raise FsError(errno.ENXIO, f"chain {p[0]} has no serving target")
+        head = serving[0]
+        stub = StorageStub(self.rpc, routing.target_address(head["id"]), self.timeout)
+        # a head that went silent is taken out of the chain by mgmtd: then
+        # stop waiting for it and retry on the new head at once
+        watch = (chain["id"], chain["version"], trio.CancelScope())
+        self.in_flight.add(watch)
+        try:
+            with watch[2]:
+                await stub.write(
+                    head["id"],
+                    chain["id"],
+                    chain["version"],
+                    p[1],
+                    p[2],
+                    layout["chunk_size"],
+                    data,
+                )
+        except FsError as exc:
+            if exc.code in TRANSIENT:
+                self.replicas.failed(routing, head["id"], exc)
+            raise
+        finally:
+            self.in_flight.discard(watch)
+        if watch[2].cancelled_caught:
+            raise FsError(errno.ESTALE, f"chain {chain['id']} changed during a write: retry")
+
+    def routing_changed(self, routing: Routing) -> None:
+        """Stop waiting on writes sent to chains that changed since (a
+        `RoutingCache` listener): they are retried on the new chain."""
+        for chain, version, scope in list(self.in_flight):
+            info = routing.chains.get(chain)
+            if info is None or info["version"] != version:
+                scope.cancel()

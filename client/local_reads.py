@@ -1,0 +1,123 @@
+"""Short-circuit reads: pieces whose chain has a replica on this host are read
+from its chunk files directly (`storage.local_read.LocalTarget`, checksums
+still verified), without a message to the daemon.
+
+This module keeps the table of such targets (opened on first use, `None` for a
+target that cannot be read here), copies what they return into the caller's
+buffer, and forgets cached chunk records when a file may have changed
+(close-to-open). Anything a local target cannot answer goes back to the
+caller, which reads it through the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from shufflefs.client.layout import Piece
+from shufflefs.client.replicas import Placed, Replicas
+from shufflefs.cluster.routing import Routing
+from shufflefs.storage.local_read import LocalTarget
+
+log = logging.getLogger("shufflefs.client.local_reads")
+
+
+def place(out: memoryview, piece: Piece, data: memoryview) -> None:
+    """Put a piece's bytes where they go (zeros past the chunk's end, as a hole reads)."""
+    n = len(data)
+    dst = piece[4]
+    out[dst : dst + n] = data
+    if n < piece[3]:
+        out[dst + n : dst + piece[3]] = bytes(piece[3] - n)
+
+
+class LocalReads:
+    def __init__(self, replicas: Replicas, enabled: bool = True) -> None:
+        self.replicas = replicas
+        self.enabled = enabled
+        self._targets: dict[int, LocalTarget | None] = {}  # None: not readable here
+        # Readers come from the trio thread, its worker threads and the native
+        # client's calling threads: one opens a target (LMDB refuses a second
+        # open of one environment in a process, which would disable it here).
+        self._opening = threading.Lock()
+
+    def target(self, routing: Routing, target_id: int) -> LocalTarget | None:
+        """A short-circuit reader for a target on this host, if it can be used."""
+        if not self.enabled or target_id not in self.replicas.local_targets(routing):
+            return None
+        if target_id not in self._targets:
+            with self._opening:
+                if target_id not in self._targets:
+                    self._targets[target_id] = self._open(routing, target_id)
+        return self._targets[target_id]
+
+    @staticmethod
+    def _open(routing: Routing, target_id: int) -> LocalTarget | None:
+        info = routing.targets[target_id]
+        try:
+            reader = LocalTarget(info["path"], target_id, routing.cluster_id)
+        except Exception as exc:  # unreadable here: always through the daemon
+            log.info("no short-circuit reads from target %d: %s", target_id, exc)
+            return None
+        log.info("short-circuit reads from target %d at %s", target_id, info["path"])
+        return reader
+
+    def read_pieces(self, pieces: list[Piece], out: memoryview, wait: bool) -> list[Piece]:
+        """The fast path, before any replica choice or task: serve the pieces
+        whose chain has a serving replica on this host from its chunk files,
+        from the page cache (and, with *wait*, from the disk, right here).
+        Returns the pieces left for the read engine."""
+        if not self.enabled:
+            return pieces
+        routing = self.replicas.routing.current
+        local = self.replicas.local_targets(routing)
+        if not local:
+            return pieces
+        rest: list[Piece] = []
+        for p in pieces:
+            data = None
+            for t in routing.serving_targets(p[0]):
+                if t["id"] in local:
+                    reader = self.target(routing, t["id"])
+                    if reader is not None:
+                        data = reader.read(p[1], p[2], p[3], nowait=True)
+                        if data is None and wait:
+                            data = reader.read(p[1], p[2], p[3], nowait=False)
+                    break
+            if data is None:
+                rest.append(p)
+            else:
+                place(out, p, data)
+        return rest
+
+    def read_placed(
+        self, routing: Routing, items: list[Placed], out: memoryview, nowait: bool
+    ) -> list[Placed]:
+        """Serve what can be served from the chosen targets' local chunk
+        files; returns the rest (for the daemons)."""
+        rest: list[Placed] = []
+        for item in items:
+            p, tid = item
+            reader = self.target(routing, tid)
+            data = None if reader is None else reader.read(p[1], p[2], p[3], nowait)
+            if data is None:
+                rest.append(item)
+            else:
+                place(out, p, data)
+        return rest
+
+    def forget(self, ino: int, cids: Sequence[bytes] | None = None) -> None:
+        """Cached chunk records of a file may be stale (it was opened again,
+        written or cut): the next local read looks them up afresh."""
+        for reader in list(self._targets.values()):  # other threads may add one
+            if reader is not None:
+                if cids is None:
+                    reader.forget_file(ino)
+                else:
+                    reader.forget(cids)
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any local target was opened (else there is nothing to forget)."""
+        return bool(self._targets)

@@ -1,0 +1,153 @@
+"""Which replica of a chain serves a read: load- and locality-aware, avoiding
+replicas that failed lately.
+
+Every replica of a chain holds the same committed bytes, so a read may go to
+any serving one. We prefer the one with the fewest of our requests in flight,
+counting a replica on another host as a little busier (a local one is cheaper
+to reach, and may be read straight from its chunk file), and avoid for a few
+seconds one that failed us. A replica that looked dead is reported to mgmtd,
+which checks for itself and takes a dead node out of its chains at once
+rather than after the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import trio
+
+from shufflefs.client.layout import Piece
+from shufflefs.cluster.protocol import TargetInfo
+from shufflefs.cluster.routing import Routing, RoutingCache
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.retry import TRANSIENT
+from shufflefs.rpc.runtime import hostname
+
+log = logging.getLogger("shufflefs.client.replicas")
+
+SUSPECT_SECONDS = 5.0  # how long a replica that failed is avoided
+REMOTE_PENALTY = 2  # a replica on another host counts as this many requests busier
+SPREAD_THRESHOLD = 8  # pieces of one chain in a batch from which they go to every replica
+REPORT_INTERVAL = 2.0  # at most one unreachable-report per node per interval
+
+Placed = tuple[Piece, int]  # a piece and the target chosen to read it from
+
+
+class Replicas:
+    def __init__(self, routing: RoutingCache) -> None:
+        self.routing = routing
+        self.outstanding: dict[int, int] = defaultdict(int)  # target id -> requests in flight
+        self.suspect: dict[int, float] = {}  # target id -> avoid until (monotonic)
+        self.background: trio.Nursery | None = None  # set by the owner, for reports
+        self.host = hostname()
+        self._local: tuple[int, frozenset[int]] = (-1, frozenset())
+        self._reported: dict[int, float] = {}  # node id -> when we last reported it
+        self._salt = random.randrange(1 << 30)
+
+    def local_targets(self, routing: Routing) -> frozenset[int]:
+        """Targets on this host (cached per routing version)."""
+        if self._local[0] != routing.version:
+            hosts = {n["id"]: n["host"] for n in routing.nodes.values()}
+            mine = frozenset(
+                t for t, info in routing.targets.items() if hosts.get(info["node"]) == self.host
+            )
+            self._local = (routing.version, mine)
+        return self._local[1]
+
+    def pick(
+        self, routing: Routing, chain: int, avoid: set[int] | frozenset[int] = frozenset()
+    ) -> TargetInfo:
+        """The serving replica with the fewest of our requests in flight,
+        counting a replica on another host as REMOTE_PENALTY requests busier,
+        and preferring replicas that have not failed lately."""
+        targets = routing.serving_targets(chain)
+        if not targets:
+            raise FsError(errno.ENXIO, f"chain {chain} has no serving target")
+        now = time.monotonic()
+        healthy = [
+            t for t in targets if t["id"] not in avoid and self.suspect.get(t["id"], 0) <= now
+        ]
+        untried = healthy or [t for t in targets if t["id"] not in avoid] or targets
+        local = self.local_targets(routing)
+        # ties go to a replica that depends on this process, so readers spread
+        return min(
+            untried,
+            key=lambda t: (
+                self.outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
+                (t["id"] + self._salt) % 7919,
+            ),
+        )
+
+    def equal_replicas(
+        self, routing: Routing, chain: int, avoid: set[int] | frozenset[int]
+    ) -> list[TargetInfo]:
+        """The replicas as good as the best one (same locality, not failing),
+        in an order that differs between processes (so readers spread)."""
+        best = self.pick(routing, chain, avoid)
+        local = self.local_targets(routing)
+        now = time.monotonic()
+        same = [
+            t
+            for t in routing.serving_targets(chain)
+            if t["id"] not in avoid
+            and self.suspect.get(t["id"], 0) <= now
+            and (t["id"] in local) == (best["id"] in local)
+        ] or [best]
+        k = self._salt % len(same)
+        return same[k:] + same[:k]
+
+    def assign(
+        self, routing: Routing, pieces: Sequence[Piece], avoid: dict[int, set[int]] | None = None
+    ) -> dict[str, list[Placed]]:
+        """Group pieces per storage node address. A chain with few pieces in
+        the batch gets one replica (one request); one with many has its pieces
+        dealt round robin over the equally good replicas, so a big batch keeps
+        every replica's disk busy instead of one."""
+        per_chain: dict[int, list[Piece]] = defaultdict(list)
+        for piece in pieces:
+            per_chain[piece[0]].append(piece)
+        groups: dict[str, list[Placed]] = defaultdict(list)
+        for chain, chain_pieces in per_chain.items():
+            skip: set[int] | frozenset[int] = avoid[chain] if avoid else frozenset()
+            if len(chain_pieces) < SPREAD_THRESHOLD:
+                choices = [self.pick(routing, chain, skip)]
+            else:
+                choices = self.equal_replicas(routing, chain, skip)
+            places = [(routing.target_address(t["id"]), t["id"]) for t in choices]
+            if len(places) == 1:
+                address, tid = places[0]
+                groups[address].extend((p, tid) for p in chain_pieces)
+                continue
+            for i, piece in enumerate(chain_pieces):
+                address, tid = places[i % len(places)]
+                groups[address].append((piece, tid))
+        return groups
+
+    def failed(self, routing: Routing, target_id: int, exc: FsError) -> None:
+        """A replica failed us: avoid it for a while; if it looked dead, tell
+        mgmtd (which checks for itself before taking it out)."""
+        self.suspect[target_id] = time.monotonic() + SUSPECT_SECONDS
+        if exc.code not in TRANSIENT or exc.code in (errno.ESTALE, errno.ENXIO):
+            return
+        try:
+            node = routing.node_of_target(target_id)["id"]
+        except FsError:
+            return
+        now = time.monotonic()
+        if self.background is None or now - self._reported.get(node, -1e9) < REPORT_INTERVAL:
+            return
+        self._reported[node] = now
+        self.background.start_soon(self._report, node)
+
+    async def _report(self, node: int) -> None:
+        try:
+            if await self.routing.mgmtd.report_unreachable(0, node):
+                log.warning("storage node %d reported unreachable; mgmtd took it out", node)
+                await self.routing.refresh()
+        except FsError as exc:
+            log.info("reporting node %d unreachable failed: %s", node, exc.message)

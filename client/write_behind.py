@@ -1,0 +1,114 @@
+"""Write-behind: a write returns once its bytes are handed to background
+tasks, so a stream of writes keeps several chunk writes in flight instead of
+paying each one's round trip (and durable commit) in turn.
+
+Rules: writes to the same chunk reach the chain in the order they were made
+(each waits for the one before it on that chunk); at most `limit` bytes per
+file are in flight; the first failure is kept and raised by the next write,
+`drain` (flush, fsync, close, truncate, and any read of the file), as a local
+filesystem reports a failed writeback at fsync/close.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import trio
+
+from shufflefs.client.layout import Piece, plan
+from shufflefs.client.storage_client import StorageClient
+from shufflefs.metadata.protocol import Layout
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.transport import Buffer
+
+log = logging.getLogger("shufflefs.client.write_behind")
+
+
+@dataclass
+class InodeState:
+    """What this client knows better than the metadata server about a file it has open."""
+
+    size: int
+    opens: int = 0
+    dirty: bool = False  # written since the length was last reported
+    mtime: int = 0  # ns of the last local write
+    generation: int = 0  # bumps with every local write
+    # Writes acknowledged to the caller but still on their way to storage.
+    pending_bytes: int = 0
+    progress: trio.Event = field(default_factory=trio.Event)  # set when a write completes
+    chunk_tails: dict[bytes, trio.Event] = field(default_factory=dict)  # last write per chunk
+    error: FsError | None = None  # the first failure of a write: reported by the next call
+
+    @property
+    def behind(self) -> bool:
+        """Writes in flight or a failure not yet reported: a read must `drain` first."""
+        return self.pending_bytes > 0 or self.error is not None
+
+
+def raise_write_error(st: InodeState) -> None:
+    """Report (once) the first failure of a write behind."""
+    if st.error is not None:
+        exc, st.error = st.error, None
+        raise FsError(exc.code, f"an earlier write failed: {exc.message}")
+
+
+async def drain(st: InodeState) -> None:
+    """Wait for a file's writes in flight; raise the first failure."""
+    while st.pending_bytes:
+        await st.progress.wait()
+    raise_write_error(st)
+
+
+class WriteBehind:
+    def __init__(self, storage: StorageClient, limit: int) -> None:
+        self.storage = storage
+        self.limit = limit  # bytes in flight per file (0: every write waits)
+
+    async def write(
+        self, ino: int, layout: Layout, st: InodeState, offset: int, data: Buffer
+    ) -> None:
+        """Write *data* at *offset*: behind when there is room, else wait for room."""
+        raise_write_error(st)
+        nursery = self.storage.background
+        if nursery is None or self.limit <= 0:
+            await self.storage.writes.write(ino, layout, offset, data)
+            return
+        n = len(memoryview(data))
+        while st.pending_bytes and st.pending_bytes + n > self.limit:
+            await st.progress.wait()
+            raise_write_error(st)
+        view = memoryview(bytes(data))  # the caller may reuse its buffer
+        for p in plan([(ino, layout, offset, n)]):
+            before = st.chunk_tails.get(p[1])
+            done = st.chunk_tails[p[1]] = trio.Event()
+            st.pending_bytes += p[3]
+            nursery.start_soon(self._write_piece, ino, layout, st, p, view, before, done)
+
+    async def _write_piece(
+        self,
+        ino: int,
+        layout: Layout,
+        st: InodeState,
+        p: Piece,
+        data: memoryview,
+        before: trio.Event | None,
+        done: trio.Event,
+    ) -> None:
+        """One chunk piece, after the write before it on the same chunk."""
+        try:
+            if before is not None:
+                await before.wait()
+            if st.error is None:
+                await self.storage.writes.write_piece(ino, layout, p, data)
+        except FsError as exc:
+            log.warning("write-behind ino=%d chunk=%s failed: %s", ino, p[1].hex(), exc.message)
+            if st.error is None:
+                st.error = exc
+        finally:
+            st.pending_bytes -= p[3]
+            if st.chunk_tails.get(p[1]) is done:
+                del st.chunk_tails[p[1]]
+            done.set()
+            st.progress.set()
+            st.progress = trio.Event()

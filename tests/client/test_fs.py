@@ -1,0 +1,115 @@
+"""`FileSystem` without FUSE: create, write-behind, read-your-writes, reads
+clamped at the end of the file, close-to-open between two clients, write
+ordering per chunk and write failures reported at flush. Real metadata
+server, mgmtd and storage daemons, all in this process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+from chains import CS, ChainCluster
+
+from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile
+from shufflefs.client.layout import Piece
+from shufflefs.metadata.protocol import ROOT_INODE, Layout
+from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.retry import TRANSIENT
+
+RDWR_CREATE = os.O_RDWR | os.O_CREAT
+OpenFs = Callable[[ClientOptions], Awaitable[FileSystem]]  # the `open_fs` fixture
+
+
+async def create(fs: FileSystem, name: bytes) -> OpenFile:
+    f, _ = await fs.create(ROOT_INODE, name, 0o644, RDWR_CREATE, 0, 0)
+    return f
+
+
+async def test_write_read_back_at_edges_and_past_eof(fs: FileSystem, open_fs: OpenFs) -> None:
+    f = await create(fs, b"edges")
+    data = bytearray(os.urandom(3 * CS + 100))
+    # in pieces that overlap, each across a chunk edge
+    for offset, end in [(0, CS + 3), (CS - 1, 2 * CS + 3), (2 * CS + 3, len(data))]:
+        assert await fs.write(f.fh, offset, data[offset:end]) == end - offset
+    # read our own writes, before any flush
+    assert await fs.read(f.fh, 0, len(data)) == data
+    assert await fs.read(f.fh, CS - 1, 2) == data[CS - 1 : CS + 1]
+    assert await fs.read(f.fh, CS - 100, CS + 200) == data[CS - 100 : 2 * CS + 100]
+    assert await fs.read(f.fh, len(data) - 5, 100) == data[-5:]  # clamped at the end
+    assert await fs.read(f.fh, len(data), 10) == b""
+    assert await fs.read(f.fh, 10 * CS, 10) == b""
+    # the one read path, many ranges at once
+    ranges = [(0, 1), (CS - 1, 2), (len(data) - 3, 10), (len(data) + 1, 5)]
+    extents = fs.extents(f, ranges)
+    assert [e[3] for e in extents] == [1, 2, 3, 0]
+    out = bytearray(6)
+    await fs.read_into(extents, memoryview(out))
+    assert out == data[0:1] + data[CS - 1 : CS + 1] + data[-3:]
+    await fs.release(f.fh)
+
+    # close-to-open: another client sees the data and the length
+    other = await open_fs(ClientOptions(local_reads=False))
+    attr = await other.lookup(ROOT_INODE, b"edges")
+    assert attr["size"] == len(data)
+    g, _ = await other.open(attr["ino"], os.O_RDONLY)
+    assert await other.read(g.fh, 0, len(data) + 10) == data
+    await other.release(g.fh)
+
+
+WritePiece = Callable[[int, Layout, Piece, memoryview], Awaitable[None]]
+
+
+async def test_write_behind_keeps_order_per_chunk(fs: FileSystem) -> None:
+    """The first write of chunk 0 is held at the storage client: a later
+    write of chunk 0 must wait for it (else the older bytes would land last),
+    a write of chunk 1 must not."""
+    f = await create(fs, b"ordered")
+    real: WritePiece = fs.storage.writes.write_piece
+    held = trio.Event()
+    release = trio.Event()
+    log: list[tuple[str, int, int]] = []  # (event, chunk index, length)
+
+    async def write_piece(ino: int, layout: Layout, p: Piece, data: memoryview) -> None:
+        index = int.from_bytes(p[1][8:], "big")
+        log.append(("start", index, p[3]))
+        if (index, p[3]) == (0, CS) and not held.is_set():
+            held.set()
+            await release.wait()
+        await real(ino, layout, p, data)
+        log.append(("done", index, p[3]))
+
+    fs.storage.writes.write_piece = write_piece  # type: ignore[method-assign]
+    old, new, other = os.urandom(CS), os.urandom(100), os.urandom(CS)
+    await fs.write(f.fh, 0, old)  # chunk 0, held
+    await fs.write(f.fh, 10, new)  # chunk 0 again: must wait for the first
+    await fs.write(f.fh, CS, other)  # chunk 1: goes ahead
+    await held.wait()
+    with trio.fail_after(10):
+        while ("done", 1, CS) not in log:
+            await trio.sleep(0.01)
+    assert ("start", 0, 100) not in log  # still behind the held write
+    release.set()
+    await fs.flush(f.fh)
+    assert log.index(("start", 0, 100)) > log.index(("done", 0, CS))
+    want = old[:10] + new + old[110:] + other
+    assert await fs.read(f.fh, 0, 2 * CS) == want
+    await fs.release(f.fh)
+
+
+async def test_write_failure_is_reported_at_flush(
+    meta_cluster: ChainCluster, open_fs: OpenFs
+) -> None:
+    fs = await open_fs(ClientOptions(local_reads=False, retry_budget=1.0))
+    f = await create(fs, b"doomed")
+    for node in meta_cluster.nodes:
+        await meta_cluster.stop_node(node, clean=False)  # mgmtd is not told
+    assert await fs.write(f.fh, 0, b"x" * 100) == 100  # behind: accepted at once
+    with pytest.raises(FsError) as info:
+        await fs.flush(f.fh)
+    assert info.value.code in TRANSIENT
+    assert "an earlier write failed" in info.value.message
+    await fs.flush(f.fh)  # reported once; the length still reaches the metadata server
+    assert (await fs.getattr(f.ino))["size"] == 100
+    await fs.release(f.fh)
