@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from chains import ChainCluster
+from clusters import ChainCluster
 
 from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster.routing import RoutingCache

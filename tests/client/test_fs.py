@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
-from chains import CS, ChainCluster
+from clusters import CS, ChainCluster
 
 from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile
 from shufflefs.client.layout import Piece

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 import trio
-from chains import CS, ChainCluster
+from clusters import CS, ChainCluster
 from harness import flip
 
 from shufflefs.client.blocking_read import BlockingReader
