@@ -298,7 +298,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     b.add_argument("--no-warm", action="store_true", help="skip the warm-cache pass")
     b.add_argument("--seed", type=int, default=0, help="of the shuffle")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--plot", metavar="FILE.png", help="draw tokens/s against batch size")
+    b.add_argument(
+        "--plot", metavar="FILE.png", help="draw tokens/s against batch size (default: no plot)"
+    )
 
 
 def _io_workloads() -> tuple[str, ...]:
