@@ -48,7 +48,13 @@ from shufflefs.cluster.preflight import (
     parse_size,
     service_config_class,
 )
-from shufflefs.cluster.startup import START_TIMEOUT, ServiceExited, Startup, wait_services_ready
+from shufflefs.cluster.startup import (
+    START_TIMEOUT,
+    ServiceExited,
+    StartTimeout,
+    Startup,
+    wait_services_ready,
+)
 from shufflefs.rpc.auth import generate_secret
 from shufflefs.rpc.config import write_toml
 from shufflefs.rpc.errors import FsError
@@ -59,6 +65,8 @@ NETNS_STORAGE_PORT = 9400
 DEFAULT_STORAGE_NODES = 3
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_HOST = "127.0.0.1"
+# the settings `format`/`up` options become, to name the option in an error
+FLAG_OF_SETTING = {"chunk_size": "--chunk-size", "replicas": "--replicas"}
 
 
 @dataclass
@@ -178,8 +186,7 @@ class LocalCluster:
             configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(layout, i)
         configs[self.client_config] = ({"mgmtd": mgmtd, "secret_file": "secret"}, ClientConfig)
         configs[self.layout_file] = (layout.__dict__, ClusterLayout)
-        for path, (data, cls) in configs.items():  # the services' own checks, before writing
-            checked_dict(data, cls, str(path))
+        self.check_new_configs(configs)
         self.dir.mkdir(parents=True, exist_ok=True)
         generate_secret(self.secret_file)
         for path, (data, _) in configs.items():
@@ -217,13 +224,25 @@ class LocalCluster:
             self.storage_dir(i) / "storage.toml": self._storage_settings(layout, i)
             for i in range(have + 1, count + 1)
         }
-        for path, (data, cls) in configs.items():
-            checked_dict(data, cls, str(path))
-        checked_dict(layout.__dict__, ClusterLayout, str(self.layout_file))
+        configs[self.layout_file] = (layout.__dict__, ClusterLayout)
+        self.check_new_configs(configs)
         for path, (data, _) in configs.items():
             write_toml(path, data)
-        write_toml(self.layout_file, layout.__dict__)
         return [f"storage{i}" for i in range(have + 1, count + 1)]
+
+    def check_new_configs(self, configs: dict[Path, tuple[dict[str, Any], type[Any]]]) -> None:
+        """The configs about to be written, through their services' own
+        checks: a value a service would refuse is refused now, with the
+        command-line option it came from, and nothing is written."""
+        for path, (data, cls) in configs.items():
+            try:
+                checked_dict(data, cls, str(path.relative_to(self.dir)))
+            except UsageError as exc:
+                flags = [f"{f} {data[k]}" for k, f in FLAG_OF_SETTING.items() if k in exc.message]
+                origin = f" (from {', '.join(flags)})" if flags else ""
+                raise UsageError(
+                    f"{exc.message}{origin}; nothing was written to {self.dir}", exc.code
+                ) from None
 
     def check_configs(self) -> None:
         """Every config `up` would start a service with, as that service
@@ -439,6 +458,8 @@ def mount_local(cluster: LocalCluster, mountpoint: Path, startup: Startup, timeo
     except FsError as exc:
         if exc.code == errno.ECHILD:
             raise ServiceExited("mount", pid) from None
+        if exc.code == errno.ETIMEDOUT:
+            raise StartTimeout(timeout, f"{mountpoint} to be mounted") from None
         raise
     (cluster.run / "mountpoint").write_text(f"{mountpoint}\n")
     print(f"mounted at {mountpoint} (pid {pid})", file=out)

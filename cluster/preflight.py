@@ -179,13 +179,18 @@ def mount_of(path: str | os.PathLike[str]) -> Mount | None:
 def check_dir_for_writing(path: str | os.PathLike[str], what: str) -> Path:
     """*path* as an absolute directory this command may create or write into."""
     p = Path(path).absolute()
-    if p.exists() and not p.is_dir():
-        raise UsageError(f"{what} {p} is not a directory", errno.ENOTDIR)
-    existing = p
-    while not existing.exists():
-        if existing.is_symlink():
-            raise UsageError(f"{what} {p}: {existing} is a broken symbolic link", errno.ENOENT)
-        existing = existing.parent
+    try:
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"{what} {p} is not a directory", errno.ENOTDIR)
+        existing = p
+        while not existing.exists():
+            if existing.is_symlink():
+                raise UsageError(f"{what} {p}: {existing} is a broken symbolic link", errno.ENOENT)
+            existing = existing.parent
+    except UsageError:
+        raise
+    except OSError as exc:  # a dead mount (ENOTCONN), EACCES, ELOOP...
+        raise UsageError(f"{what} {p}: {exc.strerror or exc}", exc.errno or errno.EIO) from None
     if not existing.is_dir():
         raise UsageError(f"{what} {p}: {existing} is not a directory", errno.ENOTDIR)
     m = mount_of(existing)
@@ -298,8 +303,8 @@ def mounted_fstype(mountpoint: str | os.PathLike[str]) -> str | None:
 def check_mountpoint(path: str | os.PathLike[str], what: str = "--mountpoint") -> Path:
     """A directory to mount shufflefs on: free, or shufflefs already."""
     p = Path(path).absolute()
-    fstype = mounted_fstype(p) if p.is_dir() else None
-    if fstype == "fuse.shufflefs":
+    fstype = mounted_fstype(p)  # from the mount table: a dead FUSE mount cannot be stat'ed
+    if fstype == "fuse.shufflefs":  # ours: `up` remounts it if its process died
         return p
     if fstype is not None:
         raise UsageError(f"{what} {p} already has a {fstype} filesystem mounted", errno.EBUSY)
@@ -325,16 +330,31 @@ def _check_mount(args: argparse.Namespace) -> None:
     check_existing_dir(args.mountpoint, "mountpoint")
     if args.log_file:
         check_dir_for_writing(Path(args.log_file).absolute().parent, "--log-file")
+    from shufflefs.fuse.mount import parse_options
+
+    parse_options(args.options)
+    _check_cluster_answers(args)
+
+
+def _check_cluster_answers(args: argparse.Namespace) -> None:
+    """The client config, and that its mgmtd answers: the client library
+    would retry a missing cluster for half a minute before it gave up."""
+    from shufflefs.cluster.admin import with_mgmtd
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    with_mgmtd(args, nothing)
 
 
 def _check_sample(args: argparse.Namespace) -> None:
     if any(str(p).startswith("shufflefs://") for p in getattr(args, "paths", None) or []):
-        load_client(args.config)
+        _check_cluster_answers(args)
 
 
 def _check_bench(args: argparse.Namespace) -> None:
     if not args.embedded:
-        load_client(args.config)
+        _check_cluster_answers(args)
     if args.mountpoint:
         check_existing_dir(args.mountpoint, "--mountpoint")
     if args.local_dir:
