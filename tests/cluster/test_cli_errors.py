@@ -13,6 +13,7 @@ supervising what it starts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -659,27 +660,17 @@ def running(world: World) -> Iterator[Running]:
         )
 
 
+UPC = ("--config", "{UPCFG}")  # the running cluster's client config
 CLUSTER_UP: list[Case] = [
     case("status", "--json", "--json=2", "--config", "{UPCFG}"),
     case("status", "--config", "--config", "{W}/cfg/insecure-secret.toml"),
     case("scrub", "--json", "--json=2", "--config", "{UPCFG}"),
     case("target add", "--node", "--node", "99", "--config", "{UPCFG}", "/tmp/t", code=FAILED),
     case("target add", "--node", "--node", "1", "--config", "{UPCFG}", "/tmp/t", code=FAILED),
-    case(
-        "target add",
-        "--chain",
-        "--node",
-        "3",
-        "--chain",
-        "999",
-        "--config",
-        "{UPCFG}",
-        "/tmp/t",
-        code=FAILED,
-    ),
+    case("target add", "--chain", "--node", "{SNODE}", "--chain", "999", *UPC, "/t", code=FAILED),
     case("target add", "--node", "--node", "-3", "--config", "{UPCFG}", "/tmp/t"),
-    case("target add", "path", "--node", "3", "--config", "{UPCFG}", "/proc/sfs-t", code=FAILED),
-    case("target add", "path", "--node", "3", "--config", "{UPCFG}", "{W}/afile", code=FAILED),
+    case("target add", "path", "--node", "{SNODE}", *UPC, "/proc/sfs-t", code=FAILED),
+    case("target add", "path", "--node", "{SNODE}", *UPC, "{W}/afile", code=FAILED),
     case("mount", "mountpoint", "--config", "{UPCFG}", "{UPMNT}", code=FAILED),
     case("mount", "-o", "--config", "{UPCFG}", "-o", "bogus", "{W}/emptydir"),
     case("mount", "mountpoint", "--config", "{UPCFG}", "{W}/afile"),
@@ -717,7 +708,16 @@ class UpRun:
 def up_results(running: Running) -> UpRun:
     """Every cluster-up case, four at a time, then what they changed and
     whether the cluster still answers."""
-    extra = {"{UPCFG}": str(running.config), "{UPMNT}": str(running.mnt), "{UP}": str(running.data)}
+    status = run_cli(["status", "--json", "--config", str(running.config)], running.world.root)
+    storage_node = next(
+        n["id"] for n in json.loads(status.stdout)["nodes"] if n["kind"] == "storage"
+    )
+    extra = {
+        "{UPCFG}": str(running.config),
+        "{UPMNT}": str(running.mnt),
+        "{UP}": str(running.data),
+        "{SNODE}": str(storage_node),
+    }
     data_before = snapshot(running.data, skip=VOLATILE)
     world_before = snapshot(running.world.root, skip=("UP",))
     namespace_before = snapshot(running.mnt)
