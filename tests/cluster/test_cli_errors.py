@@ -807,3 +807,27 @@ def test_interrupted_command_exits_130(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == cli_errors.EXIT_INTERRUPTED and "Traceback" not in err, err
+
+
+@pytest.mark.e2e
+def test_up_gives_up_at_its_deadline_naming_what_it_waited_for(tmp_path: Path) -> None:
+    """A storage daemon that never registers (its mgmtd address is wrong, so
+    it retries forever): `up` gives up at the deadline, says it was waiting
+    for storage1 to register, and stops everything it started."""
+    import io
+
+    from shufflefs.cluster.launcher import up
+
+    data = tmp_path / "c"
+    shufflefs_ok("format", "--data-dir", str(data), "--storage-nodes", "1", cwd=tmp_path)
+    storage_toml = data / "storage1" / "storage.toml"
+    edit_toml(storage_toml, storage_toml, mgmtd=f"127.0.0.1:{free_port()}")
+    out = io.StringIO()
+    started = time.monotonic()
+    with pytest.raises(cli_errors.StartFailed) as caught:
+        up(data, None, out=out, timeout=3.0)
+    assert time.monotonic() - started < 20
+    assert "timed out after 3s waiting for storage1" in caught.value.message
+    assert "to register with mgmtd" in caught.value.message
+    assert processes_naming(str(data)) == []
+    assert "stopped storage1" in out.getvalue() and "stopped mgmtd" in out.getvalue()
