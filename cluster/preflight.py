@@ -357,7 +357,9 @@ def _check_bench(args: argparse.Namespace) -> None:
         _check_cluster_answers(args)
     if args.mountpoint:
         check_existing_dir(args.mountpoint, "--mountpoint")
-    if args.local_dir:
+    if args.local_dir and getattr(args, "bench_mode", None) == "loader":  # it makes the dir
+        check_dir_for_writing(args.local_dir, "--local-dir")
+    elif args.local_dir:  # the io bench makes its temp dir inside it
         check_dir_for_writing(check_existing_dir(args.local_dir, "--local-dir"), "--local-dir")
     plot = getattr(args, "plot", None)
     if plot:

@@ -5,36 +5,40 @@ real `shufflefs` process: with no cluster running (all at once, in
 parallel: they are cheap) and, for the commands that talk to a cluster,
 against one real cluster (`e2e`). Each must exit non-zero within seconds,
 print no traceback and at most a few lines, and leave the data dirs and the
-running cluster as they were. Then the failures that have their own exit
-code: refused, timeout, wrong secret, other protocol version; and `up`
-supervising what it starts.
+running cluster as they were. (The failures with their own exit code, and
+`up` supervising what it starts, are in test_cli.py; the world the cases run
+in is tests/cliworld.py.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import trio
+from cliworld import (
+    RUN_TIMEOUT,
+    Result,
+    World,
+    assert_unreachable,
+    client_config,
+    diff,
+    make_world,
+    processes_naming,
+    run_cli,
+    shufflefs_ok,
+    snapshot,
+)
 
 from shufflefs.cluster import cli_errors
 from shufflefs.cluster.cli import build_parser
-from shufflefs.rpc import framing
-from shufflefs.rpc.config import write_toml
-from shufflefs.rpc.server import RpcServer
 
-RUN_TIMEOUT = 20.0
 MAX_STDERR_LINES = 3
 
 
@@ -262,170 +266,6 @@ CLUSTER_DOWN: list[Case] = [
 ]
 
 
-# ---- the world the cases run in ------------------------------------------------------
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-
-def run_cli(argv: list[str], cwd: Path, timeout: float = RUN_TIMEOUT) -> Result:
-    env = {k: v for k, v in os.environ.items() if k != "SHUFFLEFS_CONFIG"}
-    started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "shufflefs.cluster.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env=env,
-    )
-    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
-
-
-def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, float]:
-    """Every path under *root* with its mtime (directories included)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            if any(rel.startswith(s) for s in skip):
-                continue
-            try:
-                out[rel] = p.lstat().st_mtime
-            except FileNotFoundError:
-                continue
-    return out
-
-
-def diff(before: dict[str, float], after: dict[str, float]) -> list[str]:
-    changed = [p for p in after if p in before and after[p] != before[p]]
-    return sorted(
-        [f"+{p}" for p in after.keys() - before.keys()]
-        + [f"-{p}" for p in before.keys() - after.keys()]
-        + [f"~{p}" for p in changed]
-    )
-
-
-def processes_naming(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in line:
-                pids.append(int(entry.name))
-    return pids
-
-
-def shufflefs_ok(*argv: str, cwd: Path) -> Result:
-    result = run_cli(list(argv), cwd, timeout=120)
-    assert result.returncode == 0, f"{argv}: {result.stdout}\n{result.stderr}"
-    return result
-
-
-def edit_toml(src: Path, dst: Path, **changes: object) -> None:
-    import tomllib
-
-    data = tomllib.loads(src.read_text())
-    data.update(changes)
-    write_toml(dst, data)
-
-
-@dataclass
-class World:
-    root: Path
-    ro: Path | None  # a read-only bind mount, if this machine lets us make one
-
-    def fill(self, argv: tuple[str, ...], extra: dict[str, str] | None = None) -> list[str]:
-        subst = {
-            "{W}": str(self.root),
-            "{D}": str(self.root / "D"),
-            "{CFG}": str(self.root / "D" / "client.toml"),
-            "{D_BAD_MGMTD}": str(self.root / "D_bad_mgmtd"),
-            "{D_BAD_STORAGE}": str(self.root / "D_bad_storage"),
-            "{RO}": str(self.ro) if self.ro else "/proc/shufflefs-no-ro-mount",
-            **(extra or {}),
-        }
-        out = []
-        for a in argv:
-            for k, v in subst.items():
-                a = a.replace(k, v)
-            out.append(a)
-        return out
-
-
-def make_world(root: Path) -> World:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "afile").write_text("not a directory\n")
-    (root / "emptydir").mkdir()
-    (root / "tokens.bin").write_bytes(bytes(range(256)) * 64)
-    for name in ("D", "D_bad_mgmtd", "D_bad_storage"):
-        shufflefs_ok("format", "--data-dir", str(root / name), "--storage-nodes", "1", cwd=root)
-    d = root / "D"
-    mgmtd_toml = root / "D_bad_mgmtd" / "mgmtd" / "mgmtd.toml"
-    edit_toml(mgmtd_toml, mgmtd_toml, chunk_size=3)
-    storage_toml = root / "D_bad_storage" / "storage1" / "storage.toml"
-    edit_toml(storage_toml, storage_toml, targets=[])
-    cfg = root / "cfg"
-    cfg.mkdir()
-    secret = str(d / "secret")
-    (cfg / "bad-syntax.toml").write_text('mgmtd = "127.0.0.1:1\n')
-    (cfg / "binary.toml").write_bytes(b"\xff\xfe\x00\x01mgmtd")
-    mgmtd = f"127.0.0.1:{free_port()}"
-    write_toml(cfg / "unknown-key.toml", {"mgmtd": mgmtd, "secret_file": secret, "colour": "b"})
-    write_toml(cfg / "wrong-type.toml", {"mgmtd": 5, "secret_file": secret})
-    write_toml(cfg / "missing-key.toml", {"secret_file": secret})
-    (cfg / "insecure").write_text("0123456789abcdef0123456789abcdef\n")
-    os.chmod(cfg / "insecure", 0o644)
-    write_toml(cfg / "insecure-secret.toml", {"mgmtd": mgmtd, "secret_file": "insecure"})
-    (cfg / "secretdir").mkdir()
-    write_toml(cfg / "secret-is-dir.toml", {"mgmtd": mgmtd, "secret_file": "secretdir"})
-    (cfg / "short").write_text("abc\n")
-    os.chmod(cfg / "short", 0o600)
-    write_toml(cfg / "short-secret.toml", {"mgmtd": mgmtd, "secret_file": "short"})
-    write_toml(cfg / "no-secret.toml", {"mgmtd": mgmtd, "secret_file": "nope"})
-    services = {
-        "mgmtd": (d / "mgmtd" / "mgmtd.toml", {"chunk_size": 3}),
-        "meta": (d / "meta" / "meta.toml", {"sync": "yes"}),
-        "storage": (d / "storage1" / "storage.toml", {"targets": []}),
-    }
-    for kind, (src, bad) in services.items():
-        edit_toml(src, cfg / f"{kind}-unknown-key.toml", heartbeat_timout=3)
-        edit_toml(src, cfg / f"{kind}-bad-value.toml", **bad)
-        edit_toml(src, cfg / f"{kind}-proc-dir.toml", data_dir="/proc/shufflefs-nope/db")
-        edit_toml(src, cfg / f"{kind}-file-as-dir.toml", data_dir=str(root / "afile" / "db"))
-    return World(root, read_only_mount(root / "ro"))
-
-
-def read_only_mount(path: Path) -> Path | None:
-    """A read-only bind mount of an empty directory (root only)."""
-    path.mkdir()
-    if os.geteuid() != 0:
-        return None
-    for cmd in (
-        ["mount", "--bind", str(path), str(path)],
-        ["mount", "-o", "remount,bind,ro", str(path)],
-    ):
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
-            subprocess.run(["umount", str(path)], capture_output=True)
-            return None
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     w = make_world(tmp_path_factory.mktemp("world"))
@@ -547,21 +387,7 @@ def test_version_and_exit_codes_in_help() -> None:
         assert f"| {code} |" in doc, f"docs/operations.md lacks exit code {code} ({meaning})"
 
 
-# ---- unreachable: one line naming the service and address, one exit code per kind --------
-
-
-def client_config(dirpath: Path, address: str, secret: bytes) -> Path:
-    dirpath.mkdir(parents=True, exist_ok=True)
-    (dirpath / "secret").write_bytes(secret + b"\n")
-    os.chmod(dirpath / "secret", 0o600)
-    write_toml(dirpath / "client.toml", {"mgmtd": address, "secret_file": "secret"})
-    return dirpath / "client.toml"
-
-
-def assert_unreachable(r: Result, code: int, address: str) -> None:
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == code and len(lines) == 1, r.stderr
-    assert f"mgmtd at {address}" in lines[0] and "Traceback" not in r.stderr, r.stderr
+# ---- unreachable: one line naming the service and address ------------------------------
 
 
 def test_mgmtd_down_is_unreachable_naming_it(world: World) -> None:
@@ -570,66 +396,6 @@ def test_mgmtd_down_is_unreachable_naming_it(world: World) -> None:
     address = tomllib.loads((world.root / "D" / "client.toml").read_text())["mgmtd"]
     r = run_cli(["status", "--config", str(world.root / "D" / "client.toml")], world.root)
     assert_unreachable(r, cli_errors.EXIT_UNREACHABLE, address)
-
-
-def test_a_service_that_never_answers_is_a_timeout(tmp_path: Path) -> None:
-    with socket.socket() as listener:  # accepted by the kernel, never by anyone
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
-        config = client_config(tmp_path, address, b"0123456789abcdef" * 4)
-        r = run_cli(["status", "--config", str(config)], tmp_path)
-    assert_unreachable(r, cli_errors.EXIT_TIMEOUT, address)
-    assert r.seconds < 10
-
-
-async def serve_in_background(secret: bytes, nursery: trio.Nursery) -> str:
-    server = RpcServer(secret, [], name="mgmtd")
-    port = await nursery.start(server.serve, "127.0.0.1", 0)
-    return f"127.0.0.1:{port}"
-
-
-async def run_cli_async(argv: list[str], cwd: Path) -> Result:
-    return await trio.to_thread.run_sync(run_cli, argv, cwd)
-
-
-async def test_wrong_secret_is_an_auth_failure(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery:
-        address = await serve_in_background(b"the-cluster-secret-0123456789abcdef", nursery)
-        config = client_config(tmp_path, address, b"another-secret-0123456789abcdef")
-        r = await run_cli_async(["status", "--config", str(config)], tmp_path)
-        nursery.cancel_scope.cancel()
-    assert_unreachable(r, cli_errors.EXIT_AUTH, address)
-
-
-async def test_other_protocol_version_is_a_version_mismatch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    secret = b"the-cluster-secret-0123456789abcdef"
-    monkeypatch.setattr(framing, "VERSION", framing.VERSION + 1)  # this process's server only
-    async with trio.open_nursery() as nursery:
-        address = await serve_in_background(secret, nursery)
-        config = client_config(tmp_path, address, secret)
-        r = await run_cli_async(["status", "--config", str(config)], tmp_path)
-        nursery.cancel_scope.cancel()
-    assert_unreachable(r, cli_errors.EXIT_VERSION, address)
-    assert "protocol" in r.stderr
-
-
-def test_internal_error_is_one_line_and_logged(tmp_path: Path) -> None:
-    """A bug (here: a config class whose check itself crashes) is one line
-    naming the log that holds its traceback."""
-    from shufflefs.cluster.cli_errors import run_reporting
-
-    def crash() -> int:
-        raise KeyError("boom")
-
-    data = tmp_path / "c"
-    shufflefs_ok("format", "--data-dir", str(data), "--storage-nodes", "1", cwd=tmp_path)
-    args = argparse.Namespace(data_dir=str(data))
-    assert run_reporting("shufflefs test", args, crash) == cli_errors.EXIT_INTERNAL
-    log = (data / "logs" / "cli.log").read_text()
-    assert "Traceback" in log and "KeyError" in log
 
 
 # ---- against a running cluster -----------------------------------------------------
@@ -750,84 +516,3 @@ def test_wrong_secret_against_the_cluster(running: Running, tmp_path: Path) -> N
     config = client_config(tmp_path, address, b"not-the-secret-0123456789abcdef")
     r = run_cli(["status", "--config", str(config)], tmp_path)
     assert_unreachable(r, cli_errors.EXIT_AUTH, address)
-
-
-@pytest.mark.e2e
-def test_up_with_a_service_that_fails_stops_everything(tmp_path: Path) -> None:
-    """meta cannot bind its port: `up` notices at once, names meta and its
-    error, stops what it started, and leaves no process behind."""
-    import tomllib
-
-    data = tmp_path / "c"
-    shufflefs_ok("format", "--data-dir", str(data), "--storage-nodes", "1", cwd=tmp_path)
-    meta_port = tomllib.loads((data / "cluster.toml").read_text())["meta_port"]
-    with socket.socket() as squatter:
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", meta_port))
-        squatter.listen(1)
-        r = run_cli(["up", "--data-dir", str(data), "--no-mount"], tmp_path, timeout=60)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == cli_errors.EXIT_START_FAILED and len(lines) == 1, r.stderr
-    assert lines[0].startswith("shufflefs up: meta ") and "in use" in lines[0], r.stderr
-    assert str(data / "logs" / "meta.out") in lines[0]
-    assert processes_naming(str(data)) == []
-    assert "stopped mgmtd" in r.stdout
-
-
-@pytest.mark.e2e
-def test_up_adds_storage_nodes_to_an_existing_cluster(tmp_path: Path) -> None:
-    data = tmp_path / "c"
-    shufflefs_ok("up", "--data-dir", str(data), "--no-mount", "--storage-nodes", "1", cwd=tmp_path)
-    try:
-        r = shufflefs_ok(
-            "up", "--data-dir", str(data), "--no-mount", "--storage-nodes", "2", cwd=tmp_path
-        )
-        assert "added storage2" in r.stdout
-        status = run_cli(["status", "--json", "--config", str(data / "client.toml")], tmp_path)
-        assert status.stdout.count('"kind": "storage"') == 2
-    finally:
-        run_cli(["down", "--data-dir", str(data)], tmp_path, timeout=120)
-    assert processes_naming(str(data)) == []
-
-
-def test_interrupted_command_exits_130(tmp_path: Path) -> None:
-    """Ctrl-C while waiting for a service is exit 130, not a traceback."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
-        config = client_config(tmp_path, address, b"0123456789abcdef" * 4)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shufflefs.cluster.cli", "status", "--config", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=RUN_TIMEOUT)
-    assert proc.returncode == cli_errors.EXIT_INTERRUPTED and "Traceback" not in err, err
-
-
-@pytest.mark.e2e
-def test_up_gives_up_at_its_deadline_naming_what_it_waited_for(tmp_path: Path) -> None:
-    """A storage daemon that never registers (its mgmtd address is wrong, so
-    it retries forever): `up` gives up at the deadline, says it was waiting
-    for storage1 to register, and stops everything it started."""
-    import io
-
-    from shufflefs.cluster.launcher import up
-
-    data = tmp_path / "c"
-    shufflefs_ok("format", "--data-dir", str(data), "--storage-nodes", "1", cwd=tmp_path)
-    storage_toml = data / "storage1" / "storage.toml"
-    edit_toml(storage_toml, storage_toml, mgmtd=f"127.0.0.1:{free_port()}")
-    out = io.StringIO()
-    started = time.monotonic()
-    with pytest.raises(cli_errors.StartFailed) as caught:
-        up(data, None, out=out, timeout=3.0)
-    assert time.monotonic() - started < 20
-    assert "timed out after 3s waiting for storage1" in caught.value.message
-    assert "to register with mgmtd" in caught.value.message
-    assert processes_naming(str(data)) == []
-    assert "stopped storage1" in out.getvalue() and "stopped mgmtd" in out.getvalue()
