@@ -11,22 +11,40 @@ from typing import Any, TypeVar
 
 import trio
 
-from shufflefs.cluster.config import find_client_config, load_client_config
+from shufflefs.cluster.cli_errors import connect, explain_connection_error, innermost
+from shufflefs.cluster.preflight import load_client
 from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
 from shufflefs.rpc.client import RpcClient, open_rpc_client
+from shufflefs.rpc.errors import FsError
 
 T = TypeVar("T")
 
+CONNECT_TIMEOUT = 3.0
+CALL_TIMEOUT = 5.0
+
 
 def with_mgmtd(args: argparse.Namespace, fn: Callable[[MgmtdStub, RpcClient], Awaitable[T]]) -> T:
-    """Run *fn* against the cluster named by --config / $SHUFFLEFS_CONFIG / the default."""
-    config, secret = load_client_config(find_client_config(getattr(args, "config", None)))
+    """Run *fn* against the cluster named by --config / $SHUFFLEFS_CONFIG / the
+    default. Failing to reach mgmtd is an `Unreachable` naming it and its
+    address (refused, timeout, wrong secret, other protocol), not an answer."""
+    config, secret = load_client(getattr(args, "config", None))
 
     async def run() -> T:
-        async with open_rpc_client(secret, connect_timeout=3.0, call_timeout=5.0) as rpc:
-            return await fn(MgmtdStub(rpc, config.mgmtd), rpc)
+        async with open_rpc_client(
+            secret, connect_timeout=CONNECT_TIMEOUT, call_timeout=CALL_TIMEOUT
+        ) as rpc:
+            await connect(rpc, "mgmtd", config.mgmtd)
+            try:
+                return await fn(MgmtdStub(rpc, config.mgmtd), rpc)
+            except FsError as exc:
+                raise explain_connection_error(
+                    exc, "mgmtd", config.mgmtd, handshake=False
+                ) from None
 
-    return trio.run(run)
+    try:
+        return trio.run(run)
+    except BaseExceptionGroup as group:  # the rpc client's nursery wraps what fn raised
+        raise innermost(group) from None
 
 
 def human(n: int) -> str:

@@ -1,24 +1,40 @@
 """The ``shufflefs`` command.
 
 User mistakes (a bad flag, a missing config, an unreachable cluster) end with
-one line on stderr and a non-zero exit code, never a traceback. Service
-subcommands import their component lazily, so ``shufflefs status`` does not
-load pyfuse3 and ``shufflefs storage`` does not load the metadata server.
+one line on stderr and a non-zero exit code that says what kind of failure it
+was, never a traceback (`cli_errors`); arguments and configs are checked
+before a command acts (`preflight`). Service subcommands import their
+component lazily, so ``shufflefs status`` does not load pyfuse3 and
+``shufflefs storage`` does not load the metadata server.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
+import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from shufflefs.cluster.cli_errors import Parser, exit_codes_epilog, run_reporting
 from shufflefs.cluster.config import DEFAULT_DATA_DIR, find_client_config
-from shufflefs.rpc.errors import FsError
+from shufflefs.cluster.preflight import (
+    TOKEN_DTYPES,
+    check_arguments,
+    comma_list,
+    int_in,
+    int_list,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    size,
+)
+from shufflefs.rpc import framing
 
 DEFAULT_MOUNTPOINT = "mnt"
+CONFIG_HELP = "client config (default: $SHUFFLEFS_CONFIG, else ./.shufflefs/client.toml)"
+MAX_LOCAL_STORAGE_NODES = 64
 
 # subcommand -> (module, function taking the parsed args and returning an exit code)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -39,16 +55,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def default_client_config(args: argparse.Namespace) -> Path:
-    """The client config a command's ``--config`` names, found the way every
-    command and API finds it (`find_client_config`)."""
+    """The client config a command's --config names (`find_client_config`)."""
     return find_client_config(getattr(args, "config", None))
 
 
+def version_text() -> str:
+    try:
+        version = importlib.metadata.version("shufflefs")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return f"shufflefs {version} (wire protocol {framing.VERSION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = Parser(
         prog="shufflefs",
         description="shufflefs: a distributed filesystem for random reads of training data",
+        epilog=exit_codes_epilog(),
     )
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def service(name: str, help_: str) -> None:
@@ -59,49 +84,72 @@ def build_parser() -> argparse.ArgumentParser:
     service("meta", "run a metadata server")
     service("storage", "run a storage daemon")
 
+    nodes_type = int_in(1, MAX_LOCAL_STORAGE_NODES)
     p = sub.add_parser("format", help="create a new cluster's configuration under a data dir")
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
-    p.add_argument("--storage-nodes", type=int, default=3)
-    p.add_argument("--replicas", type=int, default=None)
-    p.add_argument("--chunk-size", default="1M", help="default chunk size of new files (e.g. 1M)")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the cluster lives")
+    p.add_argument("--storage-nodes", type=nodes_type, default=3, help="storage daemons")
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        help="copies of each chunk (default: 3 if 3+ nodes, else 1)",
+    )
+    p.add_argument("--chunk-size", type=size, default="1M", help="chunk size of new files")
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
 
-    p = sub.add_parser("up", help="start a whole cluster on this machine and mount it")
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
-    p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT)
-    p.add_argument("--storage-nodes", type=int, default=3)
-    p.add_argument("--replicas", type=int, default=None)
-    p.add_argument("--chunk-size", default="1M")
-    p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
+    p = sub.add_parser(
+        "up",
+        help="start a whole cluster on this machine and mount it",
+        description="Format DATA_DIR on first use, start every service that is not running, "
+        "wait until each is ready, and mount. On an existing cluster --storage-nodes N adds "
+        "nodes up to N; the other shape options must match what it was formatted with.",
+    )
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the cluster lives")
+    p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="where to mount it")
+    p.add_argument(
+        "--storage-nodes",
+        type=nodes_type,
+        help="storage daemons (default: 3 for a new cluster, else as it is)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        help="copies of each chunk, fixed at format (default: 3 if 3+ nodes, else 1)",
+    )
+    p.add_argument(
+        "--chunk-size", type=size, help="chunk size of new files (default: 1M for a new cluster)"
+    )
+    p.add_argument(
+        "--host", help="address the services listen on (default: 127.0.0.1 for a new cluster)"
+    )
     p.add_argument("--no-mount", action="store_true", help="start the services only")
 
     p = sub.add_parser("down", help="unmount and stop everything `up` started")
-    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="the cluster to stop")
 
     p = sub.add_parser("status", help="nodes, targets, chains and capacity")
-    p.add_argument(
-        "--config", help="client config (default: $SHUFFLEFS_CONFIG or ./.shufflefs/client.toml)"
-    )
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     add_storage_admin_parsers(sub)
 
     p = sub.add_parser("mount", help="mount the filesystem")
-    p.add_argument("mountpoint")
-    p.add_argument(
-        "--config", help="client config (default: $SHUFFLEFS_CONFIG or ./.shufflefs/client.toml)"
-    )
+    p.add_argument("mountpoint", help="an existing directory")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--foreground", action="store_true", help="stay in the foreground")
     p.add_argument(
         "--log-file",
         help="log here (default: stderr in the foreground, else a file next to the config)",
     )
     p.add_argument(
-        "-o", dest="options", action="append", default=[], help="mount options, comma separated"
+        "-o",
+        dest="options",
+        action="append",
+        default=[],
+        help="mount options, comma separated (default: none; see docs/operations.md)",
     )
 
     p = sub.add_parser("umount", help="unmount the filesystem")
-    p.add_argument("mountpoint")
+    p.add_argument("mountpoint", help="where shufflefs is mounted")
 
     add_sample_parser(sub)
     add_bench_parser(sub)
@@ -109,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    config_help = "client config (default: $SHUFFLEFS_CONFIG or ./.shufflefs/client.toml)"
+    config_help = CONFIG_HELP
     p = sub.add_parser(
         "scrub", help="verify every chunk's checksums and replicas, repair what is damaged"
     )
@@ -125,9 +173,15 @@ def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentP
         "chain C, or the chain with the member offline longest, as syncing; resync brings it "
         "up to date. Without such a chain it stays a spare.",
     )
-    a.add_argument("--node", type=int, required=True, help="storage node id (see `status`)")
+    a.add_argument(
+        "--node", type=positive_int, required=True, help="storage node id (see `status`)"
+    )
     a.add_argument("path", help="directory on that node (relative: to the current directory)")
-    a.add_argument("--chain", type=int, default=None, help="the chain to join")
+    a.add_argument(
+        "--chain",
+        type=positive_int,
+        help="the chain to join (default: the one whose member is offline longest)",
+    )
     a.add_argument("--config", help=config_help)
     a.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -142,20 +196,26 @@ def add_sample_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "record that broke a run can be found and replayed.",
     )
     e.add_argument("paths", nargs="+", metavar="PATH", help="the dataset's files or URLs")
-    e.add_argument("--seed", type=int, required=True)
-    e.add_argument("--epoch", type=int, required=True)
-    e.add_argument("--step", type=int, required=True, help="global step (each rank's batch K)")
-    e.add_argument("--batch-size", type=int, required=True, help="per-rank batch size")
-    e.add_argument("--seq-len", type=int, default=1024)
-    e.add_argument("--dtype", default=None, help="token dtype of .bin files (default uint16)")
-    e.add_argument("--stride", type=int, default=None, help="window stride (default: seq-len)")
-    e.add_argument("--rank", type=int, default=None, help="only this rank's samples")
-    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--seed", type=int, required=True, help="the run's seed")
+    e.add_argument("--epoch", type=nonnegative_int, required=True, help="the epoch")
+    e.add_argument(
+        "--step", type=nonnegative_int, required=True, help="global step (each rank's batch K)"
+    )
+    e.add_argument("--batch-size", type=positive_int, required=True, help="per-rank batch size")
+    e.add_argument("--seq-len", type=positive_int, default=1024, help="tokens per window")
+    e.add_argument(
+        "--dtype", choices=TOKEN_DTYPES, help="token dtype of .bin files (default uint16)"
+    )
+    e.add_argument(
+        "--stride", type=positive_int, default=None, help="window stride (default: seq-len)"
+    )
+    e.add_argument(
+        "--rank", type=nonnegative_int, help="only this rank's samples (default: every rank)"
+    )
+    e.add_argument("--world-size", type=positive_int, default=1, help="ranks in the run")
     e.add_argument("--drop-last", action="store_true", help="the run used drop_last")
     e.add_argument("--files", action="store_true", help="one sample per file (FileDataset)")
-    e.add_argument(
-        "--config", help="client config for shufflefs:// paths (default: $SHUFFLEFS_CONFIG ...)"
-    )
+    e.add_argument("--config", help=f"for shufflefs:// paths: {CONFIG_HELP}")
     e.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -168,17 +228,29 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "(page caches dropped, as root) and warm. With MODE `loader`: the training-data "
         "benchmark.",
     )
-    p.add_argument("--config", help="client config of a running cluster (default: ...)")
-    p.add_argument("--mountpoint", help="where that cluster is mounted (for the fuse rows)")
+    p.add_argument("--config", help=f"of a running cluster: {CONFIG_HELP}")
+    p.add_argument(
+        "--mountpoint", help="where that cluster is mounted, for the fuse rows (default: none)"
+    )
     p.add_argument("--embedded", action="store_true", help="start a cluster, stop it after")
     p.add_argument("--quick", action="store_true", help="a 256 MiB file, 0.4 s per row")
     p.add_argument("--json", action="store_true", help="print one JSON object with `rows`")
-    p.add_argument("--readers", type=int, default=8, help="concurrent reader processes (8)")
-    p.add_argument("--size-mb", type=int, default=None, help="test file size (1024; quick 256)")
-    p.add_argument("--seconds", type=float, default=None, help="seconds per row (5; quick 0.4)")
-    p.add_argument("--workloads", help="comma-separated: rand4k,rand2k,rand128k,seq1m")
-    p.add_argument("--paths", help="comma-separated: local,fuse,native,native-batch")
-    p.add_argument("--batch", type=int, default=64, help="reads per native-batch call (64)")
+    p.add_argument("--readers", type=positive_int, default=8, help="concurrent reader processes")
+    p.add_argument(
+        "--size-mb", type=positive_int, help="test file size in MiB (default: 1024; quick 256)"
+    )
+    p.add_argument("--seconds", type=positive_float, help="seconds per row (default: 5; quick 0.4)")
+    p.add_argument(
+        "--workloads",
+        type=comma_list(_io_workloads, "workload"),
+        help="comma-separated: rand4k,rand2k,rand128k,seq1m (default: all)",
+    )
+    p.add_argument(
+        "--paths",
+        type=comma_list(_io_paths, "path"),
+        help="comma-separated: local,fuse,native,native-batch (default: all)",
+    )
+    p.add_argument("--batch", type=positive_int, default=64, help="reads per native-batch call")
     p.add_argument("--local-dir", help="where the local copy lives (default: the temp dir)")
     p.add_argument(
         "--no-local-reads",
@@ -195,52 +267,81 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "client without and with readahead along the shuffle; cold (page caches dropped, as "
         "root) and warm.",
     )
+    b.add_argument("--config", help=f"of a running cluster: {CONFIG_HELP}")
     b.add_argument(
-        "--config", help="client config of a running cluster (default: $SHUFFLEFS_CONFIG ...)"
+        "--mountpoint", help="where that cluster is mounted, for the FUSE rows (default: none)"
     )
-    b.add_argument("--mountpoint", help="where that cluster is mounted (for the FUSE rows)")
     b.add_argument(
         "--embedded", action="store_true", help="start a cluster in a temp dir, stop it after"
     )
     b.add_argument("--local-dir", help="where the local copy lives (default: a temp dir)")
     b.add_argument("--remote-dir", default="/bench-loader", help="dataset folder on the cluster")
-    b.add_argument("--dataset-size", default="2G", help="total size of the token files (2G)")
-    b.add_argument("--files", type=int, default=8, help="number of token files")
-    b.add_argument("--seq-len", type=int, default=1024)
-    b.add_argument("--dtype", default="uint16")
-    b.add_argument("--batch-sizes", default="8,32,128,512,2048,4096", help="comma-separated sweep")
-    b.add_argument("--readahead", type=int, default=4, help="batches in flight (readahead rows)")
-    b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    b.add_argument("--dataset-size", type=size, default="2G", help="total size of the token files")
+    b.add_argument("--files", type=positive_int, default=8, help="number of token files")
+    b.add_argument("--seq-len", type=positive_int, default=1024, help="tokens per window")
+    b.add_argument("--dtype", choices=TOKEN_DTYPES, default="uint16", help="token dtype")
+    b.add_argument(
+        "--batch-sizes", type=int_list, default="8,32,128,512,2048,4096", help="comma-separated"
+    )
+    b.add_argument(
+        "--readahead", type=positive_int, default=4, help="batches in flight (readahead rows)"
+    )
+    b.add_argument("--seconds", type=positive_float, default=3.0, help="time per measurement")
     b.add_argument(
         "--configs",
+        type=comma_list(_loader_configs, "row"),
         default="local,local+ra,fuse,fuse+ra,native,native+ra",
         help="which rows: local, local+ra, fuse, fuse+ra, native, native+ra",
     )
     b.add_argument("--no-cold", action="store_true", help="skip the cold-cache pass")
     b.add_argument("--no-warm", action="store_true", help="skip the warm-cache pass")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="of the shuffle")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--plot", metavar="FILE.png", help="draw tokens/s against batch size")
+    b.add_argument(
+        "--plot", metavar="FILE.png", help="draw tokens/s against batch size (default: no plot)"
+    )
+
+
+def _io_workloads() -> tuple[str, ...]:
+    from shufflefs.client.iobench import WORKLOADS
+
+    return tuple(WORKLOADS)
+
+
+def _io_paths() -> tuple[str, ...]:
+    from shufflefs.client.iobench import PATHS
+
+    return tuple(PATHS)
+
+
+def _loader_configs() -> tuple[str, ...]:
+    from shufflefs.client.data.bench import CONFIGS
+
+    return tuple(CONFIGS)
+
+
+def command_label(args: argparse.Namespace) -> str:
+    """'shufflefs target add': the words that name what failed."""
+    words = ["shufflefs", args.command]
+    for action in ("target_command", "sample_command", "bench_mode"):
+        if getattr(args, action, None):
+            words.append(getattr(args, action))
+    return " ".join(words)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     module_name, func_name = COMMANDS[args.command]
-    try:
+
+    def run() -> int:
+        check_arguments(args)
         func: Callable[[argparse.Namespace], int] = getattr(
             importlib.import_module(module_name), func_name
         )
         return func(args)
-    except FsError as exc:
-        print(f"shufflefs {args.command}: {exc.message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `shufflefs status | head`: the reader left, not an error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+
+    return run_reporting(command_label(args), args, run)
 
 
 if __name__ == "__main__":

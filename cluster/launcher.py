@@ -11,9 +11,11 @@ A data dir holds everything of one local cluster::
     run/                pid files, the mountpoint of the running mount
 
 `up` formats a new data dir, or brings an existing one back: it starts what
-is not running, leaves running services alone, and mounts. Every service runs
-the same code as on a real cluster (``shufflefs mgmtd|meta|storage --config``);
-only the addresses are loopback.
+is not running, leaves running services alone, and mounts. Everything is
+checked before anything is started or written (every service config through
+its service's own validation); what `up` starts is supervised (`startup`).
+Every service runs the same code as on a real cluster
+(``shufflefs mgmtd|meta|storage --config``); only the addresses are loopback.
 """
 
 from __future__ import annotations
@@ -33,16 +35,38 @@ from typing import Any
 import trio
 
 from shufflefs.cluster import procs
-from shufflefs.cluster.config import CONFIG_ENV, find_client_config, load_client_config
-from shufflefs.cluster.protocol import MgmtdStub
-from shufflefs.metadata.protocol import MetaStub
+from shufflefs.cluster.cli_errors import UsageError
+from shufflefs.cluster.config import CONFIG_ENV, ClientConfig, find_client_config
+from shufflefs.cluster.preflight import (
+    check_dir_for_writing,
+    check_mountpoint,
+    check_service_paths,
+    checked_dict,
+    load_checked,
+    load_client,
+    mounted_fstype,
+    parse_size,
+    service_config_class,
+)
+from shufflefs.cluster.startup import (
+    START_TIMEOUT,
+    ServiceExited,
+    StartTimeout,
+    Startup,
+    wait_services_ready,
+)
 from shufflefs.rpc.auth import generate_secret
-from shufflefs.rpc.client import RpcClient, open_rpc_client
-from shufflefs.rpc.config import load_config, write_toml
+from shufflefs.rpc.config import write_toml
 from shufflefs.rpc.errors import FsError
 
-START_TIMEOUT = 60.0
+__all__ = ["mounted_fstype", "parse_size", "wait_services_ready"]  # their users import them here
+
 NETNS_STORAGE_PORT = 9400
+DEFAULT_STORAGE_NODES = 3
+DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_HOST = "127.0.0.1"
+# the settings `format`/`up` options become, to name the option in an error
+FLAG_OF_SETTING = {"chunk_size": "--chunk-size", "replicas": "--replicas"}
 
 
 @dataclass
@@ -80,8 +104,14 @@ class LocalCluster:
 
     def layout(self) -> ClusterLayout:
         if not self.exists():
-            raise FsError(errno.ENOENT, f"{self.dir} holds no shufflefs cluster (no cluster.toml)")
-        return load_config(self.layout_file, ClusterLayout)
+            raise UsageError(
+                f"{self.dir} holds no shufflefs cluster (no cluster.toml)", errno.ENOENT
+            )
+        return load_checked(self.layout_file, ClusterLayout)
+
+    def storage_dir(self, i: int) -> Path:
+        """Storage node i's folder (1-based, as in its name storageN)."""
+        return self.dir / f"storage{i}"
 
     # ---- format --------------------------------------------------------------
 
@@ -101,19 +131,18 @@ class LocalCluster:
         (the multi-host test harness); *mgmtd_settings* overrides mgmtd.toml
         keys (heartbeat timeouts, min_replicas)."""
         if self.exists():
-            raise FsError(errno.EEXIST, f"{self.dir} already holds a cluster")
+            raise UsageError(f"{self.dir} already holds a cluster", errno.EEXIST)
+        check_dir_for_writing(self.dir, "--data-dir")
         if storage_nodes < 1:
-            raise FsError(errno.EINVAL, "--storage-nodes must be at least 1")
+            raise UsageError("--storage-nodes must be at least 1")
         if replicas < 1:
-            raise FsError(errno.EINVAL, "--replicas must be at least 1")
+            raise UsageError("--replicas must be at least 1")
         if replicas > storage_nodes:
-            raise FsError(
-                errno.EINVAL, f"--replicas {replicas} needs at least {replicas} storage nodes"
-            )
+            raise UsageError(f"--replicas {replicas} needs at least {replicas} storage nodes")
         ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes))
         if storage_hosts:
             if len(storage_hosts) != storage_nodes or len(storage_netns or []) != storage_nodes:
-                raise FsError(errno.EINVAL, "need one host address and namespace per storage node")
+                raise UsageError("need one host address and namespace per storage node")
             storage_ports = [NETNS_STORAGE_PORT] * storage_nodes  # each host has its own ports
         else:
             storage_ports = ports[2:]
@@ -127,50 +156,102 @@ class LocalCluster:
             list(storage_hosts or []),
             list(storage_netns or []),
         )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        generate_secret(self.secret_file)
         mgmtd = f"{host}:{layout.mgmtd_port}"
         common = {"secret_file": str(self.secret_file), "log_level": "INFO"}
-        write_toml(
-            self.dir / "mgmtd" / "mgmtd.toml",
-            {
-                "listen": mgmtd,
-                "data_dir": str(self.dir / "mgmtd" / "db"),
-                "log_file": str(self.logs / "mgmtd.log"),
-                "replicas": replicas,
-                "chunk_size": chunk_size,
-                **common,
-                **(mgmtd_settings or {}),
-            },
-        )
-        write_toml(
-            self.dir / "meta" / "meta.toml",
-            {
-                "listen": f"{host}:{layout.meta_port}",
-                "mgmtd": mgmtd,
-                "data_dir": str(self.dir / "meta" / "db"),
-                "log_file": str(self.logs / "meta.log"),
-                **common,
-            },
-        )
-        for i in range(1, storage_nodes + 1):
-            node = self.dir / f"storage{i}"
-            own_host = {"host": f"host{i}"} if storage_hosts else {}
-            write_toml(
-                node / "storage.toml",
+        configs: dict[Path, tuple[dict[str, Any], type[Any]]] = {
+            self.dir / "mgmtd" / "mgmtd.toml": (
                 {
-                    "listen": layout.storage_address(i - 1),
+                    "listen": mgmtd,
+                    "data_dir": str(self.dir / "mgmtd" / "db"),
+                    "log_file": str(self.logs / "mgmtd.log"),
+                    "replicas": replicas,
+                    "chunk_size": chunk_size,
+                    **common,
+                    **(mgmtd_settings or {}),
+                },
+                service_config_class("mgmtd"),
+            ),
+            self.dir / "meta" / "meta.toml": (
+                {
+                    "listen": f"{host}:{layout.meta_port}",
                     "mgmtd": mgmtd,
-                    "data_dir": str(node / "node"),
-                    "targets": [str(node / "target1")],
-                    "log_file": str(self.logs / f"storage{i}.log"),
-                    **own_host,
+                    "data_dir": str(self.dir / "meta" / "db"),
+                    "log_file": str(self.logs / "meta.log"),
                     **common,
                 },
-            )
-        write_toml(self.client_config, {"mgmtd": mgmtd, "secret_file": "secret"})
-        write_toml(self.layout_file, layout.__dict__)
+                service_config_class("meta"),
+            ),
+        }
+        for i in range(1, storage_nodes + 1):
+            configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(layout, i)
+        configs[self.client_config] = ({"mgmtd": mgmtd, "secret_file": "secret"}, ClientConfig)
+        configs[self.layout_file] = (layout.__dict__, ClusterLayout)
+        self.check_new_configs(configs)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        generate_secret(self.secret_file)
+        for path, (data, _) in configs.items():
+            write_toml(path, data)
         return layout
+
+    def _storage_settings(self, layout: ClusterLayout, i: int) -> tuple[dict[str, Any], type[Any]]:
+        """storage{i}/storage.toml of *layout*."""
+        node = self.storage_dir(i)
+        own_host = {"host": f"host{i}"} if layout.storage_hosts else {}
+        data = {
+            "listen": layout.storage_address(i - 1),
+            "mgmtd": f"{layout.host}:{layout.mgmtd_port}",
+            "data_dir": str(node / "node"),
+            "targets": [str(node / "target1")],
+            "log_file": str(self.logs / f"storage{i}.log"),
+            "secret_file": str(self.secret_file),
+            "log_level": "INFO",
+            **own_host,
+        }
+        return data, service_config_class("storage")
+
+    def add_storage_nodes(self, count: int) -> list[str]:
+        """Grow the cluster to *count* storage nodes (configs only: `up`
+        starts them, and mgmtd takes their targets in as spares)."""
+        layout = self.layout()
+        have = len(layout.storage_ports)
+        if layout.storage_hosts:
+            raise UsageError(
+                f"{self.dir}: its storage nodes run on their own test hosts; "
+                "up cannot add nodes to it"
+            )
+        layout.storage_ports = [*layout.storage_ports, *free_ports(layout.host, count - have)]
+        configs = {
+            self.storage_dir(i) / "storage.toml": self._storage_settings(layout, i)
+            for i in range(have + 1, count + 1)
+        }
+        configs[self.layout_file] = (layout.__dict__, ClusterLayout)
+        self.check_new_configs(configs)
+        for path, (data, _) in configs.items():
+            write_toml(path, data)
+        return [f"storage{i}" for i in range(have + 1, count + 1)]
+
+    def check_new_configs(self, configs: dict[Path, tuple[dict[str, Any], type[Any]]]) -> None:
+        """The configs about to be written, through their services' own
+        checks: a value a service would refuse is refused now, with the
+        command-line option it came from, and nothing is written."""
+        for path, (data, cls) in configs.items():
+            try:
+                checked_dict(data, cls, str(path.relative_to(self.dir)))
+            except UsageError as exc:
+                flags = [f"{f} {data[k]}" for k, f in FLAG_OF_SETTING.items() if k in exc.message]
+                origin = f" (from {', '.join(flags)})" if flags else ""
+                raise UsageError(
+                    f"{exc.message}{origin}; nothing was written to {self.dir}", exc.code
+                ) from None
+
+    def check_configs(self) -> None:
+        """Every config `up` would start a service with, as that service
+        would accept it, and the directories it would create."""
+        load_client(self.client_config)
+        for service in self.services():
+            config_path = service.argv[2]
+            config = load_checked(config_path, service_config_class(service.argv[0]))
+            check_service_paths(config, config_path)
 
     # ---- processes -------------------------------------------------------------
 
@@ -180,7 +261,7 @@ class LocalCluster:
         out.append(self._service("meta", "meta", self.dir / "meta" / "meta.toml"))
         for i in range(1, len(layout.storage_ports) + 1):
             netns = layout.storage_netns[i - 1] if layout.storage_netns else None
-            config = self.dir / f"storage{i}" / "storage.toml"
+            config = self.storage_dir(i) / "storage.toml"
             out.append(self._service(f"storage{i}", "storage", config, netns))
         return out
 
@@ -233,42 +314,18 @@ def free_ports(host: str, count: int) -> list[int]:
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            s.bind((host, 0))
             socks.append(s)
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
+    except OSError as exc:  # gaierror too: not a name or address of this machine
+        reason = exc.strerror or str(exc)
+        raise UsageError(f"--host {host}: cannot listen there ({reason})") from None
     finally:
         for s in socks:
             s.close()
 
 
-def parse_size(text: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in units else ""
-    try:
-        return int(t[: len(t) - len(unit)]) * units[unit]
-    except ValueError:
-        raise FsError(errno.EINVAL, f"bad size {text!r} (try 1M, 4M, 512K)") from None
-
-
 # ---- mounts -----------------------------------------------------------------------
-
-
-def mounted_fstype(mountpoint: Path) -> str | None:
-    """The filesystem type mounted exactly at *mountpoint*, if any."""
-    target = str(mountpoint.absolute())
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    found = None
-    for line in lines:
-        fields = line.split()
-        sep = fields.index("-")
-        point = fields[4].encode().decode("unicode_escape")
-        if point == target:
-            found = fields[sep + 1]
-    return found
 
 
 def unmount(mountpoint: Path, lazy: bool = False) -> None:
@@ -277,47 +334,6 @@ def unmount(mountpoint: Path, lazy: bool = False) -> None:
     if result.returncode != 0:
         msg = result.stderr.strip() or f"fusermount3 exited with {result.returncode}"
         raise FsError(errno.EBUSY if "busy" in msg.lower() else errno.EIO, msg)
-
-
-# ---- readiness -------------------------------------------------------------------
-
-
-async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeout: float) -> None:
-    """Wait until mgmtd answers, every meta/storage process we know the pid of
-    is registered and online, and the metadata server has seen the routing
-    map that includes them (new files are laid out on the chains it knows)."""
-    _, secret = load_client_config(cluster.client_config)
-    layout = cluster.layout()
-    address = f"{layout.host}:{layout.mgmtd_port}"
-    deadline = trio.current_time() + timeout
-    async with open_rpc_client(secret, connect_timeout=1.0, call_timeout=2.0) as rpc:
-        mgmtd = MgmtdStub(rpc, address)
-        while True:
-            dead = [name for name, pid in pids.items() if not procs.alive(pid)]
-            if dead:
-                raise FsError(errno.ECHILD, f"{dead[0]} exited during startup")
-            try:
-                waiting = await _not_ready(rpc, mgmtd, pids)
-            except FsError:
-                waiting = "mgmtd"
-            if waiting is None:
-                return
-            if trio.current_time() > deadline:
-                raise FsError(errno.ETIMEDOUT, f"{waiting} did not come up within {timeout:g}s")
-            await trio.sleep(0.1)
-
-
-async def _not_ready(rpc: RpcClient, mgmtd: MgmtdStub, pids: dict[str, int]) -> str | None:
-    """What is still missing, or None."""
-    status = await mgmtd.status()
-    online = {n["pid"]: n for n in status["nodes"] if n["state"] == "online"}
-    for name, pid in pids.items():
-        if pid not in online:
-            return name
-    metas = [n for n in online.values() if n["kind"] == "meta"]
-    if metas and await MetaStub(rpc, metas[0]["address"]).routing_version() < status["version"]:
-        return "meta (routing map)"
-    return None
 
 
 def wait_mounted(mountpoint: Path, pid: int, timeout: float) -> None:
@@ -337,51 +353,91 @@ def wait_mounted(mountpoint: Path, pid: int, timeout: float) -> None:
 def up(
     data_dir: str | Path,
     mountpoint: str | Path | None,
-    storage_nodes: int = 3,
+    storage_nodes: int | None = None,
     replicas: int | None = None,
-    chunk_size: int = 1 << 20,
-    host: str = "127.0.0.1",
+    chunk_size: int | None = None,
+    host: str | None = None,
     out: Any = sys.stdout,
+    timeout: float = START_TIMEOUT,
 ) -> LocalCluster:
+    """Format (first time) or check (afterwards) the cluster in *data_dir*,
+    start what is not running, wait until it is ready, and mount. Shape
+    options left None mean "as it is"; on an existing cluster more storage
+    nodes are added, any other difference is refused before anything starts.
+    If a service does not come up, what this call started is stopped again."""
     cluster = LocalCluster(data_dir)
-    if not cluster.exists():
-        cluster.format(storage_nodes, default_replicas(storage_nodes, replicas), chunk_size, host)
+    mount_at = check_mountpoint(mountpoint) if mountpoint is not None else None
+    if cluster.exists():
+        added = reconcile_shape(cluster, storage_nodes, replicas, chunk_size, host)
+        if added:
+            names = ", ".join(added)
+            print(f"added {names}; mgmtd places their targets (see `shufflefs status`)", file=out)
+    else:
+        nodes = storage_nodes or DEFAULT_STORAGE_NODES
+        cluster.format(
+            nodes,
+            default_replicas(nodes, replicas),
+            chunk_size or DEFAULT_CHUNK_SIZE,
+            host or DEFAULT_HOST,
+        )
         print(f"formatted a new cluster in {cluster.dir}", file=out)
-    started: dict[str, int] = {}
-    for service in cluster.services():
-        pid = procs.running_pid(service)
-        if pid is None:
-            pid = procs.start(service)
-            started[service.name] = pid
-            print(f"started {service.name} (pid {pid})", file=out)
+    cluster.check_configs()
+    startup = Startup(cluster, out)
     try:
-        pids = {
-            s.name: p
-            for s in cluster.services()
-            if (p := procs.running_pid(s)) and s.name != "mgmtd"
-        }
-        trio.run(wait_services_ready, cluster, pids, START_TIMEOUT)
-    except FsError as exc:
-        raise FsError(
-            exc.code,
-            f"{exc.message}; see the logs in {cluster.logs}:\n" + last_logs(cluster, started),
-        ) from None
-    if mountpoint is not None:
-        mount_local(cluster, Path(mountpoint).absolute(), out)
+        services = cluster.services()
+        pids = {"mgmtd": startup.ensure(services[0])}  # the others register with it
+        trio.run(wait_services_ready, cluster, pids, timeout)
+        pids.update({s.name: startup.ensure(s) for s in services[1:]})
+        trio.run(wait_services_ready, cluster, pids, timeout)
+        if mount_at is not None:
+            mount_local(cluster, mount_at, startup, timeout)
+    except BaseException as exc:
+        raise startup.abort(exc) from None
     return cluster
 
 
-def last_logs(cluster: LocalCluster, names: dict[str, int]) -> str:
-    parts = []
-    for name in names or ["mgmtd"]:
-        for suffix in (".out", ".log"):
-            text = procs.tail(cluster.logs / f"{name}{suffix}", 8)
-            if text:
-                parts.append(f"--- {name}{suffix}\n{text}")
-    return "\n".join(parts)
+def reconcile_shape(
+    cluster: LocalCluster,
+    storage_nodes: int | None,
+    replicas: int | None,
+    chunk_size: int | None,
+    host: str | None,
+) -> list[str]:
+    """Make an existing cluster the shape asked for, or say why not and
+    how. Returns the storage nodes added."""
+    layout = cluster.layout()
+    d = cluster.dir
+    if replicas is not None and replicas != layout.replicas:
+        raise UsageError(
+            f"{d} was formatted with {layout.replicas} replicas; the replica count is fixed "
+            f"at format (use a new --data-dir for a cluster with {replicas})"
+        )
+    if host is not None and host != layout.host:
+        raise UsageError(
+            f"{d} listens on {layout.host}; --host {host} cannot move an existing cluster "
+            "(use a new --data-dir)"
+        )
+    mgmtd_toml = d / "mgmtd" / "mgmtd.toml"
+    current = load_checked(mgmtd_toml, service_config_class("mgmtd")).chunk_size
+    if chunk_size is not None and chunk_size != current:
+        raise UsageError(
+            f"{d} makes new files with {current}-byte chunks; --chunk-size does not change "
+            f"an existing cluster (set chunk_size in {mgmtd_toml}, then "
+            f"`shufflefs down --data-dir {d}` and `shufflefs up --data-dir {d}`)"
+        )
+    have = len(layout.storage_ports)
+    if storage_nodes is not None and storage_nodes < have:
+        raise UsageError(
+            f"{d} has {have} storage nodes; up does not remove nodes "
+            f"(--storage-nodes {storage_nodes} asks for fewer)"
+        )
+    if storage_nodes is not None and storage_nodes > have:
+        return cluster.add_storage_nodes(storage_nodes)
+    return []
 
 
-def mount_local(cluster: LocalCluster, mountpoint: Path, out: Any) -> None:
+def mount_local(cluster: LocalCluster, mountpoint: Path, startup: Startup, timeout: float) -> None:
+    out = startup.out
     proc = cluster.mount_process(mountpoint)
     pid = procs.running_pid(proc)
     fstype = mounted_fstype(mountpoint)
@@ -392,15 +448,19 @@ def mount_local(cluster: LocalCluster, mountpoint: Path, out: Any) -> None:
         with contextlib.suppress(FsError):
             unmount(mountpoint, lazy=True)
     elif fstype is not None:
-        raise FsError(errno.EBUSY, f"{mountpoint} already has a {fstype} filesystem mounted")
+        raise UsageError(f"{mountpoint} already has a {fstype} filesystem mounted", errno.EBUSY)
     if pid is not None:
         procs.stop(proc)
     mountpoint.mkdir(parents=True, exist_ok=True)
-    pid = procs.start(proc)
+    pid = startup.ensure(proc)
     try:
-        wait_mounted(mountpoint, pid, START_TIMEOUT)
+        wait_mounted(mountpoint, pid, timeout)
     except FsError as exc:
-        raise FsError(exc.code, f"{exc.message}:\n" + last_logs(cluster, {"mount": pid})) from None
+        if exc.code == errno.ECHILD:
+            raise ServiceExited("mount", pid) from None
+        if exc.code == errno.ETIMEDOUT:
+            raise StartTimeout(timeout, f"{mountpoint} to be mounted") from None
+        raise
     (cluster.run / "mountpoint").write_text(f"{mountpoint}\n")
     print(f"mounted at {mountpoint} (pid {pid})", file=out)
 
@@ -447,7 +507,7 @@ def cli_up(args: argparse.Namespace) -> int:
         None if args.no_mount else args.mountpoint,
         storage_nodes=args.storage_nodes,
         replicas=args.replicas,
-        chunk_size=parse_size(args.chunk_size),
+        chunk_size=parse_size(args.chunk_size) if args.chunk_size is not None else None,
         host=args.host,
     )
     print(f"cluster up; client config: {cluster.client_config}")

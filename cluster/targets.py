@@ -38,7 +38,13 @@ async def add_target(
     if chain is not None and chain not in {c["id"] for c in status["chains"]}:
         raise FsError(errno.ENOENT, f"unknown chain {chain}")
     stub = StorageStub(rpc, node["address"], timeout=ADD_TIMEOUT)
-    target_id = await stub.add_target(path)
+    try:
+        target_id = await stub.add_target(path)
+    except FsError as exc:
+        raise FsError(
+            exc.code,
+            f"storage node {node_id} at {node['address']} cannot add {path}: {exc.message}",
+        ) from None
     try:
         return target_id, await mgmtd.assign_target(target_id, chain)
     except FsError as exc:

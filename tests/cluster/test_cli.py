@@ -1,13 +1,42 @@
-"""The `shufflefs` command: user mistakes get one line and a non-zero exit."""
+"""The `shufflefs` command: user mistakes get one line and a non-zero exit;
+an unreachable service (refused, timeout, wrong secret, other protocol) its
+own exit code; `up` notices a service that fails, gives up at its deadline,
+and takes back what it started."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
 from pathlib import Path
 
 import pytest
+import trio
+from cliworld import (
+    RUN_TIMEOUT,
+    Result,
+    assert_unreachable,
+    client_config,
+    edit_toml,
+    free_port,
+    processes_naming,
+    run_cli,
+    shufflefs_ok,
+)
 from harness import shufflefs
+
+from shufflefs.cluster import cli_errors
+from shufflefs.cluster.cli_errors import run_reporting
+from shufflefs.cluster.launcher import up
+from shufflefs.rpc import framing
+from shufflefs.rpc.server import RpcServer
 
 
 @pytest.mark.parametrize(
@@ -84,3 +113,140 @@ def test_status_json_shape(tmp_path: Path) -> None:
         assert "NODES" in text and "CHAINS" in text
     finally:
         shufflefs("down", "--data-dir", str(data))
+
+
+# ---- failures with their own exit code (see `shufflefs --help`) -----------------------
+
+
+def test_a_service_that_never_answers_is_a_timeout(tmp_path: Path) -> None:
+    with socket.socket() as listener:  # accepted by the kernel, never by anyone
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        config = client_config(tmp_path, address, b"0123456789abcdef" * 4)
+        r = run_cli(["status", "--config", str(config)], tmp_path)
+    assert_unreachable(r, cli_errors.EXIT_TIMEOUT, address)
+    assert r.seconds < 10
+
+
+async def serve_in_background(secret: bytes, nursery: trio.Nursery) -> str:
+    server = RpcServer(secret, [], name="mgmtd")
+    port = await nursery.start(server.serve, "127.0.0.1", 0)
+    return f"127.0.0.1:{port}"
+
+
+async def run_cli_async(argv: list[str], cwd: Path) -> Result:
+    return await trio.to_thread.run_sync(run_cli, argv, cwd)
+
+
+async def test_wrong_secret_is_an_auth_failure(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        address = await serve_in_background(b"the-cluster-secret-0123456789abcdef", nursery)
+        config = client_config(tmp_path, address, b"another-secret-0123456789abcdef")
+        r = await run_cli_async(["status", "--config", str(config)], tmp_path)
+        nursery.cancel_scope.cancel()
+    assert_unreachable(r, cli_errors.EXIT_AUTH, address)
+
+
+async def test_other_protocol_version_is_a_version_mismatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = b"the-cluster-secret-0123456789abcdef"
+    monkeypatch.setattr(framing, "VERSION", framing.VERSION + 1)  # this process's server only
+    async with trio.open_nursery() as nursery:
+        address = await serve_in_background(secret, nursery)
+        config = client_config(tmp_path, address, secret)
+        r = await run_cli_async(["status", "--config", str(config)], tmp_path)
+        nursery.cancel_scope.cancel()
+    assert_unreachable(r, cli_errors.EXIT_VERSION, address)
+    assert "protocol" in r.stderr
+
+
+def test_internal_error_is_one_line_and_logged(tmp_path: Path) -> None:
+    """A bug (here: a config class whose check itself crashes) is one line
+    naming the log that holds its traceback."""
+
+    def crash() -> int:
+        raise KeyError("boom")
+
+    data = tmp_path / "c"
+    shufflefs_ok("format", "--data-dir", str(data), "--storage-nodes", "1", cwd=tmp_path)
+    args = argparse.Namespace(data_dir=str(data))
+    assert run_reporting("shufflefs test", args, crash) == cli_errors.EXIT_INTERNAL
+    log = (data / "logs" / "cli.log").read_text()
+    assert "Traceback" in log and "KeyError" in log
+
+
+@pytest.mark.e2e
+def test_up_with_a_service_that_fails_stops_everything(tmp_path: Path) -> None:
+    """meta cannot bind its port: `up` notices at once, names meta and its
+    error, stops what it started, and leaves no process behind."""
+    data = tmp_path / "c"
+    shufflefs_ok("format", "--data-dir", str(data), "--storage-nodes", "1", cwd=tmp_path)
+    meta_port = tomllib.loads((data / "cluster.toml").read_text())["meta_port"]
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", meta_port))
+        squatter.listen(1)
+        r = run_cli(["up", "--data-dir", str(data), "--no-mount"], tmp_path, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == cli_errors.EXIT_START_FAILED and len(lines) == 1, r.stderr
+    assert lines[0].startswith("shufflefs up: meta ") and "in use" in lines[0], r.stderr
+    assert str(data / "logs" / "meta.out") in lines[0]
+    assert processes_naming(str(data)) == []
+    assert "stopped mgmtd" in r.stdout
+
+
+@pytest.mark.e2e
+def test_up_adds_storage_nodes_to_an_existing_cluster(tmp_path: Path) -> None:
+    data = tmp_path / "c"
+    shufflefs_ok("up", "--data-dir", str(data), "--no-mount", "--storage-nodes", "1", cwd=tmp_path)
+    try:
+        r = shufflefs_ok(
+            "up", "--data-dir", str(data), "--no-mount", "--storage-nodes", "2", cwd=tmp_path
+        )
+        assert "added storage2" in r.stdout
+        status = run_cli(["status", "--json", "--config", str(data / "client.toml")], tmp_path)
+        assert status.stdout.count('"kind": "storage"') == 2
+    finally:
+        run_cli(["down", "--data-dir", str(data)], tmp_path, timeout=120)
+    assert processes_naming(str(data)) == []
+
+
+def test_interrupted_command_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C while waiting for a service is exit 130, not a traceback."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        config = client_config(tmp_path, address, b"0123456789abcdef" * 4)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shufflefs.cluster.cli", "status", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == cli_errors.EXIT_INTERRUPTED and "Traceback" not in err, err
+
+
+@pytest.mark.e2e
+def test_up_gives_up_at_its_deadline_naming_what_it_waited_for(tmp_path: Path) -> None:
+    """A storage daemon that never registers (its mgmtd address is wrong, so
+    it retries forever): `up` gives up at the deadline, says it was waiting
+    for storage1 to register, and stops everything it started."""
+    data = tmp_path / "c"
+    shufflefs_ok("format", "--data-dir", str(data), "--storage-nodes", "1", cwd=tmp_path)
+    storage_toml = data / "storage1" / "storage.toml"
+    edit_toml(storage_toml, storage_toml, mgmtd=f"127.0.0.1:{free_port()}")
+    out = io.StringIO()
+    started = time.monotonic()
+    with pytest.raises(cli_errors.StartFailed) as caught:
+        up(data, None, out=out, timeout=3.0)
+    assert time.monotonic() - started < 20
+    assert "timed out after 3s waiting for storage1" in caught.value.message
+    assert "to register with mgmtd" in caught.value.message
+    assert processes_naming(str(data)) == []
+    assert "stopped storage1" in out.getvalue() and "stopped mgmtd" in out.getvalue()
