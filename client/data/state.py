@@ -299,12 +299,12 @@ class EpochState:
                     f"here {value!r})"
                 )
         position = int(state["position"])
-        if not 0 <= position <= self.shard.n:
-            raise ValueError(f"saved position={position} outside [0, {self.shard.n}]")
         if self.seed != state["seed"]:
             log.info("taking seed %d from the saved state (was %d)", state["seed"], self.seed)
         self.seed = int(state["seed"])
         self._load_extra(state, position)
+        if not 0 <= position <= self.shard.n:
+            raise ValueError(f"saved position={position} outside [0, {self.shard.n}]")
         self.quarantine(state.get("quarantine", []))
         worker = state.get("worker")
         if worker is not None and in_worker():
@@ -347,13 +347,13 @@ class EpochState:
         other sample keeps its place in the order (a batch holding one is
         one shorter)."""
         known = {_key_tuple(k) for k in self.quarantined}
-        for key in (self._normalize_key(k) for k in keys):
+        added = [self._normalize_key(k) for k in keys]
+        items = [self._item_of_key(k) for k in added]  # a bad key changes nothing
+        for key in added:
             if _key_tuple(key) not in known:
                 known.add(_key_tuple(key))
                 self.quarantined.append(key)
-        self._blocked = np.unique(
-            np.asarray([self._item_of_key(k) for k in self.quarantined], dtype=np.int64)
-        )
+        self._blocked = np.union1d(self._blocked, np.asarray(items, dtype=np.int64))
 
     def _normalize_key(self, key: Any) -> dict[str, Any]:
         out = as_key(key)
