@@ -163,13 +163,18 @@ class Schedule:
         width = {len(w) for _, w in pieces}
         if len(width) != 1:
             raise ValueError("every piece of a schedule needs one weight per component")
-        self.starts = starts
-        self.pieces = [Interleave(proportions(w)) for _, w in pieces]
+        self.starts: list[int] = []
+        self.pieces: list[Interleave] = []
+        for start, (_, w) in zip(starts, pieces, strict=True):
+            piece = Interleave(proportions(w))
+            if not self.pieces or piece.a != self.pieces[-1].a:  # the same again: one piece
+                self.starts.append(start)
+                self.pieces.append(piece)
         self.components = width.pop()
         # each component's count at the start of each piece
         self.base: list[list[int]] = [[0] * self.components]
-        for k in range(1, len(starts)):
-            got = self.pieces[k - 1].counts(starts[k] - starts[k - 1])
+        for k in range(1, len(self.starts)):
+            got = self.pieces[k - 1].counts(self.starts[k] - self.starts[k - 1])
             self.base.append([b + g for b, g in zip(self.base[-1], got, strict=True)])
 
     @classmethod
@@ -260,9 +265,4 @@ class Schedule:
         pieces += [
             (s, p.a) for s, p in zip(future.starts, future.pieces, strict=True) if s > position
         ]
-        if pieces[0][0] != 0:
-            pieces.insert(0, (0, future.pieces[0].a))
-        merged = [pieces[0]] + [
-            b for a, b in itertools.pairwise(pieces) if list(a[1]) != list(b[1])
-        ]
-        return Schedule([(s, list(a)) for s, a in merged])
+        return Schedule([(s, list(a)) for s, a in pieces])
