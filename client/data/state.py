@@ -201,9 +201,10 @@ class EpochState:
 
     def _begin(self) -> Cursor:
         """Start an iteration (in this process: the main one or a worker)."""
-        if self._restored is not None:
-            cursor, self._restored = self._restored, None
-        else:
+        restored, self._restored = self._restored, None
+        if restored is not None and restored.epoch == self._control.read()[1]:
+            cursor = restored  # this worker's own saved stream
+        else:  # (a worker's state of another epoch than the main process's: stale)
             epoch, start, resume = self._peek()
             cursor = Cursor(replace(self.shard, start=start), epoch, resume)
             self._used = self._control.read()[0]
