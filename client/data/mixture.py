@@ -26,7 +26,7 @@ import hashlib
 import itertools
 import logging
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +37,7 @@ from shufflefs.client.data.datasets import IterableBase
 from shufflefs.client.data.files import FileSamples
 from shufflefs.client.data.interleave import Schedule
 from shufflefs.client.data.readahead import ReadPlan, pipeline
-from shufflefs.client.data.readers import RangeReader
+from shufflefs.client.data.readers import RangeReader, make_reader
 from shufflefs.client.data.sharding import (
     Shard,
     fingerprint,
@@ -85,9 +85,10 @@ def _identity(component: Any) -> dict[str, Any]:
     return out
 
 
-class MixtureReader(RangeReader):
-    """The readers of a mixture's leaves as one: file ``f`` is file ``f -
-    base[l]`` of leaf ``l``; a read's ranges come grouped by leaf."""
+class MixtureReader:
+    """One reader over the files of all a mixture's leaves (file ``f`` of leaf
+    ``l`` is ``base[l] + f``), so a batch drawn from several components is
+    still one read: for the native client, one request per storage node."""
 
     def __init__(self, leaves: Sequence[Leaf], threads: int) -> None:
         paths: list[str] = []
@@ -95,32 +96,11 @@ class MixtureReader(RangeReader):
         for leaf in leaves:
             base.append(len(paths))
             paths += leaf_paths(leaf)
-        super().__init__(paths, threads)
-        self.leaves = list(leaves)
+        configs = {leaf.config for leaf in leaves}
+        if len(configs) > 1:
+            raise ValueError("a mixture's components must use one client config")
         self.base = np.asarray(base, dtype=np.int64)
-
-    def read_into(
-        self, files: IntArray, offsets: IntArray, lengths: IntArray, out: memoryview
-    ) -> None:
-        out = out.cast("B") if out.format != "B" else out
-        owner = np.searchsorted(self.base, files, side="right") - 1
-        cuts = np.flatnonzero(np.diff(owner)) + 1
-        ends = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), files.size], strict=True):
-            if lo == hi:
-                continue
-            leaf = int(owner[lo])
-            self.leaves[leaf].reader.read_into(
-                files[lo:hi] - self.base[leaf],
-                offsets[lo:hi],
-                lengths[lo:hi],
-                out[int(ends[lo]) : int(ends[hi])],
-            )
-
-    def close(self) -> None:
-        super().close()
-        for leaf in self.leaves:
-            leaf.close()
+        self.reader = make_reader(paths, configs.pop(), threads)
 
 
 def leaf_paths(leaf: Leaf) -> list[str]:
@@ -390,19 +370,23 @@ class Mixture(EpochState, IterableBase):
     # ---- reading -----------------------------------------------------------------
 
     @property
-    def reader(self) -> MixtureReader:
+    def files(self) -> MixtureReader:
         if self._reader is None:
             self._reader = MixtureReader(self.leaves, max(1, self.readahead))
         return self._reader
 
+    @property
+    def reader(self) -> RangeReader:
+        return self.files.reader
+
     def close(self) -> None:
         if self._reader is not None:
-            self._reader.close()
+            self._reader.reader.close()
 
     def _plans(self, cursor: Any, worker: int, num_workers: int) -> Iterator[ReadPlan[Any]]:
         unit, per_block = read_grouping(self.batch_size, self.readahead, self.read_size)
         shard = cursor.shard
-        file_base = self.reader.base
+        file_base = self.files.base
         blocks = worker_blocks(
             shard.size, cursor.start, unit, worker, num_workers, per_block, cursor.skip
         )
@@ -412,7 +396,7 @@ class Mixture(EpochState, IterableBase):
             keep = self._keep_leaves(leaf, item)
             if keep is not None:
                 kept, leaf, item = local[keep], leaf[keep], item[keep]
-            order = np.argsort(leaf, kind="stable")  # grouped by leaf for MixtureReader
+            order = np.argsort(leaf, kind="stable")  # grouped by leaf, to decode per leaf
             leaf, item = leaf[order], item[order]
             files, offsets, lengths = self._locate(leaf, item)
             yield ReadPlan(
@@ -468,7 +452,7 @@ class Mixture(EpochState, IterableBase):
 
     def iter_batches(
         self, *, worker: int | None = None, num_workers: int | None = None
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         """This rank's batches from the current position (see `TokenWindows`)."""
         if self.batch_size is None:
             raise ValueError("iter_batches needs the mixture's batch_size")
