@@ -109,23 +109,21 @@ def cli_sample(args: argparse.Namespace) -> int:
     if args.step < 0 or args.epoch < 0:
         print("shufflefs sample explain: --step and --epoch must be >= 0", file=sys.stderr)
         return 2
-    if args.mixture is not None:
-        try:
+    try:
+        if args.mixture is not None:
             mixed = explain_mixture_step(args)
-        except (ValueError, IndexError, OSError) as exc:
-            print(f"shufflefs sample explain: {exc}", file=sys.stderr)
-            return 1
+        else:
+            samples = explain_step(args)
+    except (ValueError, IndexError, OSError) as exc:
+        print(f"shufflefs sample explain: {exc}", file=sys.stderr)
+        return 1
+    if args.mixture is not None:
         if args.json:
             keys = ("step", "epoch", "start", "batch_size", "world_size")
             print(json.dumps({**{k: getattr(args, k) for k in keys}, "samples": mixed}, indent=2))
         else:
             print_mixture_rows(args, mixed)
         return 0
-    try:
-        samples = explain_step(args)
-    except (ValueError, IndexError, OSError) as exc:
-        print(f"shufflefs sample explain: {exc}", file=sys.stderr)
-        return 1
     if args.json:
         out: dict[str, Any] = {
             "seed": args.seed,

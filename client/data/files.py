@@ -27,8 +27,6 @@ from shufflefs.client.data.readers import RangeReader, make_reader
 from shufflefs.client.data.sharding import (
     Shard,
     fingerprint,
-    read_grouping,
-    worker_blocks,
     worker_identity,
 )
 from shufflefs.client.data.sources import Namespace
@@ -300,20 +298,11 @@ class FileSamples:
             worker, num_workers = worker_identity()
         s = self.sampler
         cursor = s._begin()
-        unit, per_block = read_grouping(s.batch_size, self.readahead, self.read_size)
-        perm = s.permutation(cursor.epoch)
-        shard = cursor.shard
 
         def plans() -> Iterator[ReadPlan[tuple[IntArray, IntArray, IntArray]]]:
-            blocks = worker_blocks(
-                shard.size, cursor.start, unit, worker, num_workers, per_block, cursor.skip
-            )
-            for local in blocks:
-                items = perm(shard.global_positions(local))
-                kept = local
-                keep = s._keep(items)
-                if keep is not None:
-                    kept, items = local[keep], items[keep]
+            for local, kept, items in s._blocks(
+                cursor, worker, num_workers, self.readahead, self.read_size
+            ):
                 files, offsets, lengths = self._locate(items)
                 yield ReadPlan((local, kept, lengths), files, offsets, lengths)
 

@@ -26,7 +26,7 @@ import hashlib
 import itertools
 import logging
 import struct
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -45,7 +45,7 @@ from shufflefs.client.data.sharding import (
     worker_blocks,
     worker_identity,
 )
-from shufflefs.client.data.state import EpochState, as_key
+from shufflefs.client.data.state import Batched, EpochState, as_key
 from shufflefs.client.data.tokens import READ_SIZE, TokenWindows, split_units
 
 log = logging.getLogger("shufflefs.client.data")
@@ -107,7 +107,7 @@ def leaf_paths(leaf: Leaf) -> list[str]:
     return list(leaf.index.paths) if isinstance(leaf, TokenWindows) else list(leaf.files)
 
 
-class Mixture(EpochState, IterableBase):
+class Mixture(Batched, EpochState, IterableBase):
     """Datasets mixed with exact proportions, optionally changing with the
     position (*schedule*: ``[(start_position, weights), ...]`` instead of
     *weights*). Iterates like `TokenWindows` (samples, or `iter_batches`);
@@ -449,23 +449,6 @@ class Mixture(EpochState, IterableBase):
             samples = self._assemble(buf, leaf, order, lengths)
             yield from split_units(local, kept, samples, cursor.start, self.batch_size or 0)
         self._finish(cursor)
-
-    def iter_batches(
-        self, *, worker: int | None = None, num_workers: int | None = None
-    ) -> Generator[Any, None, None]:
-        """This rank's batches from the current position (see `TokenWindows`)."""
-        if self.batch_size is None:
-            raise ValueError("iter_batches needs the mixture's batch_size")
-        for positions, batch in self._units(worker, num_workers):
-            self._consumed += positions
-            yield self._convert(batch)
-
-    def __iter__(self) -> Iterator[Any]:
-        for positions, batch in self._units(None, None):
-            for row in batch:
-                self._consumed += 1
-                yield self._convert(row)
-            self._consumed += positions - len(batch)
 
     def _convert(self, value: Any) -> Any:
         leaf = self.leaves[0]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import context
 from typing import Any
@@ -35,7 +35,13 @@ import numpy as np
 import numpy.typing as npt
 
 from shufflefs.client.data.permutation import KeyedPermutation
-from shufflefs.client.data.sharding import Shard, in_worker, worker_identity
+from shufflefs.client.data.sharding import (
+    Shard,
+    in_worker,
+    read_grouping,
+    worker_blocks,
+    worker_identity,
+)
 
 log = logging.getLogger("shufflefs.client.data")
 
@@ -230,6 +236,22 @@ class EpochState:
         if self._cursor is cursor:
             self._consumed = cursor.shard.most
 
+    def _blocks(
+        self, cursor: Cursor, worker: int, num_workers: int, readahead: int, read_size: int
+    ) -> Iterator[tuple[IntArray, IntArray, IntArray]]:
+        """(local positions, those not quarantined, their items) of each read
+        of this worker's stream (see `sharding.worker_blocks`)."""
+        unit, per_block = read_grouping(self.batch_size, readahead, read_size)
+        perm = self.permutation(cursor.epoch)
+        shard = cursor.shard
+        blocks = worker_blocks(
+            shard.size, cursor.start, unit, worker, num_workers, per_block, cursor.skip
+        )
+        for local in blocks:
+            items = perm(shard.global_positions(local))
+            keep = self._keep(items)
+            yield (local, local, items) if keep is None else (local, local[keep], items[keep])
+
     # ---- state -------------------------------------------------------------
 
     def _identity(self) -> dict[str, Any]:
@@ -411,3 +433,41 @@ def file_index(paths: Sequence[str], path: str) -> int:
     if same:
         raise ValueError(f"{path}: several files of this dataset have that name")
     raise ValueError(f"{path} is not a file of this dataset")
+
+
+class Batched:
+    """Batches and samples of a dataset that reads in units (`_units`: the
+    positions each covers and its samples), counting positions as consumed."""
+
+    batch_size: int | None
+    _consumed: int
+
+    def _units(self, worker: int | None, num_workers: int | None) -> Iterator[tuple[int, Any]]:
+        raise NotImplementedError
+
+    def _convert(self, value: Any) -> Any:
+        """What a sample or batch is handed out as (numpy here; torch tensors
+        in `TokenWindowDataset`)."""
+        return value
+
+    def iter_batches(
+        self, *, worker: int | None = None, num_workers: int | None = None
+    ) -> Generator[Any, None, None]:
+        """This rank's batches from the current position (the last may be
+        shorter, and one holding quarantined samples is). Inside a DataLoader
+        worker, that worker's batches. *worker*/*num_workers* override the
+        DataLoader's worker identity (to shard by hand)."""
+        if self.batch_size is None:
+            raise ValueError("iter_batches needs the dataset's batch_size")
+        for positions, batch in self._units(worker, num_workers):
+            self._consumed += positions
+            yield self._convert(batch)
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's samples from the current position (in a DataLoader
+        worker: that worker's share)."""
+        for positions, batch in self._units(None, None):
+            for row in batch:
+                self._consumed += 1
+                yield self._convert(row)
+            self._consumed += positions - len(batch)  # quarantined ones

@@ -22,7 +22,7 @@ pre-shuffled copy of them would cost ``seq_len / s`` times the data).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +31,9 @@ import numpy.typing as npt
 
 from shufflefs.client.data.readahead import ReadPlan, pipeline
 from shufflefs.client.data.readers import RangeReader, make_reader
-from shufflefs.client.data.sharding import (
-    Shard,
-    fingerprint,
-    read_grouping,
-    worker_blocks,
-    worker_identity,
-)
+from shufflefs.client.data.sharding import Shard, fingerprint, worker_identity
 from shufflefs.client.data.sources import WindowIndex, token_files
-from shufflefs.client.data.state import Cursor, EpochState, file_index
+from shufflefs.client.data.state import Batched, Cursor, EpochState, file_index
 
 IntArray = npt.NDArray[np.int64]
 
@@ -101,7 +95,7 @@ def samples_of_step(
     return out
 
 
-class TokenWindows(EpochState):
+class TokenWindows(Batched, EpochState):
     """Shuffled, sharded, resumable windows of ``seq_len + 1`` tokens.
 
     *paths*: local paths on any filesystem, or ``shufflefs://host:port/path``
@@ -275,18 +269,9 @@ class TokenWindows(EpochState):
     def _plans(
         self, cursor: Cursor, worker: int, num_workers: int
     ) -> Iterator[ReadPlan[tuple[IntArray, IntArray]]]:
-        unit, per_block = read_grouping(self.batch_size, self.readahead, self.read_size)
-        perm = self.permutation(cursor.epoch)
-        shard = cursor.shard
-        blocks = worker_blocks(
-            shard.size, cursor.start, unit, worker, num_workers, per_block, cursor.skip
-        )
-        for local in blocks:
-            windows = perm(shard.global_positions(local))
-            kept = local
-            keep = self._keep(windows)
-            if keep is not None:
-                kept, windows = local[keep], windows[keep]
+        for local, kept, windows in self._blocks(
+            cursor, worker, num_workers, self.readahead, self.read_size
+        ):
             yield ReadPlan((local, kept), *self._locate(windows))
 
     def _units(
@@ -309,33 +294,6 @@ class TokenWindows(EpochState):
         """This worker's batches (with a batch size; else blocks of samples)."""
         for _, batch in self._units(worker, num_workers):
             yield batch
-
-    def iter_batches(
-        self, *, worker: int | None = None, num_workers: int | None = None
-    ) -> Generator[Any, None, None]:
-        """This rank's batches from the current position: arrays of
-        ``(batch_size, seq_len + 1)`` (the last may be shorter). Inside a
-        DataLoader worker, that worker's batches. *worker*/*num_workers*
-        override the DataLoader's worker identity (to shard by hand)."""
-        if self.batch_size is None:
-            raise ValueError("iter_batches needs the dataset's batch_size")
-        for positions, batch in self._units(worker, num_workers):
-            self._consumed += positions
-            yield self._convert(batch)
-
-    def __iter__(self) -> Iterator[Any]:
-        """This rank's samples from the current position (in a DataLoader
-        worker: that worker's share), each ``seq_len + 1`` tokens."""
-        for positions, batch in self._units(None, None):
-            for row in batch:
-                self._consumed += 1
-                yield self._convert(row)
-            self._consumed += positions - len(batch)  # quarantined ones
-
-    def _convert(self, array: npt.NDArray[Any]) -> Any:
-        """What a sample or batch is handed out as (numpy here; torch tensors
-        in `TokenWindowDataset`)."""
-        return array
 
     def __repr__(self) -> str:
         return (

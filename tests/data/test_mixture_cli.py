@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tokendata import write_tokens
+from tokendata import shufflefs_cli, write_tokens
 
 from shufflefs.client.data.config import load_mixture
 
 SEQ = 16
-
-
-def shufflefs_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shufflefs.cluster.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @pytest.fixture
