@@ -3,11 +3,12 @@
 DataLoader workers run on copies of the dataset, and the loader prefetches,
 so neither the dataset nor its sampler in the main process knows how many
 samples the trainer has actually taken. `ShuffleLoader` does: it wraps a
-real ``torch.utils.data.DataLoader`` built with the dataset's own batch size
-(the one that aligns worker batches with the single-process order), counts
-the batches as the trainer takes them, and saves (seed, epoch, samples
-consumed). Restoring it continues with exactly the batches the
-uninterrupted run would have produced.
+real ``torch.utils.data.DataLoader`` over the dataset's own batches (units
+of ``batch_size`` positions, which align worker batches with the
+single-process order and stay aligned when samples are quarantined), counts
+the batches as the trainer takes them, and saves the global position.
+Restoring it, on any number of ranks, continues with exactly the samples
+the uninterrupted run would have produced.
 
 Requires torch (the rest of the package does not).
 """
