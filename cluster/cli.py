@@ -25,7 +25,6 @@ from shufflefs.cluster.preflight import (
     comma_list,
     int_in,
     int_list,
-    nonnegative_int,
     positive_float,
     positive_int,
     size,
@@ -156,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_sample_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from shufflefs.client.data.cli import add_sample_parser as add  # owned by client/data
+
+    add(sub)
+
+
 def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     config_help = CONFIG_HELP
     p = sub.add_parser(
@@ -184,39 +189,6 @@ def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentP
     )
     a.add_argument("--config", help=config_help)
     a.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def add_sample_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("sample", help="the training-data sampler: name the samples of a step")
-    modes = p.add_subparsers(dest="sample_command", metavar="SUBCOMMAND", required=True)
-    e = modes.add_parser(
-        "explain",
-        help="print file, byte offset and length of every sample of a global step",
-        description="Name every sample of a global step (each rank's batch STEP), so a "
-        "record that broke a run can be found and replayed.",
-    )
-    e.add_argument("paths", nargs="+", metavar="PATH", help="the dataset's files or URLs")
-    e.add_argument("--seed", type=int, required=True, help="the run's seed")
-    e.add_argument("--epoch", type=nonnegative_int, required=True, help="the epoch")
-    e.add_argument(
-        "--step", type=nonnegative_int, required=True, help="global step (each rank's batch K)"
-    )
-    e.add_argument("--batch-size", type=positive_int, required=True, help="per-rank batch size")
-    e.add_argument("--seq-len", type=positive_int, default=1024, help="tokens per window")
-    e.add_argument(
-        "--dtype", choices=TOKEN_DTYPES, help="token dtype of .bin files (default uint16)"
-    )
-    e.add_argument(
-        "--stride", type=positive_int, default=None, help="window stride (default: seq-len)"
-    )
-    e.add_argument(
-        "--rank", type=nonnegative_int, help="only this rank's samples (default: every rank)"
-    )
-    e.add_argument("--world-size", type=positive_int, default=1, help="ranks in the run")
-    e.add_argument("--drop-last", action="store_true", help="the run used drop_last")
-    e.add_argument("--files", action="store_true", help="one sample per file (FileDataset)")
-    e.add_argument("--config", help=f"for shufflefs:// paths: {CONFIG_HELP}")
-    e.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -3,11 +3,13 @@
 Token values are a running counter over all files (uint32), so a window's
 first token says which file and offset it came from; the tests check
 coverage and byte-exactness against this, independently of the sampler's own
-bookkeeping.
+bookkeeping. `shufflefs_cli` runs the command the sampler tests drive.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,3 +52,13 @@ def window_starts(files: dict[str, int], seq_len: int, stride: int) -> list[int]
         starts.extend(base + s for s in range(0, n - seq_len, stride))
         base += n
     return starts
+
+
+def shufflefs_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``shufflefs ARGS...`` in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "shufflefs.cluster.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

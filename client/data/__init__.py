@@ -1,6 +1,6 @@
 """Training-data reads: shuffled, resumable samplers with readahead.
 
-    from shufflefs.client.data import TokenWindowDataset, FileDataset
+    from shufflefs.client.data import TokenWindowDataset, FileDataset, Mixture
 
 See docs/training-data.md. Names are imported on first use, so that
 ``import shufflefs.client.data.tokens`` (the CLI) does not import torch.
@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shufflefs.client.data.datasets import FileDataset, TokenWindowDataset
     from shufflefs.client.data.files import FileSamples, ShuffleSampler
+    from shufflefs.client.data.interleave import Schedule
+    from shufflefs.client.data.mixture import Mixture
     from shufflefs.client.data.permutation import KeyedPermutation
+    from shufflefs.client.data.state import combine_states
     from shufflefs.client.data.tokens import TokenWindows
     from shufflefs.client.data.torch import ShuffleLoader
 
@@ -25,6 +28,9 @@ _WHERE = {
     "FileSamples": "shufflefs.client.data.files",
     "ShuffleSampler": "shufflefs.client.data.files",
     "KeyedPermutation": "shufflefs.client.data.permutation",
+    "Mixture": "shufflefs.client.data.mixture",
+    "Schedule": "shufflefs.client.data.interleave",
+    "combine_states": "shufflefs.client.data.state",
     "ShuffleLoader": "shufflefs.client.data.torch",
 }
 
@@ -32,10 +38,13 @@ __all__ = [
     "FileDataset",
     "FileSamples",
     "KeyedPermutation",
+    "Mixture",
+    "Schedule",
     "ShuffleLoader",
     "ShuffleSampler",
     "TokenWindowDataset",
     "TokenWindows",
+    "combine_states",
 ]
 
 

@@ -13,6 +13,10 @@ swept (8 ... 4096 by default) and each row reads the same windows through
 * ``native``    the native client, one request per storage node per batch;
 * ``native+ra`` the same with ``--readahead`` batches in flight along the shuffle.
 
+Every row is measured twice: the token files as one dataset, and (``... mix``)
+split into a 3-component `Mixture` weighted 0.5 / 0.3 / 0.2, the price of the
+mixture's order and its per-component reads next to the single dataset's.
+
 A *cold* pass drops the page caches before every measurement (``echo 3 >
 /proc/sys/vm/drop_caches``, as root; the storage daemons run on this machine,
 so their caches go too) and reads from the start of the order. The *warm*
@@ -50,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from shufflefs.client.data.mixture import Mixture
 from shufflefs.client.data.tokens import TokenWindows
 from shufflefs.client.data.urls import client_for
 from shufflefs.client.iobench import drop_caches
@@ -60,6 +65,9 @@ from shufflefs.rpc.errors import FsError
 log = logging.getLogger("shufflefs.bench")
 
 CONFIGS = ("local", "local+ra", "fuse", "fuse+ra", "native", "native+ra")
+SHAPES = ("single", "mixture")  # every config reads one dataset, and a 3-component mixture
+MIX = "mix"
+MIX_WEIGHTS = [0.5, 0.3, 0.2]
 VOCAB = 50257  # GPT-2's: token values look like real ones
 GEN_PIECE = 32 << 20  # tokens generated at a time while writing the dataset
 MIN_BATCHES = 3
@@ -189,7 +197,7 @@ def prepare_dataset(
 
 
 def measure(
-    ds: TokenWindows, seconds: float, max_batches: int | None, close: bool = True
+    ds: TokenWindows | Mixture, seconds: float, max_batches: int | None, close: bool = True
 ) -> tuple[list[float], float, str]:
     """Read batches from the start of the order for *seconds* (at least
     MIN_BATCHES, at most *max_batches*): per-batch latencies, the total
@@ -243,6 +251,30 @@ def summarize(
     )
 
 
+def loader_dataset(
+    args: argparse.Namespace, data: Dataset, config: str, batch: int, shape: str
+) -> TokenWindows | Mixture:
+    """The dataset one row reads: the token files as one dataset, or (shape
+    "mixture") split into three components mixed 0.5 / 0.3 / 0.2, the same
+    windows read through the mixture's order and its per-component reads."""
+    readahead = args.readahead if config.endswith("+ra") else 0
+    common: dict[str, Any] = dict(
+        seq_len=args.seq_len, dtype=data.dtype, config=args.config_path, readahead=readahead
+    )
+    paths = data.paths(config)
+    if shape == "single":
+        return TokenWindows(paths, seed=args.seed, batch_size=batch, **common)
+    if len(paths) >= 3:
+        half, fifth = max(1, len(paths) // 2), max(1, len(paths) // 5)
+        groups = [paths[:half], paths[half : len(paths) - fifth], paths[len(paths) - fifth :]]
+    else:
+        groups = [paths, paths, paths]
+    parts = [TokenWindows(g, **common) for g in groups]
+    return Mixture(
+        parts, weights=MIX_WEIGHTS, seed=args.seed, batch_size=batch, readahead=readahead
+    )
+
+
 def run(args: argparse.Namespace, data: Dataset) -> tuple[list[Result], list[str]]:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
@@ -260,24 +292,18 @@ def run(args: argparse.Namespace, data: Dataset) -> tuple[list[Result], list[str
         notes.append("not root: caches cannot be dropped, so there is no cold pass")
         cold = False
     results: list[Result] = []
-    reference: dict[int, tuple[str, str]] = {}  # batch size -> (config, first batch digest)
+    # (batch size, shape) -> (row, first batch digest)
+    reference: dict[tuple[int, str], tuple[str, str]] = {}
     for b in sizes:
-        for config in configs:
-            ds = TokenWindows(
-                data.paths(config),
-                seq_len=args.seq_len,
-                dtype=data.dtype,
-                seed=args.seed,
-                batch_size=b,
-                readahead=args.readahead if config.endswith("+ra") else 0,
-                config=args.config_path,
-            )
+        for config, shape in [(c, shape) for c in configs for shape in SHAPES]:
+            ds = loader_dataset(args, data, config, b, shape)
+            label = config if shape == "single" else f"{config} {MIX}"
             cold_batches: int | None = None
             digests = []
             if cold:
                 drop_caches()
                 lat, total, digest = measure(ds, args.seconds, None)
-                results.append(summarize("cold", config, b, args.seq_len, lat, total))
+                results.append(summarize("cold", label, b, args.seq_len, lat, total))
                 cold_batches = len(lat)
                 digests.append(digest)
                 log_row(results[-1])
@@ -292,13 +318,13 @@ def run(args: argparse.Namespace, data: Dataset) -> tuple[list[Result], list[str
                     total += t
                     digests.append(digest)
                 ds.close()
-                results.append(summarize("warm", config, b, args.seq_len, lat_all, total))
+                results.append(summarize("warm", label, b, args.seq_len, lat_all, total))
                 log_row(results[-1])
             for d in digests:
-                first, ref = reference.setdefault(b, (config, d))
+                first, ref = reference.setdefault((b, shape), (label, d))
                 if d != ref:
                     raise FsError(
-                        errno.EIO, f"{config} read other bytes than {first} at batch size {b}"
+                        errno.EIO, f"{label} read other bytes than {first} at batch size {b}"
                     )
     return results, notes
 
@@ -325,11 +351,16 @@ def table(results: list[Result], phase: str) -> str:
     rows = [r for r in results if r.phase == phase]
     if not rows:
         return ""
-    local = {r.batch_size: r.tokens_per_s for r in rows if r.config == "local"}
+    local = {
+        (r.batch_size, r.config.endswith(MIX)): r.tokens_per_s
+        for r in rows
+        if r.config in ("local", f"local {MIX}")
+    }
     head = ("batch", "config", "tokens/s", "samples/s", "p50 ms", "p99 ms", "batches", "vs local")
     lines = [head]
     for r in rows:
-        ratio = f"{r.tokens_per_s / local[r.batch_size]:.2f}x" if r.batch_size in local else "-"
+        ref = (r.batch_size, r.config.endswith(MIX))
+        ratio = f"{r.tokens_per_s / local[ref]:.2f}x" if ref in local else "-"
         lines.append(
             (
                 str(r.batch_size),
@@ -362,7 +393,7 @@ def plot(results: list[Result], path: str, title: str) -> None:
     phases = [p for p in ("cold", "warm") if any(r.phase == p for r in results)]
     fig, axes = plt.subplots(1, len(phases), figsize=(6.5 * len(phases), 4.8), squeeze=False)
     for ax, phase in zip(axes[0], phases, strict=True):
-        for config in CONFIGS:
+        for config in dict.fromkeys(r.config for r in results):
             rows = sorted(
                 (r for r in results if r.phase == phase and r.config == config),
                 key=lambda r: r.batch_size,

@@ -12,6 +12,11 @@ prints, for every sample of global step 1234 (each rank's batch 1234), the
 rank, its position in the rank's order, the window number, and the file,
 byte offset and byte length to replay it (``--rank R`` for one rank only,
 ``--json`` for scripts, ``--files`` for one-sample-per-file datasets).
+
+``--mixture run.toml`` names the samples of a mixture (see `config`) instead:
+component, path, byte offset and length of each, quarantined ones marked.
+Its global step ``k`` counts from ``--start``, the position the run (or its
+last resume) began at; with the run's global batch fixed that is 0.
 """
 
 from __future__ import annotations
@@ -47,9 +52,52 @@ def explain_step(args: argparse.Namespace) -> list[ExplainedSample]:
     return dataset.explain_step(args.step, args.batch_size, args.epoch)
 
 
+def explain_mixture_step(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from shufflefs.client.data.config import load_mixture
+
+    mix = load_mixture(args.mixture, 0, args.world_size, batch_size=args.batch_size)
+    mix.set_epoch(args.epoch)
+    mix.shard = dataclasses.replace(mix.shard, start=args.start)
+    rows = mix.explain_step(args.step, args.batch_size, args.epoch)
+    return [r for r in rows if args.rank is None or r["rank"] == args.rank]
+
+
+def print_mixture_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    print(
+        f"step {args.step} of epoch {args.epoch} from position {args.start}: {len(rows)} "
+        f"samples, batch size {args.batch_size} per rank, world size {args.world_size}"
+    )
+    table = [("rank", "position", "component", "offset", "length", "path")]
+    table += [
+        (
+            str(r["rank"]),
+            str(r["position"]),
+            str(r["component"]),
+            str(r["offset"]),
+            str(r["length"]),
+            r["path"] + ("  (quarantined)" if r.get("quarantined") else ""),
+        )
+        for r in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    for r in table:
+        print("  ".join(c.rjust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+
+
 def cli_sample(args: argparse.Namespace) -> int:
+    if args.sample_command == "quarantine":
+        from shufflefs.client.data.quarantine import cli_quarantine
+
+        return cli_quarantine(args)
+    if args.sample_command == "startup":
+        from shufflefs.client.data.startup import cli_startup
+
+        return cli_startup(args)
     if args.sample_command != "explain":
         print(f"shufflefs sample: unknown subcommand {args.sample_command!r}", file=sys.stderr)
+        return 2
+    if args.mixture is None and (not args.paths or args.seed is None):
+        print("shufflefs sample explain: give PATHs and --seed, or --mixture", file=sys.stderr)
         return 2
     for name in ("batch_size", "world_size"):
         if getattr(args, name) < 1:
@@ -62,10 +110,25 @@ def cli_sample(args: argparse.Namespace) -> int:
         print("shufflefs sample explain: --step and --epoch must be >= 0", file=sys.stderr)
         return 2
     try:
-        samples = explain_step(args)
-    except (ValueError, IndexError, OSError) as exc:
+        if args.mixture is not None:
+            mixed = explain_mixture_step(args)
+        else:
+            samples = explain_step(args)
+    except OSError as exc:
+        from shufflefs.cluster.cli_errors import describe_os_error
+
+        print(f"shufflefs sample explain: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
+    except (ValueError, IndexError) as exc:
         print(f"shufflefs sample explain: {exc}", file=sys.stderr)
         return 1
+    if args.mixture is not None:
+        if args.json:
+            keys = ("step", "epoch", "start", "batch_size", "world_size")
+            print(json.dumps({**{k: getattr(args, k) for k in keys}, "samples": mixed}, indent=2))
+        else:
+            print_mixture_rows(args, mixed)
+        return 0
     if args.json:
         out: dict[str, Any] = {
             "seed": args.seed,

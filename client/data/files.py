@@ -25,15 +25,19 @@ import numpy.typing as npt
 from shufflefs.client.data.readahead import ReadPlan, pipeline
 from shufflefs.client.data.readers import RangeReader, make_reader
 from shufflefs.client.data.sharding import (
-    EpochState,
     Shard,
     fingerprint,
-    read_grouping,
-    worker_blocks,
     worker_identity,
 )
 from shufflefs.client.data.sources import Namespace
-from shufflefs.client.data.tokens import ExplainedSample, PathArg, as_path_list, samples_of_step
+from shufflefs.client.data.state import EpochState, file_index
+from shufflefs.client.data.tokens import (
+    ExplainedSample,
+    PathArg,
+    as_path_list,
+    samples_of_step,
+    split_units,
+)
 
 IntArray = npt.NDArray[np.int64]
 
@@ -57,22 +61,61 @@ class ShuffleSampler(EpochState):
     ) -> None:
         super().__init__(Shard(n, rank, world_size, drop_last), seed, batch_size)
         self._extra = identity or {}
+        self.files: FileKeys | None = None  # names samples for quarantine keys
 
     def _identity(self) -> dict[str, Any]:
         return {"num_items": self.shard.n, **self._extra}
+
+    def _item_of_key(self, key: dict[str, Any]) -> int:
+        if self.files is None:
+            return super()._item_of_key(key)
+        return self.files.item_of_key(key)
 
     def items(self, positions: npt.ArrayLike, epoch: int | None = None) -> IntArray:
         """Item indices at this rank's *positions* of *epoch*."""
         return self.ordered(positions, epoch)
 
+    def _runs(self, unit: int) -> Iterator[tuple[int, IntArray]]:
+        """(positions, items not quarantined) per *unit* positions of this rank."""
+        cursor = self._begin()
+        perm = self.permutation(cursor.epoch)
+        shard = cursor.shard
+        for lo in range(cursor.start, shard.size, unit):
+            local = np.arange(lo, min(lo + unit, shard.size), dtype=np.int64)
+            items = perm(shard.global_positions(local))
+            keep = self._keep(items)
+            yield local.size, items if keep is None else items[keep]
+        self._finish(cursor)
+
     def __iter__(self) -> Iterator[int]:
-        start = self._begin()
-        perm = self.permutation()
-        for lo in range(start, len(self), 1024):
-            local = np.arange(lo, min(lo + 1024, len(self)), dtype=np.int64)
-            for item in perm(self.shard.global_positions(local)).tolist():
+        for positions, items in self._runs(1024):
+            for item in items.tolist():
                 self._consumed += 1
                 yield item
+            self._consumed += positions - items.size
+
+    def batches(self) -> Iterator[list[int]]:
+        """This rank's items as batches of ``batch_size`` positions (shorter
+        where samples are quarantined): a DataLoader ``batch_sampler``."""
+        if self.batch_size is None:
+            raise ValueError("batches() needs the sampler's batch_size")
+        for positions, items in self._runs(self.batch_size):
+            self._consumed += positions
+            yield items.tolist()
+
+
+class FileKeys:
+    """Quarantine keys (path, 0, size) of a collection of files, as file numbers."""
+
+    def __init__(self, files: list[str], sizes: IntArray) -> None:
+        self.files = files
+        self.sizes = sizes
+
+    def item_of_key(self, key: dict[str, Any]) -> int:
+        i = file_index(self.files, key["path"])
+        if key["offset"] != 0 or key["length"] != int(self.sizes[i]):
+            raise ValueError(f"{key} is not a sample of this dataset (a whole file)")
+        return i
 
 
 class FileSamples:
@@ -128,6 +171,7 @@ class FileSamples:
                 "fingerprint": fingerprint([[os.path.basename(p), int(s)] for p, s in found])
             },
         )
+        self.sampler.files = FileKeys(self.files, self.sizes)
         self._reader: RangeReader | None = None
 
     # ---- map-style -------------------------------------------------------
@@ -146,16 +190,7 @@ class FileSamples:
             raise IndexError(f"file index outside [0, {len(self.files)})")
         buf = np.empty(int(self.sizes[items].sum()), dtype=np.uint8)
         self.reader.read_into(items, np.zeros_like(items), self.sizes[items], buf.data)
-        return self._split(items, buf)
-
-    def _split(self, items: IntArray, buf: npt.NDArray[np.uint8]) -> list[Any]:
-        out: list[Any] = []
-        pos = 0
-        for n in self.sizes[items].tolist():
-            data = buf[pos : pos + n].tobytes()
-            out.append(self.transform(data) if self.transform is not None else data)
-            pos += n
-        return out
+        return self._decode(buf, self.sizes[items])
 
     # ---- order, position, explain (delegated to the sampler) --------------
 
@@ -177,8 +212,42 @@ class FileSamples:
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         return self.sampler.state_dict(consumed)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         self.sampler.load_state_dict(state)
+
+    def quarantine(self, keys: Sequence[Any]) -> None:
+        """Skip these files (keys ``(path, 0, size)`` as `explain` names them)."""
+        self.sampler.quarantine(keys)
+
+    @property
+    def quarantined(self) -> list[dict[str, Any]]:
+        return self.sampler.quarantined
+
+    @property
+    def shard(self) -> Shard:
+        return self.sampler.shard
+
+    def permutation(self, epoch: int | None = None) -> Any:
+        return self.sampler.permutation(epoch)
+
+    def _keep(self, items: IntArray) -> npt.NDArray[np.bool_] | None:
+        return self.sampler._keep(items)
+
+    def _item_of_key(self, key: dict[str, Any]) -> int:
+        return self.sampler._item_of_key(key)
+
+    def _locate(self, items: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+        """(file, byte offset, byte length) of files *items*: whole files."""
+        return items, np.zeros_like(items), self.sizes[items]
+
+    def _decode(self, buf: npt.NDArray[np.uint8], lengths: IntArray) -> list[Any]:
+        out: list[Any] = []
+        pos = 0
+        for n in lengths.tolist():
+            data = buf[pos : pos + n].tobytes()
+            out.append(self.transform(data) if self.transform is not None else data)
+            pos += n
+        return out
 
     def explain(
         self, position: int, count: int = 1, epoch: int | None = None
@@ -222,26 +291,30 @@ class FileSamples:
         if self._reader is not None:
             self._reader.close()
 
-    def _batches(self, worker: int | None, num_workers: int | None) -> Iterator[list[Any]]:
+    def _units(
+        self, worker: int | None, num_workers: int | None
+    ) -> Iterator[tuple[int, list[Any]]]:
         if worker is None or num_workers is None:
             worker, num_workers = worker_identity()
         s = self.sampler
-        start = s._begin()
-        unit, per_block = read_grouping(s.batch_size, self.readahead, self.read_size)
-        perm = s.permutation()
+        cursor = s._begin()
 
-        def plans() -> Iterator[ReadPlan[IntArray]]:
-            for local in worker_blocks(len(s), start, unit, worker, num_workers, per_block):
-                items = perm(s.shard.global_positions(local))
-                yield ReadPlan(items, items, np.zeros_like(items), self.sizes[items])
+        def plans() -> Iterator[ReadPlan[tuple[IntArray, IntArray, IntArray]]]:
+            for local, kept, items in s._blocks(
+                cursor, worker, num_workers, self.readahead, self.read_size
+            ):
+                files, offsets, lengths = self._locate(items)
+                yield ReadPlan((local, kept, lengths), files, offsets, lengths)
 
-        for items, buf in pipeline(self.reader, plans(), self.readahead):
-            samples = self._split(items, buf)
-            if s.batch_size is None:
-                yield samples
-            else:  # a read may hold several batches: only the epoch's last one is short
-                for lo in range(0, len(samples), s.batch_size):
-                    yield samples[lo : lo + s.batch_size]
+        for (local, kept, lengths), buf in pipeline(self.reader, plans(), self.readahead):
+            samples = self._decode(buf, lengths)
+            yield from split_units(local, kept, samples, cursor.start, s.batch_size or 0)
+        s._finish(cursor)
+
+    def _batches(self, worker: int | None, num_workers: int | None) -> Iterator[list[Any]]:
+        """This worker's batches (with a batch size; else blocks of samples)."""
+        for _, batch in self._units(worker, num_workers):
+            yield batch
 
     def iter_batches(
         self, *, worker: int | None = None, num_workers: int | None = None
@@ -249,16 +322,17 @@ class FileSamples:
         """This rank's batches (lists of samples) from the current position."""
         if self.batch_size is None:
             raise ValueError("iter_batches needs the dataset's batch_size")
-        for batch in self._batches(worker, num_workers):
-            self.sampler._consumed += len(batch)
+        for positions, batch in self._units(worker, num_workers):
+            self.sampler._consumed += positions
             yield batch
 
     def __iter__(self) -> Iterator[Any]:
         """This rank's samples in the shuffled order, read ahead."""
-        for batch in self._batches(None, None):
+        for positions, batch in self._units(None, None):
             for sample in batch:
                 self.sampler._consumed += 1
                 yield sample
+            self.sampler._consumed += positions - len(batch)
 
     def __repr__(self) -> str:
         s = self.sampler

@@ -34,6 +34,7 @@ import numpy.typing as npt
 ROUNDS = 8
 MASK64 = (1 << 64) - 1
 MAX_ITEMS = 1 << 62  # positions and indices must fit int64 comfortably
+SCALAR_WALKS = 32  # cycle walks of this few items are finished one by one
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 _KEY_CONTEXT = b"shufflefs.permutation.v1"
@@ -137,8 +138,13 @@ class KeyedPermutation:
         x = self._feistel_array(pos.reshape(-1).astype(np.uint64))
         limit = np.uint64(self.n)
         outside = np.flatnonzero(x >= limit)
-        while outside.size:
+        while outside.size > SCALAR_WALKS:
             walked = self._feistel_array(x[outside])
             x[outside] = walked
             outside = outside[walked >= limit]
+        for k in outside.tolist():  # the last few: a numpy pass costs as much as one item
+            v = int(x[k])
+            while v >= self.n:
+                v = self._feistel(v)
+            x[k] = v
         return x.astype(np.int64).reshape(pos.shape)

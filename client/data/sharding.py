@@ -18,17 +18,18 @@ w+2K, ...``. A DataLoader takes one batch from each worker in turn, so when
 order, and resuming from "samples consumed" is exact with any number of
 workers.
 
-**Resume.** `EpochState` holds (seed, epoch, samples consumed by this rank).
-The main-process dataset object never sees what DataLoader workers yield, so
-the count comes from the trainer: ``state_dict(consumed=steps * batch_size)``
-or the `ShuffleLoader` wrapper, which counts the batches as they are taken.
+**Resume anywhere.** The ranks of a run consume the epoch's order as one
+prefix: after ``c`` samples per rank, global positions ``[0, c * world_size)``
+are done, whatever the number of ranks. A resumed run cuts the rest of the
+epoch ``[start, n)`` the same way among its own ranks: local position ``j``
+of rank ``r`` is global position ``start + j * world_size + r`` (`Shard`
+with ``start``). `state.EpochState` holds that position.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,12 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shufflefs.client.data.permutation import KeyedPermutation
-
-log = logging.getLogger("shufflefs.client.data")
-
 IntArray = npt.NDArray[np.int64]
-STATE_FORMAT = "shufflefs.sampler/1"
 
 
 @dataclass(frozen=True)
@@ -53,6 +49,7 @@ class Shard:
     rank: int = 0
     world_size: int = 1
     drop_last: bool = False
+    start: int = 0  # global position this part of the epoch begins at (a resume)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -61,17 +58,44 @@ class Shard:
             raise ValueError(f"rank must be in [0, {self.world_size}), not {self.rank}")
         if self.n < 0:
             raise ValueError("negative item count")
+        if not 0 <= self.start <= self.n:
+            raise ValueError(f"start must be in [0, {self.n}], not {self.start}")
 
     @property
     def size(self) -> int:
-        """Items this rank sees per epoch."""
+        """Items this rank sees from ``start`` to the epoch's end."""
+        rest = self.n - self.start
         if self.drop_last:
-            return self.n // self.world_size
-        return max(0, (self.n - self.rank + self.world_size - 1) // self.world_size)
+            return rest // self.world_size
+        return max(0, (rest - self.rank + self.world_size - 1) // self.world_size)
+
+    @property
+    def most(self) -> int:
+        """The largest rank's `size`: a count of samples per rank that means
+        "the whole epoch is done" on every rank."""
+        rest = self.n - self.start
+        if self.drop_last:
+            return rest // self.world_size
+        return -(-rest // self.world_size)
 
     def global_positions(self, local: IntArray) -> IntArray:
-        out: IntArray = local * self.world_size + self.rank
+        out: IntArray = self.start + local * self.world_size + self.rank
         return out
+
+    def global_position(self, consumed: int) -> int:
+        """Where the epoch stands once every rank has taken *consumed* samples
+        of this part (the ranks move in lockstep: one batch per step)."""
+        if not 0 <= consumed <= self.most:
+            raise ValueError(f"consumed must be in [0, {self.most}], not {consumed}")
+        if consumed == self.most:
+            return self.n  # drop_last's remainder is skipped, not pending
+        return self.start + consumed * self.world_size
+
+
+def in_worker() -> bool:
+    """True inside a torch DataLoader worker process."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
 
 
 def worker_identity() -> tuple[int, int]:
@@ -94,22 +118,28 @@ def worker_blocks(
     worker: int,
     num_workers: int,
     units_per_block: int,
+    skip: int = 0,
 ) -> Iterator[IntArray]:
     """The local positions worker *worker* of *num_workers* produces, in
     order, as blocks of *units_per_block* units of *unit* positions.
 
     Positions ``[start, total)`` are cut into units; unit ``i`` belongs to
-    worker ``i % num_workers``. Only the last unit may be short."""
+    worker ``i % num_workers``. Only the last unit may be short. *skip*: the
+    first positions of this worker's stream already delivered (a worker
+    restored from its own saved state, as torchdata's StatefulDataLoader does)."""
     if not 0 <= worker < num_workers:
         raise ValueError(f"worker must be in [0, {num_workers}), not {worker}")
-    if unit < 1 or units_per_block < 1:
-        raise ValueError("unit and units_per_block must be at least 1")
+    if unit < 1 or units_per_block < 1 or skip < 0:
+        raise ValueError("unit and units_per_block must be at least 1, skip at least 0")
     within = np.arange(unit, dtype=np.int64)
+    first, drop = divmod(skip, unit)
     block = 0
     while True:
-        q = block * units_per_block + np.arange(units_per_block, dtype=np.int64)
+        q = first + block * units_per_block + np.arange(units_per_block, dtype=np.int64)
         units = q * num_workers + worker
         positions = (start + units[:, None] * unit + within[None, :]).reshape(-1)
+        if block == 0 and drop:
+            positions = positions[drop:]
         positions = positions[positions < total]
         if positions.size == 0:
             return
@@ -137,142 +167,3 @@ def fingerprint(parts: Any) -> str:
     another instead of silently resuming somewhere else."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
-
-
-class EpochState:
-    """(seed, epoch, samples consumed) of one rank, and what resuming means.
-
-    * ``set_epoch(e)`` with a new epoch starts it from its first sample; with
-      the current epoch it keeps the position, so a restored state survives
-      the training loop's usual ``set_epoch`` call.
-    * An iteration starts at the resume position (set by `load_state_dict`)
-      and consumes it: iterating again in the same epoch starts over, in the
-      same order (as torch's DistributedSampler does without ``set_epoch``).
-    * ``state_dict()`` records the samples taken from this object's own
-      iteration (exact in a single process, or a DataLoader with
-      ``num_workers=0``); with workers pass ``consumed=`` or use
-      `ShuffleLoader`.
-    """
-
-    kind = "items"
-
-    def __init__(self, shard: Shard, seed: int, batch_size: int | None) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        self.shard = shard
-        self.seed = int(seed)
-        self.batch_size = batch_size
-        self.epoch = 0
-        self._resume = 0  # where the next iteration starts
-        self._consumed = 0  # samples this object's own iteration handed out
-        self._perm: KeyedPermutation | None = None  # the last epoch's, kept
-
-    def permutation(self, epoch: int | None = None) -> KeyedPermutation:
-        """The order of *epoch* (default: the current one) over all ranks."""
-        epoch = self.epoch if epoch is None else epoch
-        perm = self._perm
-        if perm is None or perm.epoch != epoch or perm.seed != self.seed:
-            perm = self._perm = KeyedPermutation(self.shard.n, self.seed, epoch)
-        return perm
-
-    def ordered(self, positions: npt.ArrayLike, epoch: int | None = None) -> IntArray:
-        """What stands at this rank's *positions* of *epoch* (item or window numbers)."""
-        local = np.asarray(positions, dtype=np.int64)
-        if local.size and (local.min() < 0 or local.max() >= len(self)):
-            raise IndexError(f"positions outside this rank's [0, {len(self)})")
-        return self.permutation(epoch)(self.shard.global_positions(local))
-
-    def rank_slice(
-        self, rank: int, position: int, count: int, epoch: int | None
-    ) -> tuple[IntArray, IntArray]:
-        """(positions, what stands there) of *rank*'s positions ``[position,
-        position + count)`` of *epoch*, cut at the epoch's end: any rank's,
-        so one process can explain a step of the whole job."""
-        if position < 0 or count < 0:
-            raise ValueError("position and count must be >= 0")
-        shard = Shard(self.shard.n, rank, self.shard.world_size, self.shard.drop_last)
-        local = np.arange(position, min(position + count, shard.size), dtype=np.int64)
-        return local, self.permutation(epoch)(shard.global_positions(local))
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_perm"] = None  # rebuilt on first use (pickled into DataLoader workers)
-        return state
-
-    def __len__(self) -> int:
-        return self.shard.size
-
-    @property
-    def rank(self) -> int:
-        return self.shard.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.shard.world_size
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch < 0:
-            raise ValueError("epoch must be >= 0")
-        if epoch != self.epoch:
-            self.epoch = int(epoch)
-            self._resume = 0
-            self._consumed = 0
-
-    def _begin(self) -> int:
-        """Start an iteration: the position it starts at."""
-        start, self._resume = self._resume, 0
-        self._consumed = start
-        return start
-
-    def _identity(self) -> dict[str, Any]:
-        """What a saved state must agree with to be loaded here."""
-        return {"num_items": self.shard.n}
-
-    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """The exact position: load it into a dataset built the same way and
-        the run continues with the samples it would have produced.
-
-        *consumed*: samples of this epoch this rank has trained on (e.g.
-        ``steps_this_epoch * batch_size``); default: what this object's own
-        iteration handed out."""
-        n = self._consumed if consumed is None else int(consumed)
-        if not 0 <= n <= len(self):
-            raise ValueError(f"consumed must be in [0, {len(self)}], not {n}")
-        return {
-            "format": STATE_FORMAT,
-            "kind": self.kind,
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "consumed": n,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "drop_last": self.shard.drop_last,
-            "batch_size": self.batch_size,
-            **self._identity(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != STATE_FORMAT or state.get("kind") != self.kind:
-            raise ValueError(f"not a {self.kind} sampler state: {state!r:.200}")
-        mine = self._identity()
-        for key, value in mine.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"the saved state is for another dataset ({key}: saved {state.get(key)!r}, "
-                    f"here {value!r})"
-                )
-        for key in ("rank", "world_size", "drop_last"):
-            if state[key] != getattr(self.shard, key):
-                raise ValueError(
-                    f"the saved state is for {key}={state[key]!r}, this dataset has "
-                    f"{getattr(self.shard, key)!r}: positions would not line up"
-                )
-        consumed = int(state["consumed"])
-        if not 0 <= consumed <= len(self):
-            raise ValueError(f"saved consumed={consumed} outside [0, {len(self)}]")
-        if self.seed != state["seed"]:
-            log.info("taking seed %d from the saved state (was %d)", state["seed"], self.seed)
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self._resume = consumed
-        self._consumed = consumed

@@ -22,7 +22,7 @@ pre-shuffled copy of them would cost ``seq_len / s`` times the data).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +31,9 @@ import numpy.typing as npt
 
 from shufflefs.client.data.readahead import ReadPlan, pipeline
 from shufflefs.client.data.readers import RangeReader, make_reader
-from shufflefs.client.data.sharding import (
-    EpochState,
-    Shard,
-    fingerprint,
-    read_grouping,
-    worker_blocks,
-    worker_identity,
-)
+from shufflefs.client.data.sharding import Shard, fingerprint, worker_identity
 from shufflefs.client.data.sources import WindowIndex, token_files
+from shufflefs.client.data.state import Batched, Cursor, EpochState, file_index
 
 IntArray = npt.NDArray[np.int64]
 
@@ -67,6 +61,23 @@ class ExplainedSample:
     byte_length: int
 
 
+def split_units(
+    local: IntArray, kept: IntArray, rows: Any, start: int, unit: int
+) -> Iterator[tuple[int, Any]]:
+    """(positions, rows) per unit of *unit* positions of a read (its
+    positions *local*, of which *kept* were read into *rows*); a unit whose
+    samples are all quarantined is an empty batch, so batches stay aligned
+    with positions. ``unit=0``: the whole read as one piece."""
+    if unit == 0 or local.size == 0:
+        yield int(local.size), rows
+        return
+    ids = (local - start) // unit
+    kept_ids = (kept - start) // unit
+    for u in np.unique(ids).tolist():
+        lo, hi = np.searchsorted(kept_ids, [u, u + 1]).tolist()
+        yield int(np.count_nonzero(ids == u)), rows[lo:hi]
+
+
 def samples_of_step(
     explain_rank: Callable[[int, int, int, int | None], list[ExplainedSample]],
     world_size: int,
@@ -84,7 +95,7 @@ def samples_of_step(
     return out
 
 
-class TokenWindows(EpochState):
+class TokenWindows(Batched, EpochState):
     """Shuffled, sharded, resumable windows of ``seq_len + 1`` tokens.
 
     *paths*: local paths on any filesystem, or ``shufflefs://host:port/path``
@@ -213,6 +224,35 @@ class TokenWindows(EpochState):
             epoch,
         )
 
+    # ---- quarantine and locating samples (also for `Mixture`) -------------
+
+    def _item_of_key(self, key: dict[str, Any]) -> int:
+        f = file_index(self.index.paths, key["path"])
+        step = self.stride * self.index.itemsize
+        rel = key["offset"] - int(self.index.data_offsets[f])
+        if (
+            key["length"] != self.index.window_bytes
+            or rel < 0
+            or rel % step
+            or rel // step >= int(self.index.counts[f])
+        ):
+            raise ValueError(f"{key} is not a window of this dataset")
+        return int(self.index.first[f]) + rel // step
+
+    def _locate(self, items: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+        """(file, byte offset, byte length) of windows *items*."""
+        files, offsets = self.index.locate(items)
+        return files, offsets, np.full(items.size, self.index.window_bytes, dtype=np.int64)
+
+    def _decode(self, buf: npt.NDArray[np.uint8], lengths: IntArray) -> npt.NDArray[Any]:
+        """Read bytes of whole windows as a (rows, seq_len + 1) array."""
+        batch = buf.view(self.index.dtype).reshape(-1, self.index.window)
+        if not batch.dtype.isnative:
+            batch = batch.astype(batch.dtype.newbyteorder("="))
+        if self.out_dtype is not None and batch.dtype != self.out_dtype:
+            batch = batch.astype(self.out_dtype)
+        return batch
+
     # ---- reading ---------------------------------------------------------
 
     @property
@@ -227,60 +267,33 @@ class TokenWindows(EpochState):
             self._reader.close()
 
     def _plans(
-        self, start: int, worker: int, num_workers: int, epoch: int
-    ) -> Iterator[ReadPlan[IntArray]]:
-        unit, per_block = read_grouping(self.batch_size, self.readahead, self.read_size)
-        perm = self.permutation(epoch)
-        n = self.index.window_bytes
-        for local in worker_blocks(len(self), start, unit, worker, num_workers, per_block):
-            files, offsets = self.index.locate(perm(self.shard.global_positions(local)))
-            yield ReadPlan(local, files, offsets, np.full(local.size, n, dtype=np.int64))
+        self, cursor: Cursor, worker: int, num_workers: int
+    ) -> Iterator[ReadPlan[tuple[IntArray, IntArray]]]:
+        for local, kept, windows in self._blocks(
+            cursor, worker, num_workers, self.readahead, self.read_size
+        ):
+            yield ReadPlan((local, kept), *self._locate(windows))
+
+    def _units(
+        self, worker: int | None, num_workers: int | None
+    ) -> Iterator[tuple[int, npt.NDArray[Any]]]:
+        """This worker's batches (with a batch size; else blocks of samples),
+        each with the number of positions it covers (more than its rows when
+        samples of it are quarantined)."""
+        if worker is None or num_workers is None:
+            worker, num_workers = worker_identity()
+        cursor = self._begin()
+        unit = self.batch_size or 0
+        plans = self._plans(cursor, worker, num_workers)
+        for (local, kept), buf in pipeline(self.reader, plans, self.readahead):
+            batch = self._decode(buf, np.zeros(0, dtype=np.int64))
+            yield from split_units(local, kept, batch, cursor.start, unit)
+        self._finish(cursor)
 
     def _batches(self, worker: int | None, num_workers: int | None) -> Iterator[npt.NDArray[Any]]:
         """This worker's batches (with a batch size; else blocks of samples)."""
-        if worker is None or num_workers is None:
-            worker, num_workers = worker_identity()
-        start = self._begin()
-        epoch = self.epoch
-        for _, buf in pipeline(
-            self.reader, self._plans(start, worker, num_workers, epoch), self.readahead
-        ):
-            batch = buf.view(self.index.dtype).reshape(-1, self.index.window)
-            if not batch.dtype.isnative:
-                batch = batch.astype(batch.dtype.newbyteorder("="))
-            if self.out_dtype is not None and batch.dtype != self.out_dtype:
-                batch = batch.astype(self.out_dtype)
-            if self.batch_size is None:
-                yield batch
-            else:  # a read may hold several batches: only the epoch's last one is short
-                for lo in range(0, len(batch), self.batch_size):
-                    yield batch[lo : lo + self.batch_size]
-
-    def iter_batches(
-        self, *, worker: int | None = None, num_workers: int | None = None
-    ) -> Generator[Any, None, None]:
-        """This rank's batches from the current position: arrays of
-        ``(batch_size, seq_len + 1)`` (the last may be shorter). Inside a
-        DataLoader worker, that worker's batches. *worker*/*num_workers*
-        override the DataLoader's worker identity (to shard by hand)."""
-        if self.batch_size is None:
-            raise ValueError("iter_batches needs the dataset's batch_size")
-        for batch in self._batches(worker, num_workers):
-            self._consumed += len(batch)
-            yield self._convert(batch)
-
-    def __iter__(self) -> Iterator[Any]:
-        """This rank's samples from the current position (in a DataLoader
-        worker: that worker's share), each ``seq_len + 1`` tokens."""
-        for batch in self._batches(None, None):
-            for row in batch:
-                self._consumed += 1
-                yield self._convert(row)
-
-    def _convert(self, array: npt.NDArray[Any]) -> Any:
-        """What a sample or batch is handed out as (numpy here; torch tensors
-        in `TokenWindowDataset`)."""
-        return array
+        for _, batch in self._units(worker, num_workers):
+            yield batch
 
     def __repr__(self) -> str:
         return (

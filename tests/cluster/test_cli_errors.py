@@ -235,6 +235,44 @@ CLUSTER_DOWN: list[Case] = [
     sample("--config", *SAMPLE, "--config", "{CFG}", "shufflefs:///t.bin", code=UNREACHABLE),
     sample("paths", *SAMPLE, "{W}/missing.bin", code=FAILED),
     sample("paths", *SAMPLE),
+    sample(
+        "--mixture",
+        "--epoch",
+        "0",
+        "--step",
+        "0",
+        "--batch-size",
+        "2",
+        "--mixture",
+        "{W}/no.toml",
+        code=FAILED,
+    ),
+    sample("--start", *SAMPLE, "--start", "-1", SAMPLE_FILE),
+    case(
+        "sample quarantine",
+        "--mixture",
+        "--mixture",
+        "{W}/no.toml",
+        "--add",
+        "0:x:1:2",
+        code=FAILED,
+    ),
+    case("sample quarantine", "--file", "--file", "/proc/nope/q.json", "--add", "0:x:1:2"),
+    case("sample quarantine", "--add", "--file", "{W}/q.json", "--add", "garbage", code=FAILED),
+    case(
+        "sample quarantine", "--remove", "--file", "{W}/q.json", "--remove", "garbage", code=FAILED
+    ),
+    case(
+        "sample quarantine", "--from", "--file", "{W}/q.json", "--from", "{W}/no.json", code=FAILED
+    ),
+    case("sample quarantine", "--rank", "--file", "{W}/q.json", "--rank", "-1", "--add", "0:x:1:2"),
+    case("sample quarantine", "--config", "--file", "{W}/q.json", "--config", "{W}/missing.toml"),
+    case("sample quarantine", "--json", "--file", "{W}/q.json", "--json=1"),
+    case("sample quarantine", "--file"),
+    case("sample startup", "--sizes", "--sizes", "abc"),
+    case("sample startup", "--batch-size", "--batch-size", "0"),
+    case("sample startup", "--dir", "--dir", "/proc/nope", code=FAILED),
+    case("sample startup", "--json", "--json=1"),
     case("sample", "sample_command"),
     *bench_cases("bench"),
     case("bench", "--config", "--config", "{CFG}", code=UNREACHABLE),
@@ -297,6 +335,7 @@ def down_results(world: World) -> Iterator[tuple[dict[Case, tuple[list[str], Res
     yield results, diff(before, snapshot(world.root))
 
 
+@pytest.mark.e2e  # each case is a real `shufflefs` process
 @pytest.mark.parametrize("c", CLUSTER_DOWN, ids=[c.id for c in CLUSTER_DOWN])
 def test_bad_value_with_cluster_down(
     c: Case, world: World, down_results: tuple[dict[Case, tuple[list[str], Result]], list[str]]
@@ -309,6 +348,7 @@ def test_bad_value_with_cluster_down(
     assert changed == [], f"the cluster-down cases changed {changed}"
 
 
+@pytest.mark.e2e
 def test_up_refused_by_a_service_config_starts_nothing(world: World) -> None:
     """The one mgmtd refuses and the one storage refuses: refused by `up`
     itself, with the service's own message, before any process starts."""
@@ -390,6 +430,7 @@ def test_version_and_exit_codes_in_help() -> None:
 # ---- unreachable: one line naming the service and address ------------------------------
 
 
+@pytest.mark.e2e
 def test_mgmtd_down_is_unreachable_naming_it(world: World) -> None:
     import tomllib
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tokendata import write_tokens
+from tokendata import shufflefs_cli, write_tokens
 
 from shufflefs.client.data.files import FileSamples
 from shufflefs.client.data.tokens import TokenWindows
@@ -61,15 +59,6 @@ def test_explain_step_is_every_ranks_batch(paths: list[str]) -> None:
     # past the epoch's end: nothing
     last = len(ranks[0]) // batch + 1
     assert ranks[0].explain_step(last) == []
-
-
-def shufflefs_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shufflefs.cluster.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_cli_explain_matches_the_run(paths: list[str]) -> None:

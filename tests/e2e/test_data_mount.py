@@ -279,6 +279,7 @@ def test_bench_loader_runs_every_row(mounted: ProcessCluster, tmp_path: Path) ->
     assert report["dataset"]["bytes"] == 6 << 20
     rows = {(r["phase"], r["config"], r["batch_size"]) for r in report["results"]}
     configs = ("local", "local+ra", "fuse", "fuse+ra", "native", "native+ra")
+    configs += tuple(f"{c} mix" for c in configs)  # each also read as a 3-component mixture
     assert rows == {(p, c, b) for p in ("cold", "warm") for c in configs for b in (8, 64)}
     for r in report["results"]:
         assert r["tokens_per_s"] > 0 and r["batches"] >= 1
