@@ -26,6 +26,7 @@ import lmdb
 
 from shufflefs.metadata.checks import check_ino
 from shufflefs.metadata.protocol import ROOT_INODE
+from shufflefs.metadata.readonly import ReadOnlyHandles
 from shufflefs.metadata.records import (
     DB_COUNTERS,
     DB_DENTRIES,
@@ -54,12 +55,19 @@ class Tx:
     a fresh one.
     """
 
-    def __init__(self, txn: Any, dbs: dict[bytes, Any]) -> None:
+    def __init__(self, txn: Any, dbs: dict[bytes, Any], read_only: ReadOnlyHandles) -> None:
         self.txn = txn
         self.dbs = dbs
+        self.read_only = read_only  # the in-memory read-only handles (readonly.py)
         self.now = time.time_ns()  # the time stamped on everything this transaction changes
         self._recs: dict[int, Rec | None] = {}
         self._raw: dict[int, bytes | None] = {}
+        self.ended: list[Callable[[bool], None]] = []
+
+    def after(self, fn: Callable[[bool], None]) -> None:
+        """Call *fn(committed)* once this transaction has committed or aborted
+        (in-memory state that must follow the transaction's fate)."""
+        self.ended.append(fn)
 
     # ---- any sub-database --------------------------------------------------
 
@@ -193,19 +201,32 @@ class Transactions:
     def __init__(self, env: Any, dbs: dict[bytes, Any]) -> None:
         self.env = env
         self.dbs = dbs
+        self.read_only = ReadOnlyHandles()
+        # write transactions begun and committed: read-only work must move neither
+        self.write_count = 0
+        self.commit_count = 0
 
     def write(self, body: Callable[[Tx], T]) -> T:
         """Run *body* in one write transaction: all of it commits, or nothing."""
+        self.write_count += 1
+        tx: Tx | None = None
+        committed = False
         try:
             with self.env.begin(write=True) as txn:
-                tx = Tx(txn, self.dbs)
+                tx = Tx(txn, self.dbs, self.read_only)
                 result = body(tx)
                 tx.flush()
+            committed = True
+            self.commit_count += 1
             return result
         except lmdb.MapFullError:
             raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
+        finally:
+            if tx is not None:
+                for fn in tx.ended:
+                    fn(committed)
 
     def read(self, body: Callable[[Tx], T]) -> T:
         """Run *body* on one read snapshot (it never waits for the writer)."""
         with self.env.begin(write=False) as txn:
-            return body(Tx(txn, self.dbs))
+            return body(Tx(txn, self.dbs, self.read_only))
