@@ -170,18 +170,10 @@ class FileOps:
 
     def release_read_only(self, handle: int, session: int) -> int | None:
         """Give an in-memory handle back, with no write transaction. Returns
-        the inode if it now has no name and no read-only handle: the caller
+        the inode if it was the last handle of an unnamed inode: the caller
         frees it with `free_orphan` (one write transaction)."""
         check_ino(handle, "handle")
-        ino = self.txns.read_only.release(session, handle)
-        if ino is None:
-            return None
-
-        def unnamed(tx: Tx) -> bool:
-            rec = tx.get(ino)
-            return rec is not None and rec["nlink"] == 0
-
-        return ino if self.txns.read(unnamed) else None
+        return self.txns.read_only.release(session, handle)
 
     def free_orphan(self, ino: int) -> bool:
         """Free *ino* if nothing names or holds it any more."""

@@ -52,6 +52,9 @@ class ReadOnlyHandles:
         self._sessions: dict[int, dict[int, int]] = {}
         self._holders: Counter[int] = Counter()
         self._freeing: set[int] = set()
+        # unnamed inodes a free left alive for their read-only handles: the
+        # release of the last of those frees them
+        self._kept: set[int] = set()
         self._closing: set[int] = set()
         self._grace: set[int] = set()  # sessions live at startup that have not re-reported
         self.sweep_due = False
@@ -76,16 +79,20 @@ class ReadOnlyHandles:
             return handle
 
     def release(self, session: int, handle: int) -> int | None:
-        """Give a handle back; returns its inode if nothing in memory holds
-        that inode any more (it may need freeing), else None. A handle
-        already gone (its session closed) is not an error."""
+        """Give a handle back; returns its inode if this was the last
+        read-only handle of an inode a free kept alive (it needs freeing
+        now), else None. A handle already gone (its session closed) is not
+        an error."""
         with self._lock:
             ino = self._sessions.get(session, {}).pop(handle, None)
             if ino is None:
                 if any(handle in held for held in self._sessions.values()):
                     raise FsError(errno.EBADF, f"handle {handle} belongs to another session")
                 return None
-            return ino if self._drop(ino) else None
+            if self._drop(ino) and ino in self._kept:
+                self._kept.discard(ino)
+                return ino
+            return None
 
     def renewed(self, session: int, open_ro: Iterable[tuple[int, int]]) -> None:
         """A renewal. The first one from a session live at startup puts
@@ -109,8 +116,12 @@ class ReadOnlyHandles:
         while a read-only handle holds it or a restart's grace lasts; if it
         may, it is marked `freeing` until *tx* ends."""
         with self._lock:
-            if self._holders[ino] or self._grace:
+            if self._holders[ino]:
+                self._kept.add(ino)
                 return False
+            if self._grace:
+                return False
+            self._kept.discard(ino)
             self._freeing.add(ino)
         tx.after(lambda committed: self._unmark_free(ino))
         return True
@@ -154,6 +165,7 @@ class ReadOnlyHandles:
     # ---- internals (under the lock) -------------------------------------------------
 
     def _drop(self, ino: int) -> bool:
+        """One handle on *ino* less; returns whether it was the last."""
         self._holders[ino] -= 1
         if self._holders[ino] > 0:
             return False
