@@ -87,7 +87,7 @@ class MetaService:
         self.store = store
         self.routing = routing
         self.refresh_routing = refresh_routing
-        self.write = Writer()
+        self.write = Writer(store.txns)
         self.jobs = StorageJobs(
             store,
             self.write,
