@@ -9,13 +9,18 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from metaservice import CHAINS, Env, ShiftedClock, open_store, service_env
 
 from shufflefs.metadata.protocol import ROOT_INODE, is_read_only_handle
+from shufflefs.metadata.readonly import FreeInProgress
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc import FsError
+
+if TYPE_CHECKING:
+    from conftest import Fs
 
 ROOT = ROOT_INODE
 
@@ -178,3 +183,25 @@ async def test_restart_grace_ends_when_silent_sessions_expire(tmp_path: Path) ->
             store.gc_done(ino)
     finally:
         store.close()
+
+
+def test_read_only_open_meets_a_free_being_committed(ns: NamespaceStore, fs: Fs) -> None:
+    """A free not yet committed marks its inode: a read-only open then must
+    wait (the server retries after the writer's transaction), never take a
+    handle on an inode whose GC job is about to commit."""
+    ino = fs.file(ROOT, b"f")
+    seen: list[bool] = []
+
+    def unlink_then_open() -> None:
+        assert ns.unlink(ROOT, b"f")  # freed inside the group, not committed yet
+        with pytest.raises(FreeInProgress):
+            ns.open_read_only(ino, os.O_RDONLY, fs.session)
+        seen.append(True)
+
+    assert ns.txns.group([unlink_then_open]) == [(True, None)]
+    assert seen == [True]
+    with pytest.raises(FsError) as info:  # after the commit: gone
+        ns.open(ino, os.O_RDONLY, fs.session)
+    assert info.value.code == errno.ENOENT
+    assert [j["ino"] for j in ns.gc_jobs()] == [ino]
+    ns.gc_done(ino)
