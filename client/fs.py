@@ -41,7 +41,15 @@ from shufflefs.client.storage_client import StorageClient
 from shufflefs.client.write_behind import InodeState, WriteBehind, drain
 from shufflefs.cluster.protocol import Capacity
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.metadata.protocol import ROOT_INODE, Attr, FsStats, Layout, OpenResult, ReaddirPage
+from shufflefs.metadata.protocol import (
+    ROOT_INODE,
+    Attr,
+    FsStats,
+    Layout,
+    OpenResult,
+    ReaddirPage,
+    is_read_only_handle,
+)
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import hostname
@@ -104,7 +112,7 @@ class FileSystem:
         )
         self.write_behind = WriteBehind(self.storage, self.options.write_buffer)
         self.name = name or f"{hostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.session = Session(self.meta, self.name, self._reopen_files)
+        self.session = Session(self.meta, self.name, self._reopen_files, self._read_only_handles)
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
         self._fh = itertools.count(1)
@@ -115,6 +123,11 @@ class FileSystem:
         self.storage.start(nursery)
         await self.routing.start(nursery)
         await self.session.start(nursery)
+
+    def _read_only_handles(self) -> list[list[int]]:
+        """What the session renewal reports: [ino, handle] of each open file
+        whose handle the metadata server holds in memory only."""
+        return [[f.ino, f.handle] for f in self.files.values() if is_read_only_handle(f.handle)]
 
     async def _reopen_files(self) -> None:
         """Take new handles for our open files under a new session."""

@@ -1,7 +1,9 @@
 """The metadata session of one client: opened at start, renewed in the
 background, and replaced if it expired while we could not reach the metadata
 server. Every open file holds a handle under it, so an unlinked file keeps its
-data until this client closes it (or the session expires).
+data until this client closes it (or the session expires). Read-only handles
+are held in the metadata server's memory only, so each renewal reports them
+(after a server restart that is how it learns them back).
 """
 
 from __future__ import annotations
@@ -22,11 +24,20 @@ log = logging.getLogger("shufflefs.client.session")
 
 
 class Session:
-    def __init__(self, meta: MetaClient, name: str, reopen: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        meta: MetaClient,
+        name: str,
+        reopen: Callable[[], Awaitable[None]],
+        open_ro: Callable[[], list[list[int]]] = list,
+    ) -> None:
         self.meta = meta
         self.name = name
         self.id = 0  # 0: not open
         self._reopen = reopen  # takes new handles for the open files under a new session
+        # [ino, handle] of our read-only handles, sent with every renewal: the
+        # server holds them in memory only and learns them back after a restart
+        self._open_ro = open_ro
         self._lock = trio.Lock()
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -45,10 +56,11 @@ class Session:
         while True:
             await trio.sleep(max(0.5, lease / 3))
             session = self.id
+            held = self._open_ro()
             try:
                 await self.meta.call_idempotent(
                     "session_renew",
-                    lambda m: m.session_renew(session),  # noqa: B023 (awaited right here)
+                    lambda m: m.session_renew(session, held),  # noqa: B023 (awaited right here)
                 )
             except FsError as exc:
                 if exc.code != errno.ENOENT:

@@ -28,7 +28,7 @@ from shufflefs.metadata.checks import (
 from shufflefs.metadata.jobs import record_truncate
 from shufflefs.metadata.lifetime import add_handle, free_if_orphan, remove_handle
 from shufflefs.metadata.namespace import LayoutSource, make_inode
-from shufflefs.metadata.protocol import Attr, OpenResult
+from shufflefs.metadata.protocol import Attr, OpenResult, is_read_only_handle
 from shufflefs.metadata.records import (
     Rec,
     attr_of,
@@ -59,12 +59,23 @@ def regular_file(ino: int, rec: Rec, size: int, what: str) -> None:
         raise FsError(errno.EFBIG, f"{what} {size} beyond the file's chunk index limit")
 
 
-def open_inode(tx: Tx, ino: int, flags: int, session: int) -> OpenResult:
+def opens_for_writing(flags: int) -> bool:
+    """Does an open with *flags* change anything (write access or O_TRUNC)?
+    Only such opens take a durable handle; the rest are `readonly`'s."""
+    return (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
+
+
+def openable(tx: Tx, ino: int, flags: int) -> Rec:
     rec = tx.inode(ino)
-    if is_dir(rec) and ((flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC):
+    if is_dir(rec) and opens_for_writing(flags):
         raise FsError(errno.EISDIR, f"inode {ino} is a directory")
     if is_lnk(rec):
         raise FsError(errno.ELOOP, f"inode {ino} is a symbolic link")
+    return rec
+
+
+def open_inode(tx: Tx, ino: int, flags: int, session: int) -> OpenResult:
+    rec = openable(tx, ino, flags)
     if flags & os.O_TRUNC and is_reg(rec):
         set_size(tx, ino, rec, 0)
         rec["mtime"] = rec["ctime"] = tx.now
@@ -117,22 +128,56 @@ class FileOps:
         return self.txns.write(body)
 
     def open(self, ino: int, flags: int, session: int) -> OpenResult:
+        """A read-only open takes an in-memory handle and no write
+        transaction (`open_read_only`); any other takes a durable one."""
+        if not opens_for_writing(flags):
+            return self.open_read_only(ino, flags, session)
+
         def body(tx: Tx) -> OpenResult:
             live_session(tx, session, self.clock())
             return open_inode(tx, ino, flags, session)
 
         return self.txns.write(body)
 
+    def open_read_only(self, ino: int, flags: int, session: int) -> OpenResult:
+        """One read snapshot and a handle in `readonly.ReadOnlyHandles`.
+        Raises `readonly.FreeInProgress` if a free of *ino* is being committed
+        (only possible with the writer in another thread: retry after it)."""
+        check_ino(ino)
+        found: list[OpenResult] = []
+
+        def body(tx: Tx) -> None:
+            live_session(tx, session, self.clock())
+            rec = openable(tx, ino, flags)
+            found.append({"attr": attr_of(ino, rec), "layout": layout_of(rec), "handle": 0})
+
+        handle = self.txns.read_only.open(session, ino, lambda: self.txns.read(body))
+        return {**found[0], "handle": handle}
+
     def release(self, ino: int, handle: int, session: int) -> bool:
         """Close a handle; releasing one already gone (its session expired) is
         not an error. Returns whether the inode was freed."""
         check_ino(ino)
         check_ino(handle, "handle")
+        if is_read_only_handle(handle):
+            orphan = self.release_read_only(handle, session)
+            return orphan is not None and self.free_orphan(orphan)
 
         def body(tx: Tx) -> bool:
             return remove_handle(tx, ino, handle, session) and free_if_orphan(tx, ino)
 
         return self.txns.write(body)
+
+    def release_read_only(self, handle: int, session: int) -> int | None:
+        """Give an in-memory handle back, with no write transaction. Returns
+        the inode if it was the last handle of an unnamed inode: the caller
+        frees it with `free_orphan` (one write transaction)."""
+        check_ino(handle, "handle")
+        return self.txns.read_only.release(session, handle)
+
+    def free_orphan(self, ino: int) -> bool:
+        """Free *ino* if nothing names or holds it any more."""
+        return self.txns.write(lambda tx: free_if_orphan(tx, ino))
 
     def setattr(
         self,

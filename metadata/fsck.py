@@ -41,8 +41,13 @@ class Fsck:
     """Collects problems instead of stopping at the first: a damaged
     namespace is easier to repair from the whole list."""
 
-    def __init__(self, tx: Tx) -> None:
+    def __init__(self, tx: Tx, read_only: set[int] | None = None, grace: bool = False) -> None:
+        """*read_only*: the inodes held by in-memory read-only handles;
+        *grace*: a restart's grace lasts, so an inode with no name may be
+        held by a handle not yet re-reported."""
         self.tx = tx
+        self.read_only = read_only or set()
+        self.grace = grace
         self.problems: list[str] = []
 
     def items(self, db: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -58,8 +63,10 @@ class Fsck:
             self.bad("root inode missing")
         links, subdirs, dir_parents, children = self.check_dentries(inodes)
         handles = self.check_handles(inodes)
-        self.check_links(inodes, links, subdirs, dir_parents, handles)
-        self.check_reachable(inodes, children, handles)
+        held = handles.copy()  # by a durable handle or a read-only one in memory
+        held.update(ino for ino in inodes if ino in self.read_only or self.grace)
+        self.check_links(inodes, links, subdirs, dir_parents, held)
+        self.check_reachable(inodes, children, held)
         self.check_jobs(inodes)
         for key, _ in self.items(DB_XATTRS):
             ino = U64.unpack(key[:8])[0]

@@ -301,4 +301,15 @@ class SessionReaper:
             )
         if any(s["freed"] for s in expired):
             self.jobs.wake()
+        await self.sweep_if_due()
         return expired
+
+    async def sweep_if_due(self) -> None:
+        """Once a restart's grace is over (every session then live has
+        renewed or expired), free the unnamed inodes nothing holds."""
+        if not self.store.read_only.sweep_due:
+            return
+        freed = await self.writer(self.store.sweep_orphans)
+        log.info("restart grace over: every session re-reported or expired; freed=%d", freed)
+        if freed:
+            self.jobs.wake()

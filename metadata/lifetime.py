@@ -65,8 +65,9 @@ def drop_name(tx: Tx, parent_rec: Rec, ino: int, rec: Rec) -> bool:
 
 
 def free_if_unused(tx: Tx, ino: int, rec: Rec) -> bool:
-    """Free an inode that has no name left, unless a handle holds it."""
-    if rec["nlink"] > 0 or has_handles(tx, ino):
+    """Free an inode that has no name left, unless a handle (durable, or
+    read-only in memory: `readonly.ReadOnlyHandles`) holds it."""
+    if rec["nlink"] > 0 or has_handles(tx, ino) or not tx.read_only.claim_free(tx, ino):
         return False
     tx.drop_inode(ino)
     for key, _ in list(tx.prefix_items(DB_XATTRS, u64(ino))):

@@ -39,6 +39,13 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
 
+RO_HANDLE_BIT = 1 << 62  # set in every read-only handle id (held in the server's memory only)
+
+
+def is_read_only_handle(handle: int) -> bool:
+    return handle > 0 and bool(handle & RO_HANDLE_BIT)
+
+
 class Layout(TypedDict):
     chunk_size: int  # power of two
     chains: list[int]  # chunk k of the file lives on chains[k % len(chains)]
@@ -96,9 +103,12 @@ class MetaStub:
         result: Session = await self._call("session_open", client=client, host=host, pid=pid)
         return result
 
-    async def session_renew(self, session: int) -> None:
-        """ENOENT: the session expired (its handles were closed); open a new one."""
-        await self._call("session_renew", session=session)
+    async def session_renew(self, session: int, open_ro: list[list[int]] | None = None) -> None:
+        """ENOENT: the session expired (its handles were closed); open a new one.
+        *open_ro*: the [ino, handle] of every read-only handle this client holds
+        (the server keeps those in memory only; after a restart it learns them
+        back from here, see docs/metadata.md "Read-only handles")."""
+        await self._call("session_renew", session=session, open_ro=open_ro)
 
     async def session_close(self, session: int) -> None:
         """Close the session and every handle it still holds."""

@@ -15,7 +15,6 @@ import errno
 import functools
 import itertools
 import logging
-import os
 import random
 import stat
 from collections.abc import Awaitable, Callable
@@ -29,6 +28,7 @@ from shufflefs.cluster.node import NodeState, advertised_address, listen_address
 from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.metadata.config import MetaConfig
+from shufflefs.metadata.files import opens_for_writing
 from shufflefs.metadata.gc import SessionReaper, StorageJobs
 from shufflefs.metadata.protocol import (
     Attr,
@@ -37,7 +37,9 @@ from shufflefs.metadata.protocol import (
     OpenResult,
     ReaddirPage,
     Session,
+    is_read_only_handle,
 )
+from shufflefs.metadata.readonly import FreeInProgress
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
 from shufflefs.rpc.auth import load_secret
@@ -65,10 +67,6 @@ def _kv(details: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _writes(flags: int) -> bool:
-    return (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
-
-
 class MetaService:
     """The rpc methods of `metadata.protocol.MetaStub`, over one NamespaceStore.
 
@@ -89,7 +87,7 @@ class MetaService:
         self.store = store
         self.routing = routing
         self.refresh_routing = refresh_routing
-        self.write = Writer()
+        self.write = Writer(store.txns)
         self.jobs = StorageJobs(
             store,
             self.write,
@@ -157,7 +155,7 @@ class MetaService:
         the bytes cut would reappear under its writes. Carry the cut out now;
         if that fails, give the handle back and fail the open."""
         ino = result["attr"]["ino"]
-        if not _writes(flags):
+        if not opens_for_writing(flags):
             return result
         try:
             await self.jobs.truncate_now(ino)
@@ -185,8 +183,13 @@ class MetaService:
         return result
 
     @rpc_method
-    async def session_renew(self, session: int) -> None:
+    async def session_renew(self, session: int, open_ro: list[list[int]] | None = None) -> None:
+        """The first renewal after a restart also hands back the read-only
+        handles the client holds (kept in memory only: `readonly.py`)."""
         await self._mutate("session_renew", self.store.session_renew, session=session)
+        pairs = [(p[0], p[1]) for p in open_ro or [] if len(p) == 2]
+        self.store.read_only.renewed(session, pairs)
+        await self.reaper.sweep_if_due()
 
     @rpc_method
     async def session_close(self, session: int) -> None:
@@ -290,14 +293,35 @@ class MetaService:
 
     @rpc_method
     async def open(self, ino: int, flags: int, session: int) -> OpenResult:
+        if not opens_for_writing(flags):
+            return await self._open_read_only(ino, flags, session)
         result = await self._mutate("open", self.store.open, ino=ino, flags=flags, session=session)
         return await self._settle_open(result, flags, session)
 
+    async def _open_read_only(self, ino: int, flags: int, session: int) -> OpenResult:
+        """No write transaction: a read snapshot and an in-memory handle.
+        If a free of the inode is being committed, wait for the writer's
+        current transaction and look again (gone, or alive if it aborted)."""
+        while True:
+            try:
+                return self.store.open_read_only(ino, flags, session)
+            except FreeInProgress:
+                await self.write(lambda: None)
+            except FsError as exc:
+                log.debug("open failed ino=%d flags=%#o: %s", ino, flags, exc.message)
+                raise
+
     @rpc_method
     async def release(self, ino: int, handle: int, session: int) -> None:
-        freed = await self._mutate(
-            "release", self.store.release, ino=ino, handle=handle, session=session
-        )
+        if is_read_only_handle(handle):
+            orphan = self.store.release_read_only(handle, session)
+            freed = orphan is not None and await self._mutate(
+                "release", self.store.free_orphan, ino=orphan
+            )
+        else:
+            freed = await self._mutate(
+                "release", self.store.release, ino=ino, handle=handle, session=session
+            )
         if freed:
             log.debug("last handle closed ino=%d: freed", ino)
             self.jobs.wake()

@@ -18,6 +18,7 @@ from shufflefs.metadata.protocol import SESSION_EXPIRED, Session
 from shufflefs.metadata.records import (
     C_SESSION,
     DB_HANDLES,
+    DB_INODES,
     DB_SESSION_HANDLES,
     DB_SESSIONS,
     ExpiredSession,
@@ -58,6 +59,7 @@ def close_session(tx: Tx, session: int) -> tuple[int, int]:
         tx.delete(DB_SESSION_HANDLES, key)
         tx.delete(DB_HANDLES, value + handle)
         inos.add(read_u64(value))
+    inos |= tx.read_only.close_session(tx, session)
     tx.delete(DB_SESSIONS, u64(session))
     freed = sum(free_if_orphan(tx, ino) for ino in sorted(inos))
     return len(handles), freed
@@ -153,6 +155,36 @@ class SessionOps:
                 rec = unpack(raw)
                 rec["expires"] = expires
                 tx.put(DB_SESSIONS, key, pack(rec))
+            # their read-only handles were in the old process's memory: until
+            # each has re-reported them (or expired), nothing is freed
+            sessions = [read_u64(key) for key, _ in items]
+
+            def ended(committed: bool) -> None:
+                if committed:
+                    tx.read_only.begin_grace(sessions)
+
+            tx.after(ended)
             return len(items)
+
+        return self.txns.write(body)
+
+    def sweep_orphans(self) -> int:
+        """After a restart's grace: free every inode with no name that no
+        handle holds (its unlink or last close came while frees were
+        deferred, or before the restart). One scan of the inodes."""
+
+        def body(tx: Tx) -> int:
+            orphans = [
+                read_u64(key)
+                for key, raw in tx.prefix_items(DB_INODES, b"")
+                if unpack(raw)["nlink"] == 0
+            ]
+
+            def ended(committed: bool) -> None:
+                if committed:
+                    tx.read_only.swept()
+
+            tx.after(ended)
+            return sum(free_if_orphan(tx, ino) for ino in orphans)
 
         return self.txns.write(body)

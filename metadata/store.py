@@ -35,6 +35,7 @@ from shufflefs.metadata.fsck import Fsck
 from shufflefs.metadata.jobs import JobQueue
 from shufflefs.metadata.namespace import NameOps
 from shufflefs.metadata.protocol import ROOT_INODE, FsStats
+from shufflefs.metadata.readonly import ReadOnlyHandles
 from shufflefs.metadata.records import (
     ALL_DBS,
     C_INO,
@@ -133,4 +134,11 @@ class NamespaceStore(NameOps, FileOps, XattrOps, SessionOps, JobQueue):
         """Check every invariant of the namespace; returns the problems found
         (empty when consistent). Reads one snapshot, so it may run while the
         server serves."""
-        return self.txns.read(lambda tx: Fsck(tx).run())
+        held = self.read_only.held()
+        grace = self.read_only.in_grace()
+        return self.txns.read(lambda tx: Fsck(tx, held, grace).run())
+
+    @property
+    def read_only(self) -> ReadOnlyHandles:
+        """The in-memory read-only handles (`readonly.py`)."""
+        return self.txns.read_only

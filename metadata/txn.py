@@ -18,6 +18,7 @@ and shipping each committed transaction's changes to followers.
 from __future__ import annotations
 
 import errno
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ import lmdb
 
 from shufflefs.metadata.checks import check_ino
 from shufflefs.metadata.protocol import ROOT_INODE
+from shufflefs.metadata.readonly import ReadOnlyHandles
 from shufflefs.metadata.records import (
     DB_COUNTERS,
     DB_DENTRIES,
@@ -54,12 +56,19 @@ class Tx:
     a fresh one.
     """
 
-    def __init__(self, txn: Any, dbs: dict[bytes, Any]) -> None:
+    def __init__(self, txn: Any, dbs: dict[bytes, Any], read_only: ReadOnlyHandles) -> None:
         self.txn = txn
         self.dbs = dbs
+        self.read_only = read_only  # the in-memory read-only handles (readonly.py)
         self.now = time.time_ns()  # the time stamped on everything this transaction changes
         self._recs: dict[int, Rec | None] = {}
         self._raw: dict[int, bytes | None] = {}
+        self.ended: list[Callable[[bool], None]] = []
+
+    def after(self, fn: Callable[[bool], None]) -> None:
+        """Call *fn(committed)* once this transaction has committed or aborted
+        (in-memory state that must follow the transaction's fate)."""
+        self.ended.append(fn)
 
     # ---- any sub-database --------------------------------------------------
 
@@ -180,32 +189,119 @@ class Tx:
         raise FsError(errno.EIO, "directory parent chain does not reach the root")
 
 
+class _Group:
+    """The outer transaction of a group commit (begun by the first mutation
+    that writes: a group of calls that only read takes none), and what must
+    follow its fate."""
+
+    def __init__(self) -> None:
+        self.txn: Any = None
+        self.ended: list[Callable[[bool], None]] = []
+
+
 class Transactions:
     """Opens and commits the namespace's LMDB transactions.
 
-    `write` is where every write transaction begins and commits: the place
-    for group commit (several bodies, one commit) and for handing each
+    `write` is where every write transaction begins and commits; `group`
+    runs several mutations in one LMDB write transaction with one commit
+    (one fsync), each `write` of theirs in a nested transaction, so one that
+    fails is rolled back alone. It is also the place for handing each
     committed transaction to a replication log. LMDB ties a write
     transaction to its thread, so a body must not block on anything else
-    (the server runs each `write` in one worker-thread call: `Writer`).
+    (the server runs each group in one worker-thread call: `Writer`).
     """
 
     def __init__(self, env: Any, dbs: dict[bytes, Any]) -> None:
         self.env = env
         self.dbs = dbs
+        self.read_only = ReadOnlyHandles()
+        # LMDB write transactions begun and committed (a group is one): read-only
+        # work must move neither
+        self.write_count = 0
+        self.commit_count = 0
+        self._local = threading.local()  # .group: the group open in this thread
 
-    def write(self, body: Callable[[Tx], T]) -> T:
-        """Run *body* in one write transaction: all of it commits, or nothing."""
+    def group(self, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+        """Run *calls* (each a mutation: checks, then its `write`) in one
+        write transaction, each `write` nested, and commit once. Returns
+        (True, result) or (False, exception) per call, in order; if the
+        commit itself fails, every call fails with its error (none is
+        applied)."""
+        group = _Group()
+        self._local.group = group
+        committed = False
         try:
-            with self.env.begin(write=True) as txn:
-                tx = Tx(txn, self.dbs)
+            results: list[tuple[bool, Any]] = []
+            for call in calls:
+                try:
+                    results.append((True, call()))
+                except Exception as exc:
+                    results.append((False, exc))
+            if group.txn is not None:
+                group.txn.commit()
+                self.commit_count += 1
+            committed = True
+            return results
+        except lmdb.MapFullError:
+            group.txn.abort()
+            full = FsError(errno.ENOSPC, "metadata store is full (raise map_size)")
+            return [(False, full) for _ in calls]
+        except BaseException:
+            if group.txn is not None:
+                group.txn.abort()
+            raise
+        finally:
+            self._local.group = None
+            for fn in group.ended:
+                fn(committed)
+
+    def _nested(self, group: _Group, body: Callable[[Tx], T]) -> T:
+        """One mutation inside a group: its own child transaction, merged
+        into the group's on success, rolled back alone on failure."""
+        if group.txn is None:
+            self.write_count += 1
+            group.txn = self.env.begin(write=True)
+        tx: Tx | None = None
+        try:
+            with self.env.begin(write=True, parent=group.txn) as txn:
+                tx = Tx(txn, self.dbs, self.read_only)
                 result = body(tx)
                 tx.flush()
+        except BaseException as exc:
+            for fn in tx.ended if tx is not None else []:
+                fn(False)
+            if isinstance(exc, lmdb.MapFullError):
+                raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
+            raise
+        assert tx is not None
+        group.ended.extend(tx.ended)  # they follow the group's commit
+        return result
+
+    def write(self, body: Callable[[Tx], T]) -> T:
+        """Run *body* in one write transaction: all of it commits, or nothing.
+        Inside a `group`, in a nested transaction of the group's."""
+        group: _Group | None = getattr(self._local, "group", None)
+        if group is not None:
+            return self._nested(group, body)
+        self.write_count += 1
+        tx: Tx | None = None
+        committed = False
+        try:
+            with self.env.begin(write=True) as txn:
+                tx = Tx(txn, self.dbs, self.read_only)
+                result = body(tx)
+                tx.flush()
+            committed = True
+            self.commit_count += 1
             return result
         except lmdb.MapFullError:
             raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
+        finally:
+            if tx is not None:
+                for fn in tx.ended:
+                    fn(committed)
 
     def read(self, body: Callable[[Tx], T]) -> T:
         """Run *body* on one read snapshot (it never waits for the writer)."""
         with self.env.begin(write=False) as txn:
-            return body(Tx(txn, self.dbs))
+            return body(Tx(txn, self.dbs, self.read_only))

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from metaservice import env  # noqa: F401 (the fixture)
 
 from shufflefs.metadata.protocol import Layout
 from shufflefs.metadata.store import NamespaceStore

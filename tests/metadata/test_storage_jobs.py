@@ -25,7 +25,7 @@ async def test_shrink_and_gc_reach_every_replica(cluster: ChainCluster, tmp_path
     try:
         jobs = StorageJobs(
             ns,
-            Writer(),
+            Writer(ns.txns),
             lambda: cluster.routing.current,
             cluster.rpc,
             refresh_routing=cluster.routing.refresh,

@@ -1,0 +1,197 @@
+"""Read-only handles: kept in the metadata server's memory, never in LMDB.
+
+A read-only open must cost no durable commit, yet an unlinked file must keep
+its data while anyone still reads it (POSIX). So a read-only handle lives in
+this table, per session; when an inode loses its last name, `lifetime` keeps
+it (nlink 0) if a durable handle in LMDB *or* a handle here holds it, and the
+release of the last one frees it in one write transaction, as for durable
+handles. Handle ids carry `RO_HANDLE_BIT`, so `release` knows which kind it
+was given without a lookup.
+
+The table is lost when the server stops. At startup every session in LMDB
+enters a *grace* state: until each has renewed once (reporting the read-only
+handles its client still holds, which are put back here) or has expired, no
+inode is freed at all; frees are deferred and `sweep_due` tells the server to
+sweep the nlink-0 inodes nothing holds once the grace is over.
+
+Who touches it: read-only open/release run on the event loop, frees and
+session closes in the writer thread, so every access takes one lock, held
+only for in-memory work and one read snapshot. A free being committed marks
+its inode `freeing` until its transaction ends; a read-only open that meets
+the mark raises `FreeInProgress` and is retried after the writer's current
+transaction (it then sees the inode gone, or alive if the free aborted).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from shufflefs.metadata.protocol import RO_HANDLE_BIT, SESSION_EXPIRED, is_read_only_handle
+from shufflefs.rpc.errors import FsError
+
+if TYPE_CHECKING:
+    from shufflefs.metadata.txn import Tx
+
+
+class FreeInProgress(Exception):
+    """The inode is being freed by a transaction not yet committed: retry
+    the open once the writer's current transaction is done."""
+
+
+class ReadOnlyHandles:
+    """{session: {handle: ino}}, with per-inode counts, in memory only."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[int, dict[int, int]] = {}
+        self._holders: Counter[int] = Counter()
+        self._freeing: set[int] = set()
+        # unnamed inodes a free left alive for their read-only handles: the
+        # release of the last of those frees them
+        self._kept: set[int] = set()
+        self._closing: set[int] = set()
+        self._grace: set[int] = set()  # sessions live at startup that have not re-reported
+        self.sweep_due = False
+        # microseconds since the epoch: ids of a restarted server do not meet old ones
+        self._ids = itertools.count(time.time_ns() // 1000)
+
+    # ---- the event-loop side -------------------------------------------------
+
+    def open(self, session: int, ino: int, check: Callable[[], None]) -> int:
+        """A new read-only handle on *ino*; *check* (one read snapshot: the
+        session is live, the inode may be opened) runs under the lock, so no
+        free can slip between it and the handle being counted."""
+        with self._lock:
+            if session in self._closing:
+                raise FsError(SESSION_EXPIRED, f"session {session} is closing")
+            if ino in self._freeing:
+                raise FreeInProgress(ino)
+            check()
+            handle = RO_HANDLE_BIT | next(self._ids)
+            self._sessions.setdefault(session, {})[handle] = ino
+            self._holders[ino] += 1
+            return handle
+
+    def release(self, session: int, handle: int) -> int | None:
+        """Give a handle back; returns its inode if this was the last
+        read-only handle of an inode a free kept alive (it needs freeing
+        now), else None. A handle already gone (its session closed) is not
+        an error."""
+        with self._lock:
+            ino = self._sessions.get(session, {}).pop(handle, None)
+            if ino is None:
+                if any(handle in held for held in self._sessions.values()):
+                    raise FsError(errno.EBADF, f"handle {handle} belongs to another session")
+                return None
+            if self._drop(ino) and ino in self._kept:
+                self._kept.discard(ino)
+                return ino
+            return None
+
+    def renewed(self, session: int, open_ro: Iterable[tuple[int, int]]) -> None:
+        """A renewal. The first one from a session live at startup puts
+        back the (ino, handle) pairs its client still holds open read-only
+        and ends that session's grace; later reports change nothing (the
+        table is already exact)."""
+        with self._lock:
+            if session not in self._grace:
+                return
+            held = self._sessions.setdefault(session, {})
+            for ino, handle in open_ro:
+                if is_read_only_handle(handle) and handle not in held:
+                    held[handle] = ino
+                    self._holders[ino] += 1
+            self._end_grace(session)
+
+    # ---- the writer side (inside a write transaction) --------------------------
+
+    def claim_free(self, tx: Tx, ino: int) -> bool:
+        """May *ino* (no name, no durable handle) be freed in *tx*? Not
+        while a read-only handle holds it or a restart's grace lasts; if it
+        may, it is marked `freeing` until *tx* ends."""
+        with self._lock:
+            if self._holders[ino]:
+                self._kept.add(ino)
+                return False
+            if self._grace:
+                return False
+            self._kept.discard(ino)
+            self._freeing.add(ino)
+        tx.after(lambda committed: self._unmark_free(ino))
+        return True
+
+    def close_session(self, tx: Tx, session: int) -> set[int]:
+        """*session* is being closed in *tx*: drop its handles (put back if
+        *tx* aborts) and return the inodes they held."""
+        with self._lock:
+            held = self._sessions.pop(session, {})
+            for ino in held.values():
+                self._drop(ino)
+            self._closing.add(session)
+            in_grace = session in self._grace
+            self._end_grace(session)
+        tx.after(lambda committed: self._session_closed(session, held, in_grace, committed))
+        return set(held.values())
+
+    # ---- startup and inspection ----------------------------------------------------
+
+    def begin_grace(self, sessions: Iterable[int]) -> None:
+        with self._lock:
+            self._grace = set(sessions)
+            self.sweep_due = not self._grace
+
+    def swept(self) -> None:
+        with self._lock:
+            self.sweep_due = False
+
+    def in_grace(self) -> bool:
+        return bool(self._grace)
+
+    def held(self) -> set[int]:
+        """Inodes held by a read-only handle now."""
+        with self._lock:
+            return {ino for ino, n in self._holders.items() if n}
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(self._holders.values())
+
+    # ---- internals (under the lock) -------------------------------------------------
+
+    def _drop(self, ino: int) -> bool:
+        """One handle on *ino* less; returns whether it was the last."""
+        self._holders[ino] -= 1
+        if self._holders[ino] > 0:
+            return False
+        del self._holders[ino]
+        return True
+
+    def _end_grace(self, session: int) -> None:
+        if session in self._grace:
+            self._grace.discard(session)
+            if not self._grace:
+                self.sweep_due = True
+
+    def _unmark_free(self, ino: int) -> None:
+        with self._lock:
+            self._freeing.discard(ino)
+
+    def _session_closed(
+        self, session: int, held: dict[int, int], in_grace: bool, committed: bool
+    ) -> None:
+        with self._lock:
+            self._closing.discard(session)
+            if committed:
+                return
+            self._sessions.setdefault(session, {}).update(held)
+            for ino in held.values():
+                self._holders[ino] += 1
+            if in_grace:
+                self._grace.add(session)
+                self.sweep_due = False

@@ -1,0 +1,207 @@
+"""Read-only work writes nothing: no LMDB write transaction for lookups,
+attributes, listings, xattr reads, statfs or a read-only open and its
+release; yet a file unlinked while open read-only keeps its data until the
+last close, across a metadata server restart too (docs/metadata.md,
+"Read-only handles")."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from metaservice import CHAINS, Env, ShiftedClock, open_store, service_env
+
+from shufflefs.metadata.protocol import ROOT_INODE, is_read_only_handle
+from shufflefs.metadata.readonly import FreeInProgress
+from shufflefs.metadata.store import NamespaceStore
+from shufflefs.rpc import FsError
+
+if TYPE_CHECKING:
+    from conftest import Fs
+
+ROOT = ROOT_INODE
+
+
+def writes(store: NamespaceStore) -> tuple[int, int]:
+    """(write transactions begun, committed) so far."""
+    return store.txns.write_count, store.txns.commit_count
+
+
+async def test_read_only_work_takes_no_write_transaction(env: Env) -> None:
+    meta = env.meta
+    d = await meta.mkdir(ROOT, b"d", 0o755, 0, 0)
+    ino, handle = await env.create(d["ino"], b"f")
+    await meta.update_length(ino, 4096)
+    await meta.release(ino, handle, env.session)
+    link = await meta.symlink(d["ino"], b"l", b"f", 0, 0)
+    await meta.setxattr(ino, b"user.k", b"v")
+    before = writes(env.store)
+    assert before[0] > 0 and before[1] > 0  # the counters do count
+
+    assert (await meta.lookup(d["ino"], b"f"))["ino"] == ino
+    assert (await meta.getattr(ino))["size"] == 4096
+    assert (await meta.resolve(b"/d/l"))["ino"] == ino
+    assert [n for n, _ in (await meta.readdir(d["ino"]))["entries"]] == [b"f", b"l"]
+    assert await meta.readlink(link["ino"]) == b"f"
+    assert await meta.getxattr(ino, b"user.k") == b"v"
+    assert await meta.listxattr(ino) == [b"user.k"]
+    assert (await meta.statfs())["files"] == 4
+    for target, flags in ((ino, os.O_RDONLY), (d["ino"], os.O_RDONLY | os.O_DIRECTORY)):
+        opened = await meta.open(target, flags, env.session)
+        assert is_read_only_handle(opened["handle"])
+        assert opened["attr"]["ino"] == target
+        await meta.release(target, opened["handle"], env.session)
+    assert await env.service.reaper.reap_once() == []
+    assert writes(env.store) == before
+    assert env.store.counts()["handles"] == 0  # nothing durable either
+
+    # a writing open still takes a durable handle (and so a commit)
+    opened = await meta.open(ino, os.O_RDWR, env.session)
+    assert not is_read_only_handle(opened["handle"])
+    assert env.store.counts()["handles"] == 1
+    await meta.release(ino, opened["handle"], env.session)
+    assert writes(env.store)[1] == before[1] + 2
+
+
+async def test_unlink_while_open_read_only(env: Env) -> None:
+    meta = env.meta
+    ino, handle = await env.create(ROOT, b"f")
+    await meta.update_length(ino, 5 << 20)
+    await meta.release(ino, handle, env.session)
+    reader = (await meta.session_open("reader", "elsewhere", 2))["session"]
+    opened = await meta.open(ino, os.O_RDONLY, reader)
+    layout = opened["layout"]
+    assert layout is not None
+
+    await meta.unlink(ROOT, b"f")  # another client takes the last name
+    with pytest.raises(FsError) as info:
+        await meta.lookup(ROOT, b"f")
+    assert info.value.code == errno.ENOENT
+    attr = await meta.getattr(ino)  # still there for the reader
+    assert attr["nlink"] == 0 and attr["size"] == 5 << 20
+    again = await meta.open(ino, os.O_RDONLY, reader)  # (a re-open by inode too)
+    assert env.store.fsck() == []
+    await env.service.jobs.run_once()
+    assert env.store.gc_jobs() == [] and env.storage.calls == []  # the data stays
+
+    with pytest.raises(FsError) as info:  # not the other session's to close
+        await meta.release(ino, opened["handle"], env.session)
+    assert info.value.code == errno.EBADF
+    await meta.release(ino, again["handle"], reader)
+    assert env.store.gc_jobs() == []  # one reader left
+    await meta.release(ino, opened["handle"], reader)  # the last close frees it
+    assert [j["ino"] for j in env.store.gc_jobs()] == [ino]
+    await env.service.jobs.run_once()
+    assert env.storage.targets_called("remove", ino) == {CHAINS[c][0] for c in layout["chains"]}
+    assert env.store.gc_jobs() == []
+    await meta.release(ino, opened["handle"], reader)  # already closed: not an error
+    with pytest.raises(FsError) as info:
+        await meta.getattr(ino)
+    assert info.value.code == errno.ENOENT
+
+
+async def test_session_close_drops_read_only_handles(env: Env) -> None:
+    ino = (await env.meta.mknod(ROOT, b"f", 0o644, 0, 0, 0))["ino"]
+    reader = (await env.meta.session_open("reader", "elsewhere", 2))["session"]
+    await env.meta.open(ino, os.O_RDONLY, reader)
+    await env.meta.unlink(ROOT, b"f")
+    assert env.store.gc_jobs() == []
+    for _ in range(2):  # the reader's lease runs out; ours is renewed
+        env.clock.offset += 40
+        await env.meta.session_renew(env.session)
+    assert [s["session"] for s in await env.service.reaper.reap_once()] == [reader]
+    assert [j["ino"] for j in env.store.gc_jobs()] == [ino]
+    assert env.store.read_only.count() == 0
+    await env.service.jobs.run_once()
+    with pytest.raises(FsError) as info:
+        await env.meta.open(ino, os.O_RDONLY, reader)
+    assert info.value.code == errno.EKEYEXPIRED
+
+
+async def test_restart_waits_for_every_session_to_report(tmp_path: Path) -> None:
+    """After a restart the in-memory handles are gone: nothing is freed until
+    every session then live has renewed (reporting what it holds) or expired."""
+    clock = ShiftedClock()
+    path = tmp_path / "ns"
+    store = open_store(path, clock)
+    async with service_env(store, clock) as env:
+        ino = (await env.meta.mknod(ROOT, b"held", 0o644, 0, 0, 0))["ino"]
+        gone = (await env.meta.mknod(ROOT, b"gone", 0o644, 0, 0, 0))["ino"]
+        reader = (await env.meta.session_open("reader", "elsewhere", 2))["session"]
+        idle = (await env.meta.session_open("idle", "elsewhere", 3))["session"]
+        handle = (await env.meta.open(ino, os.O_RDONLY, reader))["handle"]
+        await env.meta.open(gone, os.O_RDONLY, reader)  # closed by the restart, not reported
+        await env.meta.session_close(env.session)
+    store.close()  # the server stops: its memory (the read-only handles) is lost
+
+    store = open_store(path, clock)
+    try:
+        assert store.restart_leases() == 2  # reader, idle
+        async with service_env(store, clock) as env:
+            await env.meta.unlink(ROOT, b"held")
+            await env.meta.unlink(ROOT, b"gone")
+            await env.meta.session_renew(idle)
+            await env.service.reaper.reap_once()
+            assert store.gc_jobs() == []  # the reader has not reported yet
+            assert (await env.meta.getattr(ino))["nlink"] == 0
+            await env.meta.session_renew(reader, [[ino, handle]])
+            assert [j["ino"] for j in store.gc_jobs()] == [gone]  # nothing holds it
+            assert (await env.meta.getattr(ino))["nlink"] == 0  # the reader still does
+            await env.meta.session_renew(reader, [])  # a later report changes nothing
+            await env.meta.release(ino, handle, reader)
+            assert sorted(j["ino"] for j in store.gc_jobs()) == sorted([gone, ino])
+            for job in store.gc_jobs():
+                store.gc_done(job["ino"])
+    finally:
+        store.close()
+
+
+async def test_restart_grace_ends_when_silent_sessions_expire(tmp_path: Path) -> None:
+    clock = ShiftedClock()
+    path = tmp_path / "ns"
+    store = open_store(path, clock)
+    async with service_env(store, clock) as env:
+        ino = (await env.meta.mknod(ROOT, b"f", 0o644, 0, 0, 0))["ino"]
+        await env.meta.open(ino, os.O_RDONLY, env.session)
+    store.close()
+
+    store = open_store(path, clock)
+    try:
+        store.restart_leases()
+        async with service_env(store, clock) as env:
+            await env.meta.unlink(ROOT, b"f")
+            assert await env.service.reaper.reap_once() == []
+            assert store.gc_jobs() == []  # that client may still read it
+            for _ in range(2):  # it never came back
+                clock.offset += 40
+                await env.meta.session_renew(env.session)
+            assert len(await env.service.reaper.reap_once()) == 1
+            assert [j["ino"] for j in store.gc_jobs()] == [ino]
+            store.gc_done(ino)
+    finally:
+        store.close()
+
+
+def test_read_only_open_meets_a_free_being_committed(ns: NamespaceStore, fs: Fs) -> None:
+    """A free not yet committed marks its inode: a read-only open then must
+    wait (the server retries after the writer's transaction), never take a
+    handle on an inode whose GC job is about to commit."""
+    ino = fs.file(ROOT, b"f")
+    seen: list[bool] = []
+
+    def unlink_then_open() -> None:
+        assert ns.unlink(ROOT, b"f")  # freed inside the group, not committed yet
+        with pytest.raises(FreeInProgress):
+            ns.open_read_only(ino, os.O_RDONLY, fs.session)
+        seen.append(True)
+
+    assert ns.txns.group([unlink_then_open]) == [(True, None)]
+    assert seen == [True]
+    with pytest.raises(FsError) as info:  # after the commit: gone
+        ns.open(ino, os.O_RDONLY, fs.session)
+    assert info.value.code == errno.ENOENT
+    assert [j["ino"] for j in ns.gc_jobs()] == [ino]
+    ns.gc_done(ino)
