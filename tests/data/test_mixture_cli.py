@@ -71,6 +71,7 @@ def test_config_builds_the_mixture(run: Path) -> None:
     assert mix.seed == 7 and mix.world_size == 3
 
 
+@pytest.mark.e2e  # runs `shufflefs` processes
 def test_explain_and_quarantine_from_the_shell(run: Path) -> None:
     base = ("sample", "explain", "--mixture", str(run), "--epoch", "1", "--step", "12",
             "--batch-size", "4", "--world-size", "3")  # fmt: skip
@@ -121,6 +122,7 @@ def test_explain_and_quarantine_from_the_shell(run: Path) -> None:
     ]
 
 
+@pytest.mark.e2e  # runs `shufflefs` processes
 def test_cli_mistakes(run: Path) -> None:
     none = shufflefs_cli("sample", "explain", "--epoch", "0", "--step", "0", "--batch-size", "2")
     assert none.returncode == 2
