@@ -229,6 +229,36 @@ async def test_truncate_is_ordered_with_writes(cluster: ChainCluster) -> None:
             assert data in (whole, whole[: max(0, last_cut - idx * CS)]) and data
 
 
+async def test_truncate_to_zero_is_ordered_with_writes(cluster: ChainCluster) -> None:
+    """The cut to 0 raced with writes: a chunk written before it is gone on
+    every replica, one written after it is whole on every replica. A write
+    after the race makes sure the replicas compared are not empty."""
+    [chain] = cluster.chain_ids()
+    ino = 15
+
+    async def writes() -> None:
+        for idx in range(24):
+            await cluster.write(chain, chunk_id(ino, idx), 0, blob(idx, 3000))
+
+    async def cuts() -> None:
+        for size in (8 * CS, 0):
+            await trio.sleep(0.01)
+            await cluster.file_op(chain, ino, size)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writes)
+        nursery.start_soon(cuts)
+    await cluster.write(chain, chunk_id(ino, 30), 0, blob(30, 3000))
+    state = await cluster.assert_identical(chain)
+    cids = sorted(c for c in state if c[:8] == ino.to_bytes(8, "big"))
+    assert chunk_id(ino, 30) in cids, "the chunk written last is missing"
+    for target in cluster.members(chain):
+        content = await cluster.read_all(target, cids)
+        assert set(content) == set(cids)
+        for cid, data in content.items():
+            assert data == blob(int.from_bytes(cid[8:], "big"), 3000)
+
+
 async def test_disk_full_fails_cleanly_everywhere(cluster: ChainCluster) -> None:
     [chain] = cluster.chain_ids()
     head, middle, tail = cluster.members(chain)
