@@ -385,9 +385,9 @@ def cli_io(args: argparse.Namespace) -> int:
             config, mnt = stack.enter_context(embedded_cluster(workdir))
             mountpoint: Path | None = mnt
         else:
-            from shufflefs.cluster.cli import default_client_config
+            from shufflefs.cluster.config import find_client_config
 
-            config_path = default_client_config(args).absolute()
+            config_path = find_client_config(args.config).absolute()
             config = str(config_path)
             if args.mountpoint:
                 mountpoint = Path(args.mountpoint).absolute()

@@ -41,8 +41,6 @@ T = TypeVar("T")
 
 PathLike = str | bytes | os.PathLike[str]
 
-find_config = find_client_config  # the name client/data/urls.py imports
-
 
 def os_error(exc: FsError) -> OSError:
     """The OSError subclass Python itself would raise for this errno."""

@@ -15,10 +15,9 @@ import importlib
 import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from shufflefs.cluster.cli_errors import Parser, exit_codes_epilog, run_reporting
-from shufflefs.cluster.config import DEFAULT_DATA_DIR, find_client_config
+from shufflefs.cluster.config import DEFAULT_DATA_DIR
 from shufflefs.cluster.preflight import (
     TOKEN_DTYPES,
     check_arguments,
@@ -51,11 +50,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sample": ("shufflefs.client.data.explain", "cli_sample"),
     "bench": ("shufflefs.client.bench", "cli_bench"),
 }
-
-
-def default_client_config(args: argparse.Namespace) -> Path:
-    """The client config a command's --config names (`find_client_config`)."""
-    return find_client_config(getattr(args, "config", None))
 
 
 def version_text() -> str:

@@ -59,8 +59,6 @@ from shufflefs.rpc.auth import generate_secret
 from shufflefs.rpc.config import write_toml
 from shufflefs.rpc.errors import FsError
 
-__all__ = ["mounted_fstype", "parse_size", "wait_services_ready"]  # their users import them here
-
 NETNS_STORAGE_PORT = 9400
 DEFAULT_STORAGE_NODES = 3
 DEFAULT_CHUNK_SIZE = 1 << 20

@@ -21,9 +21,9 @@ import trio
 
 from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster import procs
-from shufflefs.cluster.cli import default_client_config
-from shufflefs.cluster.config import ClientConfig, load_client_config
-from shufflefs.cluster.launcher import mounted_fstype, unmount, wait_mounted
+from shufflefs.cluster.config import ClientConfig, find_client_config, load_client_config
+from shufflefs.cluster.launcher import unmount, wait_mounted
+from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.fuse.ops import MountOptions, ShuffleOps
 from shufflefs.rpc.client import open_rpc_client
@@ -92,7 +92,7 @@ async def run_mount(
 
 
 def cli_mount(args: argparse.Namespace) -> int:
-    config_path = default_client_config(args).absolute()
+    config_path = find_client_config(args.config).absolute()
     config, secret = load_client_config(config_path)  # fail here, in the caller's terminal
     mountpoint = Path(args.mountpoint).absolute()
     options, fuse_opts = parse_options(args.options)

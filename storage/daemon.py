@@ -123,7 +123,7 @@ class StorageDaemon:
                     node.save(data_dir, fsync=config.fsync)
                 # the registration listed our stores in order; a target added
                 # meanwhile (appended) is registered by the next registration
-                current = list(service.stores)
+                current = list(service.node.stores)
                 ids = result["target_ids"]
                 if len(ids) > len(current):
                     raise FsError(
@@ -171,7 +171,7 @@ class StorageDaemon:
                     assert service is not None
                     node.targets = [
                         str(s.path)
-                        for s in service.stores
+                        for s in service.node.stores
                         if os.path.realpath(s.path) not in configured
                     ]
                     node.save(data_dir, fsync=config.fsync)
@@ -197,7 +197,7 @@ class StorageDaemon:
             if registered is not None and self.unregister_on_stop:
                 with trio.CancelScope(shield=True):
                     await unregister_node(secret, config.mgmtd, registered)
-            for store in service.stores if service is not None else stores:
+            for store in service.node.stores if service is not None else stores:
                 store.close()
 
     def stop(self, *, clean: bool = True) -> None:

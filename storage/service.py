@@ -28,7 +28,7 @@ from shufflefs.rpc import FsError, Reply, RpcClient, rpc_method
 from shufflefs.rpc.errors import as_fs_error
 from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.storage.capacity import CapacityFigures
-from shufflefs.storage.chain import LockTable, Place, ResyncStats
+from shufflefs.storage.chain import Place
 from shufflefs.storage.context import NodeContext, RoutingSource
 from shufflefs.storage.forwarding import FORWARD_TIMEOUT, Forwarding
 from shufflefs.storage.layout import check_chunk_id, check_chunk_size
@@ -86,24 +86,6 @@ class StorageService:
         self.open_target = open_target
         self.on_targets_changed = on_targets_changed
         self._add_lock = trio.Lock()
-
-    # ---- what tests and the daemon reach -----------------------------------
-
-    @property
-    def stores(self) -> list[ChunkStore]:
-        return self.node.stores
-
-    @property
-    def locks(self) -> LockTable:
-        return self.node.locks
-
-    @property
-    def resyncs(self) -> list[ResyncStats]:
-        """Finished resync passes, newest last."""
-        return self.resyncer.finished
-
-    def _store(self, target: int) -> ChunkStore:
-        return self.node.store(target)
 
     # ---- reads -----------------------------------------------------------
 

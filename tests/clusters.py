@@ -42,10 +42,11 @@ from hosts import TestHosts, namespaces_available
 
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import load_client_config
-from shufflefs.cluster.launcher import LocalCluster, default_replicas, wait_services_ready
+from shufflefs.cluster.launcher import LocalCluster, default_replicas
 from shufflefs.cluster.mgmtd import MgmtdService
 from shufflefs.cluster.protocol import ClusterConfig, MgmtdStub, RoutingInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
+from shufflefs.cluster.startup import wait_services_ready
 from shufflefs.cluster.state import ClusterState
 from shufflefs.cluster.store import MgmtdStore
 from shufflefs.metadata.config import MetaConfig
@@ -70,6 +71,21 @@ async def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
             await trio.sleep(0.02)
 
 
+def wait_until(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll *check* (outside trio: tests driving processes) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def chunk_files(data_dir: Path, ino: int) -> list[Path]:
+    """The chunk files of inode *ino* on every storage target of a local
+    cluster (their names start with the chunk id: the inode as 16 hex
+    digits, then the index)."""
+    return sorted(data_dir.glob(f"storage*/target*/chunks/*/{ino:016x}*"))
+
+
 class Node:
     def __init__(self, index: int, config: StorageConfig) -> None:
         self.index = index
@@ -83,11 +99,11 @@ class Node:
         return self.daemon.service
 
     def store(self, target: int) -> ChunkStore:
-        return self.service._store(target)
+        return self.service.node.store(target)
 
     @property
     def target_ids(self) -> list[int]:
-        return [s.target_id for s in self.service.stores if s.target_id is not None]
+        return [s.target_id for s in self.service.node.stores if s.target_id is not None]
 
     @property
     def node_id(self) -> int:

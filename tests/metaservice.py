@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,12 +140,6 @@ class Env:
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
         r = await self.meta.create(parent, name, 0o644, flags, 0, 0, self.session)
         return r["attr"]["ino"], r["handle"]
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    with trio.fail_after(timeout):
-        while not check():
-            await trio.sleep(0.02)
 
 
 @asynccontextmanager

@@ -59,7 +59,8 @@ from shufflefs.client.data.tokens import TokenWindows
 from shufflefs.client.data.urls import client_for
 from shufflefs.client.iobench import drop_caches
 from shufflefs.cluster.config import load_client_config
-from shufflefs.cluster.launcher import down, parse_size, up
+from shufflefs.cluster.launcher import down, up
+from shufflefs.cluster.preflight import parse_size
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.bench")

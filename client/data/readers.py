@@ -249,6 +249,18 @@ class NativeReader(RangeReader):
                 log.warning("closing %s: %s", self.paths[i], exc.message)
         return out
 
+    def _open_layouts(self, indices: list[int]) -> dict[int, tuple[int, Layout]] | None:
+        """(ino, layout) of the given files when every one is open already,
+        read from the caller's thread: a warm batch makes no trip to the
+        client's loop. None if any is missing (or was just evicted)."""
+        files = self._files
+        if files is None or files.fs is not self.client.fs:
+            return None
+        try:
+            return {i: files.open[i][1:] for i in indices}
+        except KeyError:
+            return None
+
     def read_into(
         self, files: IntArray, offsets: IntArray, lengths: IntArray, out: memoryview
     ) -> None:
@@ -257,7 +269,9 @@ class NativeReader(RangeReader):
             self._reset()
         client = self.client
         file_list = files.tolist()
-        layouts = client._run(self._layouts, file_list)
+        layouts = self._open_layouts(file_list)
+        if layouts is None:  # some file not open yet: open it in the client's loop
+            layouts = client._run(self._layouts, file_list)
         extents: list[Extent] = []
         for f, off, n in zip(file_list, offsets.tolist(), lengths.tolist(), strict=True):
             ino, layout = layouts[f]

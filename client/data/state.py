@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import context
@@ -435,15 +436,18 @@ def file_index(paths: Sequence[str], path: str) -> int:
     raise ValueError(f"{path} is not a file of this dataset")
 
 
-class Batched:
+class Batched(ABC):
     """Batches and samples of a dataset that reads in units (`_units`: the
     positions each covers and its samples), counting positions as consumed."""
 
     batch_size: int | None
     _consumed: int
 
+    @abstractmethod
     def _units(self, worker: int | None, num_workers: int | None) -> Iterator[tuple[int, Any]]:
-        raise NotImplementedError
+        """This worker's units from the current position: (positions covered,
+        the samples read), the first more than the second's rows when some of
+        them are quarantined."""
 
     def _convert(self, value: Any) -> Any:
         """What a sample or batch is handed out as (numpy here; torch tensors

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from shufflefs.client.native import Client, find_config
-from shufflefs.cluster.config import load_client_config
+from shufflefs.client.native import Client
+from shufflefs.cluster.config import find_client_config, load_client_config
 
 SCHEME = "shufflefs"
 PREFIX = f"{SCHEME}://"
@@ -72,7 +72,7 @@ def _same_address(a: str, b: str) -> bool:
 def config_path(config: str | os.PathLike[str] | None = None) -> Path:
     """The client config a URL is read with (absolute, so a worker that
     changed directory finds the same one)."""
-    return find_config(config).absolute()
+    return find_client_config(config).absolute()
 
 
 def check_cluster(url: Url, config: str | os.PathLike[str] | None = None) -> Path:

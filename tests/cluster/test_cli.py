@@ -226,9 +226,11 @@ def test_interrupted_command_exits_130(tmp_path: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(1.0)
+        listener.settimeout(RUN_TIMEOUT)
+        conn, _ = listener.accept()  # the command is now waiting for the service to answer
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=RUN_TIMEOUT)
+        conn.close()
     assert proc.returncode == cli_errors.EXIT_INTERRUPTED and "Traceback" not in err, err
 
 

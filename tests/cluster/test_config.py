@@ -3,14 +3,17 @@ config the same way."""
 
 from __future__ import annotations
 
-import argparse
 import errno
 from pathlib import Path
 
 import pytest
 
-from shufflefs.cluster.cli import default_client_config
-from shufflefs.cluster.config import CONFIG_ENV, DEFAULT_CLIENT_CONFIG, MgmtdConfig
+from shufflefs.cluster.config import (
+    CONFIG_ENV,
+    DEFAULT_CLIENT_CONFIG,
+    MgmtdConfig,
+    find_client_config,
+)
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
 
@@ -44,8 +47,7 @@ def test_bad_listen_address_is_refused_at_load(tmp_path: Path) -> None:
 
 def test_client_config_lookup_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CONFIG_ENV, raising=False)
-    assert default_client_config(argparse.Namespace()) == DEFAULT_CLIENT_CONFIG
+    assert find_client_config(None) == DEFAULT_CLIENT_CONFIG
     monkeypatch.setenv(CONFIG_ENV, "/env/client.toml")
-    assert default_client_config(argparse.Namespace(config=None)) == Path("/env/client.toml")
-    explicit = argparse.Namespace(config="/flag/client.toml")
-    assert default_client_config(explicit) == Path("/flag/client.toml")
+    assert find_client_config(None) == Path("/env/client.toml")
+    assert find_client_config("/flag/client.toml") == Path("/flag/client.toml")

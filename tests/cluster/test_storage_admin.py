@@ -98,8 +98,8 @@ async def test_target_add_joins_a_chain_and_syncs(cluster: ChainCluster) -> None
     await eventually(
         lambda: cluster.state is not None and cluster.state.targets[new].state == "serving"
     )
-    await eventually(lambda: bool(spare_node.service.resyncs))  # its answer from mgmtd
-    assert spare_node.service.resyncs[-1].chunks_copied == 0
+    await eventually(lambda: bool(spare_node.service.resyncer.finished))  # its answer from mgmtd
+    assert spare_node.service.resyncer.finished[-1].chunks_copied == 0
     await cluster.sync_maps()
     assert (await cluster.write(chain, chunk_id(61, 0), 0, b"after restart"))["version"] == 2
     await cluster.assert_identical(chain)

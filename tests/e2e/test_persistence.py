@@ -14,7 +14,8 @@ from pathlib import Path
 from clusters import ProcessCluster
 
 from shufflefs.cluster import procs
-from shufflefs.cluster.launcher import LocalCluster, mounted_fstype
+from shufflefs.cluster.launcher import LocalCluster
+from shufflefs.cluster.preflight import mounted_fstype
 
 
 def populate(root: Path) -> dict[str, str]:

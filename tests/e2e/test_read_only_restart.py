@@ -6,30 +6,17 @@ has re-reported, nothing is freed (docs/metadata.md, "Read-only handles")."""
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster
+from clusters import ProcessCluster, chunk_files, wait_until
 from harness import shufflefs
 
 CHUNK = 1 << 20
 LEASE = 6.0  # the metadata server's session_timeout here: mounts renew every 2 s
 
 pytestmark = pytest.mark.e2e
-
-
-def chunk_files(data_dir: Path, ino: int) -> list[Path]:
-    """The chunk files of inode *ino* on every storage target."""
-    return sorted(data_dir.glob(f"storage*/target*/chunks/*/{ino:016x}*"))
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -67,13 +54,18 @@ def test_unlinked_read_only_file_survives_meta_kill9(
         c.kill("meta")
         c.restart_missing()
         # both mounts renew (A reporting its read-only handle): the grace ends
-        wait_for(
+        wait_until(
             "the restart grace to end", lambda: "restart grace over" in c.log("meta")[log_before:]
         )
-        time.sleep(1.0)  # a wrongly queued GC job would have run by now
+        # the sweep at the grace's end is the one place the inode could be freed
+        # while A holds it: it freed nothing (no other orphan exists here)
+        [over] = [
+            ln for ln in c.log("meta")[log_before:].splitlines() if "restart grace over" in ln
+        ]
+        assert over.rstrip().endswith("freed=0"), over
         assert len(chunk_files(c.data_dir, ino)) == copies
         assert os.pread(fd, len(data) + 10, 0) == data
         assert os.fstat(fd).st_nlink == 0
     finally:
         os.close(fd)
-    wait_for("the chunks to be deleted", lambda: not chunk_files(c.data_dir, ino))
+    wait_until("the chunks to be deleted", lambda: not chunk_files(c.data_dir, ino))

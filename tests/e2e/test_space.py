@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from clusters import ProcessCluster
+from clusters import ProcessCluster, chunk_files
 
 from shufflefs.cluster.launcher import LocalCluster
 
@@ -16,12 +16,6 @@ SLACK = 1 << 30  # free space is reported by heartbeat: allow for what changed s
 
 def replicas(data_dir: Path) -> int:
     return LocalCluster(data_dir).layout().replicas
-
-
-def chunk_files(data_dir: Path, ino: int) -> list[Path]:
-    """The chunk files of inode *ino* on every storage target (their names
-    start with the chunk id: the inode as 16 hex digits, then the index)."""
-    return sorted(data_dir.glob(f"storage*/target*/chunks/*/{ino:016x}*"))
 
 
 def wait_until_gone(data_dir: Path, ino: int, timeout: float = 10.0) -> list[Path]:

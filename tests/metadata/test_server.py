@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import trio
-from metaservice import CHAINS, Env, FakeStorage, eventually, routing_info
+from clusters import eventually
+from metaservice import CHAINS, Env, FakeStorage, routing_info
 
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import RoutingInfo, TargetRegistration, TargetUsage

@@ -63,7 +63,7 @@ async def test_reads_never_see_staged_updates(cluster: ChainCluster) -> None:
         before = await cluster.read_all(head, [cid])
         done = trio.Event()
         tail_service = cluster.node_of(tail).service
-        async with tail_service.locks.update(tail, cid):
+        async with tail_service.node.locks.update(tail, cid):
 
             async def writer(offset: int, data: bytes, done: trio.Event) -> None:
                 await cluster.write(chain, cid, offset, data)

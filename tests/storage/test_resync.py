@@ -74,7 +74,7 @@ async def test_resync_after_missed_updates_with_writes_going_on(
 
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        async with middle_service.locks.update(middle, slow):
+        async with middle_service.node.locks.update(middle, slow):
             nursery.start_soon(writer, stop)
             await cluster.start_node(tail_node)  # rejoins as syncing
             await cluster.sync_maps()
@@ -97,8 +97,8 @@ async def test_resync_after_missed_updates_with_writes_going_on(
     state = await cluster.assert_identical(chain)
     assert reborn in state and chunk_id(25, 0) not in state
     assert not any(c[:8] == (24).to_bytes(8, "big") and c[8:] >= b"\0\0\0\3" for c in state)
-    await eventually(lambda: bool(tail_service.resyncs))
-    [stats] = tail_service.resyncs
+    await eventually(lambda: bool(tail_service.resyncer.finished))
+    [stats] = tail_service.resyncer.finished
     assert stats.chunks_copied > 0 and stats.chunks_deleted > 0 and stats.forwarded >= 5
     assert stats.bytes_copied > 0 and stats.source == middle
     assert any(
@@ -226,7 +226,7 @@ async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: Chai
     await cluster.write(chain, blocker, 0, b"BLOCKER")  # the tail must copy both
     await cluster.write(chain, cid, 0, blob(52, 4000))
     middle_service = cluster.node_of(middle).service
-    async with middle_service.locks.update(middle, blocker):  # the background pass waits here
+    async with middle_service.node.locks.update(middle, blocker):  # the background pass waits here
         await cluster.start_node(tail_node)
         await cluster.sync_maps()
         tail_service = tail_node.service
