@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,9 +60,36 @@ def per_epoch(make: Make) -> int:
 
 @pytest.mark.parametrize("stop", [(0, 0), (1, 5), (2, 1)])
 def test_persistent_workers_resume(make: Make, stop: tuple[int, int]) -> None:
+    resume_through_dataloader(make, stop, "fork")
+
+
+def test_persistent_spawned_workers_resume(tmp_path: Path) -> None:
+    """Spawned workers (the default on macOS, and what CUDA users pick) get
+    the dataset pickled, epoch and position included. Once, on a mixture:
+    spawning costs seconds a loader."""
+    paths = write_tokens(tmp_path, {"a.bin": 801, "b.npy": 403, "c.bin": 301})
+
+    def mixture() -> Mixture:
+        parts = [TokenWindowDataset([p], seq_len=SEQ, dtype="uint32") for p in paths]
+        return Mixture(parts, weights=[0.5, 0.3, 0.2], seed=3, batch_size=BATCH)
+
+    resume_through_dataloader(mixture, (1, 5), "spawn")
+
+
+def resume_through_dataloader(make: Make, stop: tuple[int, int], start_method: str) -> None:
     expected = uninterrupted(make)
     ds = make()
-    loader = DataLoader(ds, batch_size=BATCH, num_workers=2, persistent_workers=True)
+
+    def loader_for(ds: Any) -> DataLoader[Any]:
+        return DataLoader(
+            ds,
+            batch_size=BATCH,
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context=start_method,
+        )
+
+    loader = loader_for(ds)
     got: list[bytes] = []
     for epoch in range(stop[0] + 1):
         ds.set_epoch(epoch)
@@ -72,7 +100,7 @@ def test_persistent_workers_resume(make: Make, stop: tuple[int, int]) -> None:
     del loader
     again = make()
     again.load_state_dict(state)
-    loader = DataLoader(again, batch_size=BATCH, num_workers=2, persistent_workers=True)
+    loader = loader_for(again)
     for epoch in range(stop[0], EPOCHS):
         again.set_epoch(epoch)  # persistent workers follow set_epoch and the restored position
         got += [as_bytes(b) for b in loader]
