@@ -50,7 +50,7 @@ class QueuedRead:
     items: list[ReadItem]
     timeout: float
     nbytes: int
-    wake: trio.Event = field(default_factory=trio.Event)
+    wake: trio.Event | None = None  # made when it queues (a lone read never waits)
     lead: bool = False  # woken to send the queue (not with a result)
     result: ReadReply | None = None
     error: FsError | None = None
@@ -58,6 +58,10 @@ class QueuedRead:
     @property
     def done(self) -> bool:
         return self.result is not None or self.error is not None
+
+    def wake_up(self) -> None:
+        if self.wake is not None:
+            self.wake.set()
 
 
 @dataclass(eq=False)
@@ -71,7 +75,7 @@ class NodeQueue:
             first = self.queue[0]
             if not first.lead:
                 first.lead = True
-                first.wake.set()
+                first.wake_up()
 
     def take(self) -> list[QueuedRead]:
         """The queued reads that fit one frame, oldest first."""
@@ -102,7 +106,7 @@ class NodeQueue:
         while self.queue:
             w = self.queue.popleft()
             w.error = error
-            w.wake.set()
+            w.wake_up()
 
 
 def split_reply(batch: list[QueuedRead], lengths: list[int], payload: memoryview) -> None:
@@ -133,11 +137,12 @@ class ReadBatcher:
         node = self._nodes.get(address)
         if node is None:
             node = self._nodes[address] = NodeQueue()
-        nbytes = sum(max(0, it[3]) for it in items)
-        me = QueuedRead(items, timeout, nbytes)
+        me = QueuedRead(items, timeout, 0)
         if node.frames < FRAMES_IN_FLIGHT and not node.queue:
             await self._send(address, node, [me])
         else:
+            me.nbytes = sum(max(0, it[3]) for it in items)
+            me.wake = trio.Event()
             node.queue.append(me)
             try:
                 with trio.move_on_after(timeout * 2):  # the frame ahead, then ours
@@ -186,7 +191,7 @@ class ReadBatcher:
                 return
             for w in batch:
                 w.error = exc
-                w.wake.set()
+                w.wake_up()
             if exc.code not in REFUSED_AS_A_WHOLE:
                 node.fail_queue(exc)  # the node failed: do not wait it out again
             return
@@ -194,8 +199,8 @@ class ReadBatcher:
             error = FsError(errno.EPROTO, f"{address} answered {len(lengths)} of {len(items)}")
             for w in batch:
                 w.error = error
-                w.wake.set()
+                w.wake_up()
             return
         split_reply(batch, lengths, memoryview(payload))
         for w in batch:
-            w.wake.set()
+            w.wake_up()
