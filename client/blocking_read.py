@@ -17,16 +17,23 @@ over, retries and reports.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from shufflefs.client.layout import Extent, plan
-from shufflefs.client.read_engine import scatter, split_requests
+from shufflefs.client.read_engine import landing_views, scatter, split_requests
+from shufflefs.client.replicas import Placed
 from shufflefs.client.storage_client import StorageClient
 from shufflefs.rpc.blocking import BlockingPeers
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.client.blocking_read")
+
+# Items at least this big on average are received straight into the caller's
+# buffer, one receive each; smaller ones in one receive, then copied into place.
+IN_PLACE_MIN = 32 << 10
 
 
 class BlockingReader:
@@ -64,13 +71,27 @@ class BlockingReader:
                     continue
                 sent.append((address, conn, call, request))
         for address, conn, call, request in sent:  # receive every reply, even after a failure
+            place = None
+            if sum(p[3] for p, _ in request) >= IN_PLACE_MIN * len(request):
+                place = functools.partial(_landing, request, out)
             try:
-                result, payload = conn.receive_reply(call)
+                result, payload = conn.receive_reply(call, place)
             except FsError as exc:
                 log.debug("blocking read from %s: %s", address, exc.message)
                 self.peers.drop(address)
                 ok = False
                 continue
-            if scatter(request, result["lengths"], payload or b"", out):
+            lengths = result["lengths"]
+            if payload is None and place is not None:  # already in place
+                if any(n < 0 for n in lengths):
+                    ok = False
+            elif scatter(request, lengths, payload or b"", out):
                 ok = False
         return ok
+
+
+def _landing(
+    request: list[Placed], out: memoryview, result: Any, size: int
+) -> list[memoryview] | None:
+    lengths = result.get("lengths") if isinstance(result, dict) else None
+    return None if not isinstance(lengths, list) else landing_views(request, lengths, size, out)

@@ -5,8 +5,9 @@ rounds (`ReadJob.round`, retried by `rpc.retry.retrying`): each round chooses
 one replica per piece (`Replicas.assign`), serves local replicas from their
 chunk files first, and sends all pieces bound for one storage node in ONE
 request (cut only where the wire limits demand; `ReadJob.request`), the
-requests to different nodes concurrently. The same engine serves one `pread`
-and a whole training batch of ranges over many files.
+requests to different nodes concurrently; concurrent reads bound for one node
+share its frames (`ReadBatcher`). The same engine serves one `pread` and a
+whole training batch of ranges over many files.
 
 Failures: a replica that fails (dead, cut off, or a block whose checksum did
 not match) is avoided for the rest of the read and for a few seconds after
@@ -25,24 +26,19 @@ from dataclasses import dataclass, field
 import trio
 
 from shufflefs.client.layout import Piece
+from shufflefs.client.read_batcher import MAX_REQUEST_BYTES, MAX_REQUEST_ITEMS, ReadBatcher
 from shufflefs.client.replicas import Placed
 from shufflefs.client.storage_parts import StoragePart
 from shufflefs.cluster.routing import Routing
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.rpc.retry import TRANSIENT, retrying
 from shufflefs.rpc.transport import Buffer
-from shufflefs.storage.protocol import StorageStub
 
 log = logging.getLogger("shufflefs.client.reads")
 
 FAILOVER_READ_TIMEOUT = 1.5  # a read with another replica to try gives up on one this soon
 INLINE_WAIT_MAX = 0  # other reads in flight above which a disk wait goes to a thread
 LOCAL_READ_THREADS = 16  # short-circuit reads that must wait for the disk
-# Well under the reply payload limit (64 MiB) and the request body limit
-# (1 MiB of msgpack, about 30 bytes per item), so no request is refused.
-MAX_REQUEST_BYTES = min(16 << 20, DEFAULT_LIMITS.max_payload // 2)
-MAX_REQUEST_ITEMS = 8192
 
 
 def split_requests(items: list[Placed]) -> list[list[Placed]]:
@@ -82,12 +78,37 @@ def scatter(
     return failures
 
 
+def landing_views(
+    items: Sequence[Placed], lengths: Sequence[int], payload_len: int, out: memoryview
+) -> list[memoryview] | None:
+    """Where the bytes of a read reply go in *out*, in payload order, so the
+    reply can be received straight into place (no copy); zeros past a short
+    item are written here. None when the lengths do not add up to the payload
+    (then it is received and checked the ordinary way)."""
+    if len(lengths) != len(items) or sum(n for n in lengths if n > 0) != payload_len:
+        return None
+    views = []
+    for (p, _), n in zip(items, lengths, strict=True):
+        if n < 0:
+            continue
+        dst = p[4]
+        if n:
+            views.append(out[dst : dst + n])
+        if n < p[3]:
+            out[dst + n : dst + p[3]] = bytes(p[3] - n)
+    return views
+
+
 @dataclass(eq=False)
 class ReadEngine(StoragePart):
     reads_in_flight: int = 0
     local_threads: trio.CapacityLimiter = field(
         default_factory=lambda: trio.CapacityLimiter(LOCAL_READ_THREADS)
     )
+    batcher: ReadBatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batcher = ReadBatcher(self.rpc, self.timeout)
 
     def read_local_now(self, pieces: list[Piece], out: memoryview) -> list[Piece]:
         """The fast path, inline: the pieces a local chunk file serves now
@@ -174,11 +195,10 @@ class ReadJob:
         # timeout on one that went silent (a cut link resets nothing).
         chain = items[0][0][0]
         others = len(self.routing.serving_targets(chain)) > 1 + len(self.avoid[chain])
-        timeout = min(engine.timeout, FAILOVER_READ_TIMEOUT) if others else None
-        stub = StorageStub(engine.rpc, address, timeout=engine.timeout)
+        timeout = min(engine.timeout, FAILOVER_READ_TIMEOUT) if others else engine.timeout
         try:
-            lengths, payload = await stub.read(
-                [(tid, p[1], p[2], p[3]) for p, tid in items], timeout=timeout
+            lengths, payload = await engine.batcher.read(
+                address, [(tid, p[1], p[2], p[3]) for p, tid in items], timeout
             )
         except FsError as exc:
             if exc.code in (errno.EINVAL, errno.EMSGSIZE):

@@ -18,7 +18,7 @@ import itertools
 import secrets
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shufflefs.rpc import framing
@@ -26,6 +26,9 @@ from shufflefs.rpc.auth import GREETING, MAC, NONCE, proof
 from shufflefs.rpc.client import parse_address
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer, ConnectionClosed
+
+# (result, payload length) -> the buffers the payload fills in order, or None
+PayloadPlacer = Callable[[Any, int], Sequence[memoryview] | None]
 
 
 class BlockingConnection:
@@ -122,17 +125,29 @@ class BlockingConnection:
         self._send([memoryview(framing.pack_header(len(body), size) + body), *parts])
         return call_id
 
-    def receive_reply(self, call_id: int) -> tuple[Any, bytearray | None]:
+    def receive_reply(
+        self, call_id: int, place: PayloadPlacer | None = None
+    ) -> tuple[Any, bytearray | None]:
         """The reply to *call_id* (requests on one connection are answered
         in order here: this connection has at most one request in flight
-        per `call`, or several sent back to back and received in turn)."""
+        per `call`, or several sent back to back and received in turn).
+        With *place*, a result's payload is received straight into the
+        buffers ``place(result, payload_len)`` names (they must add up to
+        it; None: into a new bytearray as usual) and None is returned for it."""
         header = self._recv_exactly(framing.HEADER_SIZE)
         body_len, payload_len = framing.unpack_header(header, self.limits)
         body = framing.unpack_body(self._recv_exactly(body_len))
         payload = None
         if payload_len:
-            payload = bytearray(payload_len)
-            self._recv_into(memoryview(payload))
+            views = None
+            if place is not None and body.get("i") == call_id and "e" not in body:
+                views = place(body.get("r"), payload_len)
+            if views is None:
+                payload = bytearray(payload_len)
+                self._recv_into(memoryview(payload))
+            else:
+                for view in views:
+                    self._recv_into(view)
         if body.get("i") != call_id:
             raise ConnectionClosed(f"{self.address}: reply for call {body.get('i')}, not {call_id}")
         if "e" in body:

@@ -168,6 +168,10 @@ def _fail(where: str, expected: str, value: Any) -> FsError:
     return FsError(errno.EINVAL, f"{where}: expected {expected}, got {type(value).__name__}")
 
 
+def _is_exactly(value: Any, tp: type) -> bool:
+    return type(value) is tp
+
+
 def validator_for(tp: Any, depth: int = 0) -> Validator:
     """Build a function that raises FsError(EINVAL) unless a value matches *tp*."""
     if depth > MAX_DEPTH:
@@ -251,18 +255,33 @@ def validator_for(tp: Any, depth: int = 0) -> Validator:
         def check_list(v: Any, where: str) -> None:
             if not isinstance(v, list):
                 raise _fail(where, "array", v)
-            for i, x in enumerate(v):
-                item(x, f"{where}[{i}]")
+            try:  # the path of each element is only spelled out for the message
+                for x in v:
+                    item(x, where)
+            except FsError:
+                for i, x in enumerate(v):
+                    item(x, f"{where}[{i}]")
+                raise
 
         return check_list
     if origin is tuple:
         items = [validator_for(a, depth + 1) for a in args]
+        # a record of plain ints, bytes and strs (a read item): one type test
+        # per element; anything else takes the full check (and its message)
+        plain = tuple(args) if all(a in (int, bytes, str) for a in args) else None
 
         def check_tuple(v: Any, where: str) -> None:
             if not isinstance(v, list) or len(v) != len(items):
                 raise _fail(where, f"array of {len(items)}", v)
-            for i, (check, x) in enumerate(zip(items, v, strict=True)):
-                check(x, f"{where}[{i}]")
+            if plain is not None and all(map(_is_exactly, v, plain)):
+                return
+            try:  # as in check_list: the element's path only for the message
+                for check, x in zip(items, v, strict=True):
+                    check(x, where)
+            except FsError:
+                for i, (check, x) in enumerate(zip(items, v, strict=True)):
+                    check(x, f"{where}[{i}]")
+                raise
 
         return check_tuple
     if origin is dict:

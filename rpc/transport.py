@@ -131,10 +131,14 @@ class FrameStream:
             header = await self.receive_exactly(framing.HEADER_SIZE)
         body_len, payload_len = framing.unpack_header(header, self.limits)
         available = self._end - self._start
-        if not payload_len and available >= body_len:  # the common small frame, all buffered
+        if available >= body_len + payload_len:  # all buffered (a small frame): no timeout
             body = self._view[self._start : self._start + body_len]
             self._start += body_len
-            return framing.unpack_body(body), None
+            buffered: bytearray | None = None
+            if payload_len:
+                buffered = bytearray(self._view[self._start : self._start + payload_len])
+                self._start += payload_len
+            return framing.unpack_body(body), buffered
         with trio.move_on_after(self.limits.frame_timeout) as scope:
             data = await self.receive_exactly(body_len)
             payload: bytearray | None = None

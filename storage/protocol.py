@@ -45,6 +45,9 @@ def chunk_id(ino: int, index: int) -> bytes:
 
 # One range to read: [target_id, chunk_id, offset in chunk, length].
 ReadItem = tuple[int, bytes, int, int]
+# Items one `read` request may carry (EMSGSIZE past it: split the request);
+# keeps a request's body well under the frame's 1 MiB (~30 bytes an item).
+MAX_READ_ITEMS = 8192
 
 
 class WriteResult(TypedDict):

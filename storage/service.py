@@ -33,6 +33,7 @@ from shufflefs.storage.context import NodeContext, RoutingSource
 from shufflefs.storage.forwarding import FORWARD_TIMEOUT, Forwarding
 from shufflefs.storage.layout import check_chunk_id, check_chunk_size
 from shufflefs.storage.protocol import (
+    MAX_READ_ITEMS,
     NEED_FULL,
     ChunkInfo,
     ChunkMeta,
@@ -89,12 +90,22 @@ class StorageService:
 
     # ---- reads -----------------------------------------------------------
 
+    def _check_read_size(self, items: list[ReadItem]) -> None:
+        if len(items) > MAX_READ_ITEMS:
+            raise FsError(
+                errno.EMSGSIZE, f"read of {len(items)} items exceeds {MAX_READ_ITEMS}: split it"
+            )
+        total = sum(max(0, item[3]) for item in items)
+        if total > self.max_read_bytes:
+            raise FsError(
+                errno.EMSGSIZE,
+                f"read of {total} bytes exceeds the reply limit {self.max_read_bytes}: split it",
+            )
+
     def read_fast(self, items: list[ReadItem]) -> Reply | None:
         """`read` inline in the connection's reader task when every item is in
         the page cache (no thread, no task); None to run `read` itself."""
-        total = sum(max(0, item[3]) for item in items)
-        if total > self.max_read_bytes:
-            return None
+        self._check_read_size(items)
         by_id = self.node.by_id
         data: list[memoryview] = []
         lengths: list[int] = []
@@ -120,12 +131,7 @@ class StorageService:
         Only committed data is ever returned. A damaged chunk fails its item
         with EIO (the client reads another replica) and is queued for repair.
         Page-cache hits are read here; the rest in worker threads."""
-        total = sum(max(0, item[3]) for item in items)
-        if total > self.max_read_bytes:
-            raise FsError(
-                errno.EMSGSIZE,
-                f"read of {total} bytes exceeds the reply limit {self.max_read_bytes}: split it",
-            )
+        self._check_read_size(items)
         by_id = self.node.by_id
         results: list[memoryview | int] = [0] * len(items)
         slow: list[int] = []

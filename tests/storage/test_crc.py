@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from shufflefs.storage.crc import (
     block_crcs,
+    combined_crc,
     crc32c,
     crcs_from_bytes,
     crcs_to_bytes,
@@ -60,3 +61,28 @@ def test_first_bad_block_finds_the_damage() -> None:
 def test_zero_block_crc() -> None:
     for bs in (512, 4096):
         assert zero_block_crc(bs) == reference(bytes(bs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([512, 1024, 4096]),
+    st.integers(1, 12),
+    st.integers(0, 11),
+    st.integers(0, 1 << 30),
+)
+def test_combined_crc_is_the_crc_of_the_blocks_together(
+    block_size: int, blocks: int, first: int, seed: int
+) -> None:
+    """The fold of stored block CRCs (what a read of many blocks checks its
+    one CRC against) equals the reference CRC of those blocks end to end; any
+    flipped byte in any block is still caught and named."""
+    rng = random.Random(seed)
+    first = min(first, blocks - 1)
+    data = bytearray(rng.randbytes(blocks * block_size))
+    crcs = block_crcs(bytes(data), block_size)
+    span = data[first * block_size :]
+    assert combined_crc(crcs, first, blocks - first, block_size) == reference(bytes(span))
+    assert first_bad_block(span, first, crcs, block_size) == -1
+    at = rng.randrange(len(span))
+    span[at] ^= 1 << rng.randrange(8)
+    assert first_bad_block(span, first, crcs, block_size) == first + at // block_size

@@ -26,7 +26,7 @@ from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client, rpc_me
 from shufflefs.rpc.framing import Limits
 from shufflefs.storage.config import StorageConfig, load_storage_config
 from shufflefs.storage.daemon import serve
-from shufflefs.storage.protocol import StorageStub, chunk_id
+from shufflefs.storage.protocol import MAX_READ_ITEMS, StorageStub, chunk_id
 from shufflefs.storage.service import StorageService
 from shufflefs.storage.store import ChunkStore
 
@@ -424,3 +424,58 @@ def test_config_validation(tmp_path: Path) -> None:
     path.write_text(base + 'targets = ["a", "b"]\nfsync = false\n')
     config = load_storage_config(path)
     assert config.targets == ["a", "b"] and not config.fsync and config.block_size == 4096
+
+
+async def test_bad_read_requests_get_clear_errors(
+    nursery: trio.Nursery, stores: list[ChunkStore]
+) -> None:
+    """Oversize, negative, too many and wrongly typed read requests: an error
+    naming the problem (for the request, or for the one item), and the daemon
+    goes on serving the same connection."""
+    addr = await start(nursery, stores)
+    cid = chunk_id(5, 0)
+    async with open_rpc_client(SECRET) as rpc:
+        stub = StorageStub(rpc, addr)
+        await stub.write(1, 0, 0, cid, 0, CS, b"still here")
+
+        async def refused(code: int, items: Any, words: str) -> None:
+            with pytest.raises(FsError) as info:
+                await rpc.call(addr, "read", {"items": items})
+            assert info.value.errno == code and words in info.value.message
+            assert (await stub.read([(1, cid, 0, 10)]))[1] == b"still here"
+
+        await refused(errno.EMSGSIZE, [[1, cid, 0, 1 << 40]], "reply limit")
+        await refused(errno.EMSGSIZE, [[1, cid, 0, 1]] * (MAX_READ_ITEMS + 1), "items")
+        await refused(errno.EINVAL, [[1, cid, True, 1]], "'items'[0][2]")
+        await refused(errno.EINVAL, [[1, cid, 0, 1], [1, cid.hex(), 0, 1]], "'items'[1][1]")
+        await refused(errno.EINVAL, [[1, cid, 0, 1.5]], "'items'[0][3]")
+        await refused(errno.EINVAL, [1, cid, 0, 1], "'items'[0]")
+        # a bad range fails its own item only
+        lengths, payload = await stub.read([(1, cid, -1, 4), (1, cid, 0, -4), (1, cid, 6, 4)])
+        assert lengths == [-errno.EINVAL, -errno.EINVAL, 4] and bytes(payload) == b"here"
+        assert len((await stub.read([(1, cid, 0, 1)] * MAX_READ_ITEMS))[0]) == MAX_READ_ITEMS
+
+
+async def test_damage_under_warm_caches_is_never_served(
+    nursery: trio.Nursery, stores: list[ChunkStore]
+) -> None:
+    """The inline path (cached record and fd, page-cache hit) checks every
+    block too: a byte flipped on disk after the caches are warm fails the
+    item with EIO, and the bytes of the damaged block never leave."""
+    addr = await start(nursery, stores)
+    cid = chunk_id(6, 0)
+    data = os.urandom(4 * 512)
+    async with open_rpc_client(SECRET) as rpc:
+        stub = StorageStub(rpc, addr)
+        await stub.write(1, 0, 0, cid, 0, CS, data)
+        for _ in range(2):  # the second read is served inline, from the caches
+            assert bytes((await stub.read([(1, cid, 0, len(data))]))[1]) == data
+        assert stores[0].read_nowait(cid, 0, len(data)) is not None
+        path = stores[0].file_path(cid)
+        assert path is not None
+        flip(path, 700)  # block 1
+        lengths, payload = await stub.read(
+            [(1, cid, 512, 512), (1, cid, 0, 512), (1, cid, 1024, 8)]
+        )
+        assert lengths == [-errno.EIO, 512, 8]
+        assert bytes(payload) == data[:512] + data[1024:1032]
