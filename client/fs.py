@@ -333,6 +333,10 @@ class FileSystem:
             f, attr = self._track(res, flags, fresh=not reused)
             f.cached = entry
             return f, attr
+        # our cached handle must not keep alive a file removed elsewhere for
+        # an open that would write to it (reached through a stale name: the
+        # server answers ENOENT once nothing holds it, the kernel looks again)
+        await self.open_cache.discard(ino)
         res = await self.session.call("open", lambda m, s: m.open(ino, flags, s))
         return self._track(res, flags)
 

@@ -102,6 +102,12 @@ class OpenCache:
         self.entries[ino] = fresh
         return fresh, False
 
+    async def discard(self, ino: int) -> None:
+        """Out of the cache, its handle given back once unused."""
+        entry = self.entries.get(ino)
+        if entry is not None:
+            await self._drop(entry)
+
     async def close(self, entry: CachedOpen) -> None:
         """An open file using *entry* was closed: no round trip unless the
         entry was dropped meanwhile and this was its last user."""

@@ -12,9 +12,11 @@ server's own per-method request counts (`rpc_calls`) show what each open cost.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Awaitable, Callable
 
+import pytest
 import trio
 from clusters import ChainCluster
 
@@ -130,3 +132,21 @@ async def test_cached_handle_keeps_an_unlinked_file_until_it_lingers_out(
     assert reader.open_cache.handles() == []
     mine = [s for s in await stub.sessions() if s["session"] == reader.session.id]
     assert mine and mine[0]["open_ro"] == 0 and mine[0]["mount"] is None
+
+
+async def test_an_open_for_writing_does_not_reach_a_file_only_the_cache_kept(
+    open_fs: OpenFs,
+) -> None:
+    """A name removed elsewhere, opened through a stale name for writing (what
+    `O_CREAT` through a cached dentry does): the cached handle is given back
+    first, so the server answers ENOENT (the mount turns it into ESTALE and
+    the kernel creates the file anew) instead of writing into the removed one."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    ino = await put(writer, b"w", DATA)
+    assert await read(reader, ino) == DATA
+    await writer.unlink(ROOT_INODE, b"w")
+    with pytest.raises(FsError) as err:
+        await reader.open(ino, os.O_WRONLY)
+    assert err.value.code == errno.ENOENT
+    assert reader.open_cache.handles() == []
