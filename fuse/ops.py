@@ -151,6 +151,7 @@ class ShuffleOps(pyfuse3.Operations):
         self.append_direct: set[int] = set()  # O_APPEND handles that write at the real end
         self.kernel_size: dict[int, int] = {}  # inode -> i_size as the kernel has it
         self.dirs: dict[int, DirHandle] = {}
+        self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
         self._next_dir = 1
 
     # ---- conversions ----------------------------------------------------------
@@ -158,6 +159,8 @@ class ShuffleOps(pyfuse3.Operations):
     def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         self.reported[attr["ino"]] = (attr["size"], attr["mtime"], attr["ctime"])
         self.kernel_size[attr["ino"]] = attr["size"]
+        if attr["parent"]:
+            self.parents[attr["ino"]] = attr["parent"]
         e = pyfuse3.EntryAttributes()
         e.st_ino = attr["ino"]
         e.generation = 0
@@ -211,6 +214,7 @@ class ShuffleOps(pyfuse3.Operations):
                 self.reported.pop(ino, None)
                 self.kernel_size.pop(ino, None)
                 self.no_caps.pop(ino, None)
+                self.parents.pop(ino, None)
 
     @fuse_errors
     @stale_when_gone
@@ -352,6 +356,14 @@ class ShuffleOps(pyfuse3.Operations):
         if self.options.read_only and (flags & ACCESS_MODE != os.O_RDONLY or flags & os.O_TRUNC):
             raise FsError(errno.EROFS, "read-only mount (-o ro)")
         f, attr = await self.fs.open(inode, flags)
+        if attr["nlink"] == 0 and not stat.S_ISDIR(attr["mode"]):
+            # reached through a name the kernel still caches, of a file
+            # removed since (kept alive by someone's open handle, or a
+            # mount's cached one): ESTALE makes the kernel look the name up
+            # again, so the open gets what the name is now (or ENOENT, or
+            # with O_CREAT a new file) rather than the removed file
+            await self.fs.release(f.fh)
+            raise FsError(errno.ESTALE, f"inode {inode} was removed")
         return self.file_info(f.fh, attr, flags)
 
     @fuse_errors
@@ -413,13 +425,28 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     @stale_when_gone
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        attr = await self.fs.getattr(inode)
-        if not stat.S_ISDIR(attr["mode"]):
-            raise FsError(errno.ENOTDIR, "not a directory")
+        parent = self.parents.get(inode) if self.options.read_only else None
+        if parent is None:  # (a read-write mount checks the directory is still there)
+            attr = await self.fs.getattr(inode)
+            if not stat.S_ISDIR(attr["mode"]):
+                raise FsError(errno.ENOTDIR, "not a directory")
+            parent = attr["parent"] or inode
         fh = self._next_dir
         self._next_dir += 1
-        self.dirs[fh] = DirHandle(inode, attr["parent"] or inode)
+        self.dirs[fh] = DirHandle(inode, parent)
         return fh
+
+    @staticmethod
+    def dot_entry(ino: int) -> pyfuse3.EntryAttributes:
+        """'.' or '..' in a listing: the kernel takes only the inode number
+        (it links no entry and caches no attributes for them), so no round
+        trip for their attributes."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.st_mode = stat.S_IFDIR
+        e.entry_timeout = 0
+        e.attr_timeout = 0
+        return e
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -427,13 +454,11 @@ class ShuffleOps(pyfuse3.Operations):
         if h is None:
             raise FsError(errno.EBADF, "directory not open")
         if start_id == 0:
-            attr = await self.fs.getattr(h.ino)
-            if not pyfuse3.readdir_reply(token, b".", self.entry(attr), 1):
+            if not pyfuse3.readdir_reply(token, b".", self.dot_entry(h.ino), 1):
                 return
             start_id = 1
         if start_id == 1:
-            attr = await self.fs.getattr(h.parent)
-            if not pyfuse3.readdir_reply(token, b"..", self.entry(attr), 2):
+            if not pyfuse3.readdir_reply(token, b"..", self.dot_entry(h.parent), 2):
                 return
             after: bytes | None = None
         elif start_id == 2:
