@@ -36,6 +36,7 @@ import trio
 
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
+from shufflefs.client.open_cache import CachedOpen, OpenCache
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
 from shufflefs.client.write_behind import InodeState, WriteBehind, drain
@@ -46,6 +47,7 @@ from shufflefs.metadata.protocol import (
     Attr,
     FsStats,
     Layout,
+    MountInfo,
     OpenResult,
     ReaddirPage,
     is_read_only_handle,
@@ -68,6 +70,11 @@ class ClientOptions:
     retry_budget: float = 30.0  # seconds a call keeps retrying through transient failures
     local_reads: bool = True  # read chunk files of this host's targets directly
     write_buffer: int = 64 << 20  # bytes per file written behind (0: every write waits)
+    # seconds an idle read-only handle stays cached for the next open (0: no
+    # open cache), and whether cached opens skip revalidation (client/open_cache.py)
+    open_linger: float = 0.0
+    trust_open_cache: bool = False
+    mount: MountInfo | None = None  # what a FUSE mount reports of itself with its session
 
 
 @dataclass
@@ -78,6 +85,7 @@ class OpenFile:
     handle: int
     layout: Layout | None
     position: int = 0  # for the native file API
+    cached: CachedOpen | None = None  # its handle is the open cache's (client/open_cache.py)
 
     @property
     def readable(self) -> bool:
@@ -112,7 +120,20 @@ class FileSystem:
         )
         self.write_behind = WriteBehind(self.storage, self.options.write_buffer)
         self.name = name or f"{hostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.session = Session(self.meta, self.name, self._reopen_files, self._read_only_handles)
+        self.session = Session(
+            self.meta,
+            self.name,
+            self._reopen_files,
+            self._read_only_handles,
+            mount=self.options.mount,
+        )
+        self.open_cache = OpenCache(
+            self._server_getattr,
+            lambda ino, flags: self.session.call("open", lambda m, s: m.open(ino, flags, s)),
+            self._release_handle,
+            trust=self.options.trust_open_cache,
+            linger=self.options.open_linger,
+        )
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
         self._fh = itertools.count(1)
@@ -123,15 +144,21 @@ class FileSystem:
         self.storage.start(nursery)
         await self.routing.start(nursery)
         await self.session.start(nursery)
+        if self.open_cache.enabled:
+            nursery.start_soon(self.open_cache.run)
 
     def _read_only_handles(self) -> list[list[int]]:
         """What the session renewal reports: [ino, handle] of each open file
         whose handle the metadata server holds in memory only."""
-        return [[f.ino, f.handle] for f in self.files.values() if is_read_only_handle(f.handle)]
+        held = {(f.ino, f.handle) for f in self.files.values() if is_read_only_handle(f.handle)}
+        held.update(self.open_cache.handles())
+        return [[ino, handle] for ino, handle in held]
 
     async def _reopen_files(self) -> None:
         """Take new handles for our open files under a new session."""
+        self.open_cache.clear()
         for f in list(self.files.values()):
+            f.cached = None
             try:
                 res = await self.meta.call_at_most_once(
                     "reopen",
@@ -155,6 +182,7 @@ class FileSystem:
     def overlay(self, attr: Attr) -> Attr:
         """Attributes as this client must report them: the metadata server's,
         with unreported local writes applied."""
+        self.open_cache.observe(attr)
         st = self.inodes.get(attr["ino"])
         if st is None:
             return attr
@@ -174,7 +202,10 @@ class FileSystem:
         )
 
     async def getattr(self, ino: int) -> Attr:
-        return self.overlay(await self.meta.call_idempotent("getattr", lambda m: m.getattr(ino)))
+        return self.overlay(await self._server_getattr(ino))
+
+    async def _server_getattr(self, ino: int) -> Attr:
+        return await self.meta.call_idempotent("getattr", lambda m: m.getattr(ino))
 
     async def setattr(
         self,
@@ -272,11 +303,13 @@ class FileSystem:
 
     # ---- open files -------------------------------------------------------------
 
-    def _track(self, res: OpenResult, flags: int) -> tuple[OpenFile, Attr]:
+    def _track(self, res: OpenResult, flags: int, fresh: bool = True) -> tuple[OpenFile, Attr]:
         attr = res["attr"]
         ino = attr["ino"]
-        # close-to-open: what this client cached of the file's chunks is re-read
-        self.storage.local.forget(ino)
+        if fresh:
+            # close-to-open: what this client cached of the file's chunks is
+            # re-read (not after a cached open: the file is unchanged)
+            self.storage.local.forget(ino)
         st = self.inodes.get(ino)
         if st is None:
             st = self.inodes[ino] = InodeState(size=attr["size"])
@@ -294,6 +327,16 @@ class FileSystem:
         return self._track(res, flags)
 
     async def open(self, ino: int, flags: int) -> tuple[OpenFile, Attr]:
+        if self.open_cache.enabled and flags & (ACCESS_MODE | os.O_TRUNC) == os.O_RDONLY:
+            entry, reused = await self.open_cache.open(ino, flags)
+            res: OpenResult = {"attr": entry.attr, "layout": entry.layout, "handle": entry.handle}
+            f, attr = self._track(res, flags, fresh=not reused)
+            f.cached = entry
+            return f, attr
+        # our cached handle must not keep alive a file removed elsewhere for
+        # an open that would write to it (reached through a stale name: the
+        # server answers ENOENT once nothing holds it, the kernel looks again)
+        await self.open_cache.discard(ino)
         res = await self.session.call("open", lambda m, s: m.open(ino, flags, s))
         return self._track(res, flags)
 
@@ -414,9 +457,15 @@ class FileSystem:
                     # no chunk file of it stays open here: a removed chunk's
                     # space must come back once the daemons delete it
                     self.storage.local.forget(f.ino)
-            await self.meta.call_at_most_once(
-                "release", lambda m: m.release(f.ino, f.handle, self.session.id)
-            )
+            if f.cached is not None:
+                await self.open_cache.close(f.cached)  # no round trip
+            else:
+                await self._release_handle(f.ino, f.handle)
+
+    async def _release_handle(self, ino: int, handle: int) -> None:
+        await self.meta.call_at_most_once(
+            "release", lambda m: m.release(ino, handle, self.session.id)
+        )
 
     # ---- paths (the native API) ---------------------------------------------------
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from shufflefs.client.meta_client import MetaClient
-from shufflefs.metadata.protocol import SESSION_EXPIRED, MetaStub, OpenResult
+from shufflefs.metadata.protocol import SESSION_EXPIRED, MetaStub, MountInfo, OpenResult
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import hostname
 
@@ -30,6 +30,7 @@ class Session:
         name: str,
         reopen: Callable[[], Awaitable[None]],
         open_ro: Callable[[], list[list[int]]] = list,
+        mount: MountInfo | None = None,
     ) -> None:
         self.meta = meta
         self.name = name
@@ -39,6 +40,7 @@ class Session:
         # server holds them in memory only and learns them back after a restart
         self._open_ro = open_ro
         self._lock = trio.Lock()
+        self.mount = mount  # a FUSE mount's report of itself (`shufflefs status` lists it)
 
     async def start(self, nursery: trio.Nursery) -> None:
         lease = await self._open()
@@ -46,7 +48,7 @@ class Session:
 
     async def _open(self) -> float:
         s = await self.meta.call_at_most_once(
-            "session_open", lambda m: m.session_open(self.name, hostname(), os.getpid())
+            "session_open", lambda m: m.session_open(self.name, hostname(), os.getpid(), self.mount)
         )
         self.id = s["session"]
         log.info("metadata session %d opened (lease %.0fs)", self.id, s["lease"])

@@ -1,4 +1,5 @@
-"""Admin commands that talk to a running cluster: `shufflefs status`."""
+"""Admin commands that talk to a running cluster: `shufflefs status` (mgmtd's
+view, and the mounts the metadata server has sessions of)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import trio
 from shufflefs.cluster.cli_errors import connect, explain_connection_error, innermost
 from shufflefs.cluster.preflight import load_client
 from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
+from shufflefs.cluster.routing import Routing
+from shufflefs.metadata.protocol import MetaStub, SessionInfo
 from shufflefs.rpc.client import RpcClient, open_rpc_client
 from shufflefs.rpc.errors import FsError
 
@@ -101,13 +104,56 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
         print(f"  {c['id']:>4}  {c['version']:>7}  {members}", file=out)
 
 
-def cli_status(args: argparse.Namespace) -> int:
-    async def fetch(mgmtd: MgmtdStub, rpc: RpcClient) -> tuple[RoutingInfo, Capacity]:
-        return await mgmtd.status(), await mgmtd.capacity()
+def render_mounts(sessions: list[SessionInfo] | str, out: Any = sys.stdout) -> None:
+    print("\nMOUNTS", file=out)
+    if isinstance(sessions, str):
+        print(f"  (not known: {sessions})", file=out)
+        return
+    print(
+        f"  {'session':>7}  {'host':<16} {'pid':>7}  {'mode':<4} {'attr':>6} {'entry':>6} "
+        f"{'negative':>8} {'linger':>6}  mountpoint",
+        file=out,
+    )
+    for s in sessions:
+        m = s["mount"]
+        if m is None:
+            continue
+        print(
+            f"  {s['session']:>7}  {s['host']:<16} {s['pid']:>7}  {m['mode']:<4} "
+            f"{m['attr_timeout']:>5g}s {m['entry_timeout']:>5g}s {m['negative_timeout']:>7g}s "
+            f"{m['handle_linger']:>5g}s  {m['mountpoint']}",
+            file=out,
+        )
 
-    status, capacity = with_mgmtd(args, fetch)
+
+async def fetch_sessions(rpc: RpcClient, status: RoutingInfo) -> list[SessionInfo] | str:
+    """The metadata server's live sessions, or why they are not known (the
+    rest of the status is still worth showing when it is down)."""
+    try:
+        address = Routing(status).meta_address()
+        return await MetaStub(rpc, address, CALL_TIMEOUT).sessions()
+    except FsError as exc:
+        return exc.message
+
+
+def cli_status(args: argparse.Namespace) -> int:
+    async def fetch(
+        mgmtd: MgmtdStub, rpc: RpcClient
+    ) -> tuple[RoutingInfo, Capacity, list[SessionInfo] | str]:
+        status = await mgmtd.status()
+        return status, await mgmtd.capacity(), await fetch_sessions(rpc, status)
+
+    status, capacity, sessions = with_mgmtd(args, fetch)
     if args.json:
-        print(json.dumps({**status, "capacity": capacity}, indent=2))
+        mounts: list[dict[str, Any]] | None = None
+        if not isinstance(sessions, str):
+            mounts = [
+                {**s["mount"], "session": s["session"], "host": s["host"], "pid": s["pid"]}
+                for s in sessions
+                if s["mount"] is not None
+            ]
+        print(json.dumps({**status, "capacity": capacity, "mounts": mounts}, indent=2))
     else:
         render_status(status, capacity)
+        render_mounts(sessions)
     return 0

@@ -321,7 +321,7 @@ def _check_mount(args: argparse.Namespace) -> None:
     check_existing_dir(args.mountpoint, "mountpoint")
     if args.log_file:
         check_dir_for_writing(Path(args.log_file).absolute().parent, "--log-file")
-    from shufflefs.fuse.mount import parse_options
+    from shufflefs.fuse.mount_options import parse_options
 
     parse_options(args.options)
     _check_cluster_answers(args)

@@ -25,7 +25,8 @@ from shufflefs.cluster.config import ClientConfig, find_client_config, load_clie
 from shufflefs.cluster.launcher import unmount, wait_mounted
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.fuse.ops import MountOptions, ShuffleOps
+from shufflefs.fuse.mount_options import MountOptions, parse_options
+from shufflefs.fuse.ops import ShuffleOps
 from shufflefs.rpc.client import open_rpc_client
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import run_service, setup_logging
@@ -35,46 +36,24 @@ log = logging.getLogger("shufflefs.mount")
 FSTYPE = "fuse.shufflefs"
 
 
-def parse_options(items: list[str]) -> tuple[MountOptions, set[str]]:
-    """Our own -o options, and the rest for FUSE (ro, ...)."""
-    options = MountOptions()
-    fuse_opts: set[str] = set()
-    for item in ",".join(items).split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, _, value = item.partition("=")
-        try:
-            if key == "attr_timeout":
-                options.attr_timeout = float(value)
-            elif key == "entry_timeout":
-                options.entry_timeout = float(value)
-            elif key == "max_tasks":
-                options.max_tasks = int(value)
-            elif key == "no_local_reads":
-                options.local_reads = False
-            elif key in ("ro", "rw", "debug"):
-                fuse_opts.add(key)
-            else:
-                raise FsError(errno.EINVAL, f"unknown mount option {item!r}")
-        except ValueError:
-            raise FsError(errno.EINVAL, f"bad value in mount option {item!r}") from None
-    return options, fuse_opts
-
-
 async def run_mount(
     config: ClientConfig,
     secret: bytes,
     mountpoint: Path,
     options: MountOptions,
-    fuse_opts: set[str],
 ) -> None:
     async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
         routing = RoutingCache(rpc, config.mgmtd)
-        fs = FileSystem(rpc, routing, ClientOptions(local_reads=options.local_reads))
+        client_options = ClientOptions(
+            local_reads=options.local_reads,
+            open_linger=options.handle_linger,
+            trust_open_cache=options.read_only,
+            mount=options.info(str(mountpoint)),
+        )
+        fs = FileSystem(rpc, routing, client_options)
         await fs.start(nursery)
         ops = ShuffleOps(fs, options)
-        opts = set(pyfuse3.default_options) | fuse_opts
+        opts = set(pyfuse3.default_options) | options.fuse_options()
         opts |= {"fsname=shufflefs", "subtype=shufflefs"}
         if os.geteuid() == 0:
             opts.add("allow_other")  # every user of a training node may use the mount
@@ -95,7 +74,7 @@ def cli_mount(args: argparse.Namespace) -> int:
     config_path = find_client_config(args.config).absolute()
     config, secret = load_client_config(config_path)  # fail here, in the caller's terminal
     mountpoint = Path(args.mountpoint).absolute()
-    options, fuse_opts = parse_options(args.options)
+    options = parse_options(args.options)
     if not mountpoint.is_dir():
         raise FsError(errno.ENOTDIR, f"mountpoint {mountpoint} is not a directory")
     if mounted_fstype(mountpoint) is not None:
@@ -103,7 +82,7 @@ def cli_mount(args: argparse.Namespace) -> int:
     if not args.foreground:
         return mount_in_background(args, config_path, mountpoint)
     setup_logging("mount", args.log_file or config.log_file, config.log_level)
-    return run_service("mount", lambda: run_mount(config, secret, mountpoint, options, fuse_opts))
+    return run_service("mount", lambda: run_mount(config, secret, mountpoint, options))
 
 
 def mount_in_background(args: argparse.Namespace, config_path: Path, mountpoint: Path) -> int:

@@ -1,15 +1,23 @@
 """pyfuse3 operations over the client library.
 
-Kernel caching policy (close-to-open, like NFS):
+Kernel caching policy (the mount modes of fuse/mount_options.py; what a
+reader sees when is stated in docs/operations.md, "Mount modes and caches"):
 
-* attributes and entries are cached for ``attr_timeout``/``entry_timeout``;
-* on every open the metadata server is asked for fresh attributes; if the
-  file changed since this mount last cached its data (size, mtime or ctime
-  differ) the kernel's page cache for it is dropped (``keep_cache=False``),
-  else the page cache is kept, so re-reading unchanged training data costs
-  no network round trip; the kernel's cached attributes are invalidated
-  whenever they differ from the fresh ones (also for a file this mount only
-  stat'ed), so reads are not clamped to a stale size;
+* attributes and entries are cached for ``attr_timeout``/``entry_timeout``,
+  misses for ``negative_timeout`` (0 on a read-write mount: not cached);
+  readdir is readdirplus, so a listing fills the entry and attribute cache;
+* read-write mount, close-to-open like NFS: every open revalidates with the
+  metadata server (a read-only open of a file this mount holds cached costs
+  one getattr, see client/open_cache.py); if the file changed since this
+  mount last cached its data (size, mtime or ctime differ) the kernel's page
+  cache for it is dropped (``keep_cache=False``), else the page cache is
+  kept, so re-reading unchanged training data costs no data transfer; the
+  kernel's cached attributes are invalidated whenever they differ from the
+  fresh ones (also for a file this mount only stat'ed), so reads are not
+  clamped to a stale size;
+* ``-o ro`` (dataset mode): every mutation is EROFS; opens of a file opened
+  before are answered from the cache with no round trip, closes make none
+  (FLUSH is switched off), pages are kept;
 * an O_APPEND open while the kernel's size is stale writes at the real end
   (see `file_info` and `write`);
 * a file written through this mount drops its cache marker on release, so
@@ -33,12 +41,13 @@ import os
 import stat
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
 
-from shufflefs.client.fs import FileSystem
+from shufflefs.client.fs import ACCESS_MODE, FileSystem
+from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError, as_fs_error
 
@@ -46,18 +55,11 @@ log = logging.getLogger("shufflefs.fuse")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+ShuffleOpsT = TypeVar("ShuffleOpsT", bound="ShuffleOps")
 
 CAPS_XATTR = b"security.capability"
 BLOCK_SIZE = 4096  # st_blksize: small, so buffered readers do not turn a 2 KiB read into 1 MiB
 READDIR_PAGE = 256
-
-
-@dataclass
-class MountOptions:
-    attr_timeout: float = 1.0
-    entry_timeout: float = 1.0
-    max_tasks: int = 64
-    local_reads: bool = True
 
 
 def fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
@@ -77,6 +79,22 @@ def fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutin
         except Exception as exc:
             log.exception("%s failed", fn.__name__)
             raise pyfuse3.FUSEError(as_fs_error(exc).code) from None
+
+    return wrapper
+
+
+def mutation(
+    fn: Callable[Concatenate[ShuffleOpsT, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[ShuffleOpsT, P], Coroutine[Any, Any, R]]:
+    """EROFS on a read-only mount. (The kernel refuses most mutations of an
+    ``ro`` mount itself; this is the daemon's own guard. Apply under
+    `fuse_errors`.)"""
+
+    @functools.wraps(fn)
+    async def wrapper(self: ShuffleOpsT, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self.options.read_only:
+            raise FsError(errno.EROFS, "read-only mount (-o ro)")
+        return await fn(self, *args, **kwargs)
 
     return wrapper
 
@@ -133,6 +151,7 @@ class ShuffleOps(pyfuse3.Operations):
         self.append_direct: set[int] = set()  # O_APPEND handles that write at the real end
         self.kernel_size: dict[int, int] = {}  # inode -> i_size as the kernel has it
         self.dirs: dict[int, DirHandle] = {}
+        self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
         self._next_dir = 1
 
     # ---- conversions ----------------------------------------------------------
@@ -140,6 +159,8 @@ class ShuffleOps(pyfuse3.Operations):
     def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
         self.reported[attr["ino"]] = (attr["size"], attr["mtime"], attr["ctime"])
         self.kernel_size[attr["ino"]] = attr["size"]
+        if attr["parent"]:
+            self.parents[attr["ino"]] = attr["parent"]
         e = pyfuse3.EntryAttributes()
         e.st_ino = attr["ino"]
         e.generation = 0
@@ -170,7 +191,17 @@ class ShuffleOps(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        return self.remember(await self.fs.lookup(parent_inode, name))
+        try:
+            attr = await self.fs.lookup(parent_inode, name)
+        except FsError as exc:
+            if exc.code != errno.ENOENT or not self.options.negative_timeout:
+                raise
+            # st_ino 0: the kernel caches the miss for negative_timeout
+            missing = pyfuse3.EntryAttributes()
+            missing.st_ino = 0
+            missing.entry_timeout = self.options.negative_timeout
+            return missing
+        return self.remember(attr)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
@@ -183,6 +214,7 @@ class ShuffleOps(pyfuse3.Operations):
                 self.reported.pop(ino, None)
                 self.kernel_size.pop(ino, None)
                 self.no_caps.pop(ino, None)
+                self.parents.pop(ino, None)
 
     @fuse_errors
     @stale_when_gone
@@ -191,6 +223,7 @@ class ShuffleOps(pyfuse3.Operations):
 
     @fuse_errors
     @stale_when_gone
+    @mutation
     async def setattr(
         self,
         inode: int,
@@ -230,24 +263,28 @@ class ShuffleOps(pyfuse3.Operations):
     # ---- creating and removing -------------------------------------------------
 
     @fuse_errors
+    @mutation
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         return self.remember(await self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @fuse_errors
+    @mutation
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         return self.remember(await self.fs.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @fuse_errors
+    @mutation
     async def symlink(
         self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         return self.remember(await self.fs.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @fuse_errors
+    @mutation
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -259,14 +296,17 @@ class ShuffleOps(pyfuse3.Operations):
         return await self.fs.readlink(inode)
 
     @fuse_errors
+    @mutation
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.unlink(parent_inode, name)
 
     @fuse_errors
+    @mutation
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.rmdir(parent_inode, name)
 
     @fuse_errors
+    @mutation
     async def rename(
         self,
         parent_inode_old: int,
@@ -313,10 +353,21 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     @stale_when_gone
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if self.options.read_only and (flags & ACCESS_MODE != os.O_RDONLY or flags & os.O_TRUNC):
+            raise FsError(errno.EROFS, "read-only mount (-o ro)")
         f, attr = await self.fs.open(inode, flags)
+        if attr["nlink"] == 0 and not stat.S_ISDIR(attr["mode"]):
+            # reached through a name the kernel still caches, of a file
+            # removed since (kept alive by someone's open handle, or a
+            # mount's cached one): ESTALE makes the kernel look the name up
+            # again, so the open gets what the name is now (or ENOENT, or
+            # with O_CREAT a new file) rather than the removed file
+            await self.fs.release(f.fh)
+            raise FsError(errno.ESTALE, f"inode {inode} was removed")
         return self.file_info(f.fh, attr, flags)
 
     @fuse_errors
+    @mutation
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
@@ -331,6 +382,7 @@ class ShuffleOps(pyfuse3.Operations):
         return await self.fs.read(fh, off, size)
 
     @fuse_errors
+    @mutation
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         f = self.fs.file(fh)
         at = off
@@ -349,6 +401,11 @@ class ShuffleOps(pyfuse3.Operations):
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
+        if self.options.read_only:
+            # nothing to report on close: ENOSYS makes the kernel stop
+            # sending FLUSH for the rest of the mount (one round trip less
+            # per close)
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         await self.fs.flush(fh)
 
     @fuse_errors
@@ -368,13 +425,28 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     @stale_when_gone
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        attr = await self.fs.getattr(inode)
-        if not stat.S_ISDIR(attr["mode"]):
-            raise FsError(errno.ENOTDIR, "not a directory")
+        parent = self.parents.get(inode) if self.options.read_only else None
+        if parent is None:  # (a read-write mount checks the directory is still there)
+            attr = await self.fs.getattr(inode)
+            if not stat.S_ISDIR(attr["mode"]):
+                raise FsError(errno.ENOTDIR, "not a directory")
+            parent = attr["parent"] or inode
         fh = self._next_dir
         self._next_dir += 1
-        self.dirs[fh] = DirHandle(inode, attr["parent"] or inode)
+        self.dirs[fh] = DirHandle(inode, parent)
         return fh
+
+    @staticmethod
+    def dot_entry(ino: int) -> pyfuse3.EntryAttributes:
+        """'.' or '..' in a listing: the kernel takes only the inode number
+        (it links no entry and caches no attributes for them), so no round
+        trip for their attributes."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.st_mode = stat.S_IFDIR
+        e.entry_timeout = 0
+        e.attr_timeout = 0
+        return e
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -382,13 +454,11 @@ class ShuffleOps(pyfuse3.Operations):
         if h is None:
             raise FsError(errno.EBADF, "directory not open")
         if start_id == 0:
-            attr = await self.fs.getattr(h.ino)
-            if not pyfuse3.readdir_reply(token, b".", self.entry(attr), 1):
+            if not pyfuse3.readdir_reply(token, b".", self.dot_entry(h.ino), 1):
                 return
             start_id = 1
         if start_id == 1:
-            attr = await self.fs.getattr(h.parent)
-            if not pyfuse3.readdir_reply(token, b"..", self.entry(attr), 2):
+            if not pyfuse3.readdir_reply(token, b"..", self.dot_entry(h.parent), 2):
                 return
             after: bytes | None = None
         elif start_id == 2:
@@ -445,6 +515,7 @@ class ShuffleOps(pyfuse3.Operations):
 
     @fuse_errors
     @stale_when_gone
+    @mutation
     async def setxattr(
         self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
     ) -> None:
@@ -461,6 +532,7 @@ class ShuffleOps(pyfuse3.Operations):
 
     @fuse_errors
     @stale_when_gone
+    @mutation
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.removexattr(inode, name)
         self.no_caps.pop(inode, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 
-from shufflefs.metadata.protocol import NAME_MAX, SYMLINK_MAX, XATTR_NAME_MAX
+from shufflefs.metadata.protocol import NAME_MAX, SYMLINK_MAX, XATTR_NAME_MAX, MountInfo
 from shufflefs.rpc.errors import FsError
 
 U64_MAX = (1 << 64) - 1
@@ -17,6 +17,8 @@ I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 ID32_MAX = (1 << 32) - 1  # uid, gid, pid
 PATH_MAX = 4096
 SESSION_FIELD_MAX = 256
+MOUNTPOINT_MAX = 4096
+TIMEOUT_MAX = 1e9  # seconds: a mount's reported timeouts (NaN fails the range check too)
 DOTS = (b".", b"..")
 XATTR_PREFIXES = (b"user.", b"trusted.", b"security.", b"system.")
 ACL_PREFIX = b"system.posix_acl_"
@@ -92,12 +94,19 @@ def check_symlink_target(target: bytes) -> None:
         raise FsError(errno.EINVAL, "symlink target contains NUL")
 
 
-def check_session_fields(client: str, host: str, pid: int) -> None:
+def check_session_fields(client: str, host: str, pid: int, mount: MountInfo | None = None) -> None:
     for what, value in (("client", client), ("host", host)):
         if len(value) > SESSION_FIELD_MAX:
             raise FsError(errno.EINVAL, f"session {what} longer than {SESSION_FIELD_MAX}")
     if not 0 <= pid <= ID32_MAX:
         raise FsError(errno.EINVAL, f"invalid pid {pid}")
+    if mount is not None:
+        if len(mount["mountpoint"]) > MOUNTPOINT_MAX:
+            raise FsError(errno.EINVAL, f"mountpoint longer than {MOUNTPOINT_MAX}")
+        times = (mount["attr_timeout"], mount["entry_timeout"], mount["negative_timeout"])
+        for seconds in (*times, mount["handle_linger"]):
+            if not 0 <= seconds <= TIMEOUT_MAX:
+                raise FsError(errno.EINVAL, f"mount timeout {seconds!r} out of range")
 
 
 def check_xattr_name(name: bytes) -> None:

@@ -14,7 +14,7 @@ trusted like root. uid/gid of new inodes come from the caller.
 from __future__ import annotations
 
 import errno
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from shufflefs.rpc.client import RpcClient
 
@@ -63,6 +63,9 @@ class Attr(TypedDict):
     mtime: int  # ns
     ctime: int  # ns
     parent: int  # for directories, the parent's inode ('..'); 0 otherwise
+    # raised by every committed change of the inode (its data's length
+    # report included): equal counters mean an unchanged file
+    change: int
 
 
 class OpenResult(TypedDict):
@@ -79,6 +82,29 @@ class ReaddirPage(TypedDict):
 class Session(TypedDict):
     session: int
     lease: float  # seconds: renew well before; an expired session's handles are closed
+
+
+class MountInfo(TypedDict):
+    """What a FUSE mount tells the metadata server of itself at session open,
+    so `shufflefs status` can list every mount (fuse/mount_options.py)."""
+
+    mountpoint: str
+    mode: Literal["rw", "ro"]
+    attr_timeout: float  # seconds, as handed to the kernel
+    entry_timeout: float
+    negative_timeout: float
+    handle_linger: float  # seconds an idle read-only handle is kept for the next open
+
+
+class SessionInfo(TypedDict):
+    session: int
+    client: str
+    host: str
+    pid: int
+    created: float  # wall-clock seconds
+    expires: float
+    mount: MountInfo | None  # None: not a mount (the native client, a tool)
+    open_ro: int  # read-only handles it holds now (in the server's memory)
 
 
 class FsStats(TypedDict):
@@ -99,8 +125,12 @@ class MetaStub:
 
     # ---- sessions (who holds files open) ----------------------------------
 
-    async def session_open(self, client: str, host: str, pid: int) -> Session:
-        result: Session = await self._call("session_open", client=client, host=host, pid=pid)
+    async def session_open(
+        self, client: str, host: str, pid: int, mount: MountInfo | None = None
+    ) -> Session:
+        result: Session = await self._call(
+            "session_open", client=client, host=host, pid=pid, mount=mount
+        )
         return result
 
     async def session_renew(self, session: int, open_ro: list[list[int]] | None = None) -> None:
@@ -109,6 +139,12 @@ class MetaStub:
         (the server keeps those in memory only; after a restart it learns them
         back from here, see docs/metadata.md "Read-only handles")."""
         await self._call("session_renew", session=session, open_ro=open_ro)
+
+    async def sessions(self) -> list[SessionInfo]:
+        """Every live session, with what each mount reported of itself
+        (read-only: no write transaction)."""
+        result: list[SessionInfo] = await self._call("sessions")
+        return result
 
     async def session_close(self, session: int) -> None:
         """Close the session and every handle it still holds."""

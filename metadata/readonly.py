@@ -158,6 +158,11 @@ class ReadOnlyHandles:
         with self._lock:
             return {ino for ino, n in self._holders.items() if n}
 
+    def per_session(self) -> dict[int, int]:
+        """How many read-only handles each session holds now."""
+        with self._lock:
+            return {session: len(held) for session, held in self._sessions.items() if held}
+
     def count(self) -> int:
         with self._lock:
             return sum(self._holders.values())

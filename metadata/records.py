@@ -181,6 +181,7 @@ def attr_of(ino: int, rec: Rec) -> Attr:
         "mtime": rec["mtime"],
         "ctime": rec["ctime"],
         "parent": rec["parent"] if is_dir(rec) else 0,
+        "change": rec.get("change", 0),
     }
 
 

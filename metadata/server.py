@@ -34,9 +34,11 @@ from shufflefs.metadata.protocol import (
     Attr,
     FsStats,
     Layout,
+    MountInfo,
     OpenResult,
     ReaddirPage,
     Session,
+    SessionInfo,
     is_read_only_handle,
 )
 from shufflefs.metadata.readonly import FreeInProgress
@@ -169,9 +171,11 @@ class MetaService:
     # ---- sessions -------------------------------------------------------------
 
     @rpc_method
-    async def session_open(self, client: str, host: str, pid: int) -> Session:
+    async def session_open(
+        self, client: str, host: str, pid: int, mount: MountInfo | None = None
+    ) -> Session:
         result = await self._mutate(
-            "session_open", self.store.session_open, client=client, host=host, pid=pid
+            "session_open", self.store.session_open, client=client, host=host, pid=pid, mount=mount
         )
         log.info(
             "session opened session=%d client=%s host=%s pid=%d",
@@ -190,6 +194,10 @@ class MetaService:
         pairs = [(p[0], p[1]) for p in open_ro or [] if len(p) == 2]
         self.store.read_only.renewed(session, pairs)
         await self.reaper.sweep_if_due()
+
+    @rpc_method(inline=True)
+    async def sessions(self) -> list[SessionInfo]:
+        return self.store.sessions()
 
     @rpc_method
     async def session_close(self, session: int) -> None:

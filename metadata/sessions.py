@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from shufflefs.metadata.checks import U64_MAX, check_session_fields
 from shufflefs.metadata.lifetime import free_if_orphan
-from shufflefs.metadata.protocol import SESSION_EXPIRED, Session
+from shufflefs.metadata.protocol import SESSION_EXPIRED, MountInfo, Session, SessionInfo
 from shufflefs.metadata.records import (
     C_SESSION,
     DB_HANDLES,
@@ -72,8 +72,10 @@ class SessionOps:
     clock: Callable[[], float]  # wall clock: leases outlive a restart
     session_timeout: float
 
-    def session_open(self, client: str, host: str, pid: int) -> Session:
-        check_session_fields(client, host, pid)
+    def session_open(
+        self, client: str, host: str, pid: int, mount: MountInfo | None = None
+    ) -> Session:
+        check_session_fields(client, host, pid, mount)
 
         def body(tx: Tx) -> Session:
             session = tx.next_id(C_SESSION)
@@ -84,6 +86,7 @@ class SessionOps:
                 "pid": pid,
                 "created": now,
                 "expires": now + self.session_timeout,
+                "mount": mount,
             }
             tx.put(DB_SESSIONS, u64(session), pack(rec))
             return {"session": session, "lease": self.session_timeout}
@@ -99,6 +102,34 @@ class SessionOps:
             tx.put(DB_SESSIONS, u64(session), pack(rec))
 
         self.txns.write(body)
+
+    def sessions(self) -> list[SessionInfo]:
+        """Every live session (one read snapshot), with its mount's report."""
+
+        def body(tx: Tx) -> list[SessionInfo]:
+            now = self.clock()
+            held = tx.read_only.per_session()
+            out: list[SessionInfo] = []
+            for key, raw in tx.prefix_items(DB_SESSIONS, b""):
+                rec = unpack(raw)
+                if rec["expires"] < now:
+                    continue
+                session = read_u64(key)
+                out.append(
+                    {
+                        "session": session,
+                        "client": rec["client"],
+                        "host": rec["host"],
+                        "pid": rec["pid"],
+                        "created": rec["created"],
+                        "expires": rec["expires"],
+                        "mount": rec.get("mount"),
+                        "open_ro": held.get(session, 0),
+                    }
+                )
+            return out
+
+        return self.txns.read(body)
 
     def session_close(self, session: int) -> tuple[int, int]:
         """Close a session (unknown: nothing to do). Returns (handles, freed)."""

@@ -64,6 +64,7 @@ class Tx:
         self._recs: dict[int, Rec | None] = {}
         self._raw: dict[int, bytes | None] = {}
         self.ended: list[Callable[[bool], None]] = []
+        self.changed: dict[int, int] = {}  # ino -> its change counter, raised by `flush`
 
     def after(self, fn: Callable[[bool], None]) -> None:
         """Call *fn(committed)* once this transaction has committed or aborted
@@ -161,7 +162,26 @@ class Tx:
                 continue
             raw = pack(rec)
             if raw != old:
-                self.put(DB_INODES, u64(ino), raw)
+                # every committed change of an inode record raises its change
+                # counter: a client that cached the file at counter N knows
+                # it is unchanged while getattr still says N (open_cache.py)
+                rec["change"] = rec.get("change", 0) + 1
+                self.changed[ino] = rec["change"]
+                self.put(DB_INODES, u64(ino), pack(rec))
+
+    def stamped(self, result: T) -> T:
+        """*result* (an Attr, an OpenResult, or a tuple/list holding them)
+        with the change counters `flush` just raised: the body built it
+        before the flush."""
+        if isinstance(result, dict):
+            if "change" in result and result.get("ino") in self.changed:
+                result["change"] = self.changed[result["ino"]]
+            if isinstance(result.get("attr"), dict):
+                self.stamped(result["attr"])
+        elif isinstance(result, (tuple, list)):
+            for item in result:
+                self.stamped(item)
+        return result
 
     # ---- directory entries -------------------------------------------------
 
@@ -267,6 +287,7 @@ class Transactions:
                 tx = Tx(txn, self.dbs, self.read_only)
                 result = body(tx)
                 tx.flush()
+                result = tx.stamped(result)
         except BaseException as exc:
             for fn in tx.ended if tx is not None else []:
                 fn(False)
@@ -291,6 +312,7 @@ class Transactions:
                 tx = Tx(txn, self.dbs, self.read_only)
                 result = body(tx)
                 tx.flush()
+                result = tx.stamped(result)
             committed = True
             self.commit_count += 1
             return result

@@ -214,6 +214,7 @@ CLUSTER_DOWN: list[Case] = [
     ),
     case("mount", "-o", "--config", "{CFG}", "-o", "bogus=1", "{W}/emptydir"),
     case("mount", "-o", "--config", "{CFG}", "-o", "attr_timeout=soon", "{W}/emptydir"),
+    case("mount", "-o", "--config", "{CFG}", "-o", "ro,negative_timeout=-1", "{W}/emptydir"),
     case("mount", "--config", "--config", "{CFG}", "{W}/emptydir", code=UNREACHABLE),
     case("umount", "mountpoint"),
     case("umount", "mountpoint", "{W}/afile", code=FAILED),

@@ -1,0 +1,176 @@
+"""Read-only opens answered from this client's cache.
+
+A read-only open costs the metadata server no write (an in-memory handle,
+metadata/readonly.py), but a round trip for the open and another for the
+release, per sample, is most of what an ordinary dataloader over small files
+waits for. So this client keeps, per inode, the read-only handle, layout and
+attributes of its last read-only open for `linger` seconds after the last
+close, and the next read-only open reuses them:
+
+* ``revalidate`` (the read-write mount): one read-only ``getattr``; if the
+  inode's change counter (raised by every committed change of the inode,
+  its writers' length reports included) is what it was and the file still
+  has a name, the cached handle and layout are used: close-to-open holds,
+  since whatever another client closed before this open raised the counter.
+  Else the handle is given back and the file opened afresh.
+* ``trust`` (the ``-o ro`` dataset mount): no round trip at all. Attributes
+  the kernel asks for anyway (after ``attr_timeout``) are compared on the
+  way through (`observe`): a changed counter drops the entry, so a change
+  made elsewhere reaches the next open within ``attr_timeout``.
+
+The cached handle is a real handle: a file removed elsewhere keeps its data
+while this client holds it, that is while it is open here and for at most
+`linger` seconds after (or until `limit` other files push it out); the
+session renewal reports cached handles with the open ones (a restarted
+metadata server learns them back).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from shufflefs.metadata.protocol import Attr, Layout, OpenResult
+from shufflefs.rpc.errors import FsError
+
+log = logging.getLogger("shufflefs.client.open_cache")
+
+DEFAULT_LIMIT = 65536  # cached handles per client (the server holds each in memory)
+
+
+@dataclass
+class CachedOpen:
+    ino: int
+    handle: int  # a read-only handle on the metadata server
+    layout: Layout | None
+    attr: Attr  # as of the open or the last revalidation
+    users: int = 0  # open files of this client using the handle now
+    idle_since: float = 0.0  # trio time of the last close
+    dropped: bool = False  # superseded or expired: give the handle back at the last close
+
+
+class OpenCache:
+    def __init__(
+        self,
+        getattr: Callable[[int], Awaitable[Attr]],
+        open_fresh: Callable[[int, int], Awaitable[OpenResult]],
+        release: Callable[[int, int], Awaitable[None]],
+        *,
+        trust: bool,
+        linger: float,
+        limit: int = DEFAULT_LIMIT,
+    ) -> None:
+        self._getattr = getattr
+        self._open = open_fresh
+        self._release = release  # (ino, handle): give a read-only handle back
+        self.trust = trust
+        self.linger = linger
+        self.limit = limit
+        self.entries: dict[int, CachedOpen] = {}
+        self._unused: list[CachedOpen] = []  # dropped by `observe`, to give back
+        self.hits = 0  # opens answered from the cache (revalidated or trusted)
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.linger > 0
+
+    async def open(self, ino: int, flags: int) -> tuple[CachedOpen, bool]:
+        """A read-only open of *ino*: (the entry now in use, whether it was
+        reused from the cache)."""
+        entry = self.entries.get(ino)
+        if entry is not None and not self.trust:
+            attr = await self._getattr(ino)
+            if attr["change"] == entry.attr["change"] and attr["nlink"] > 0:
+                entry.attr = attr
+            else:
+                await self._drop(entry)
+                entry = None
+        if entry is not None and self.entries.get(ino) is entry:
+            self.hits += 1
+            entry.users += 1
+            return entry, True
+        res = await self._open(ino, flags)
+        self.misses += 1
+        fresh = CachedOpen(ino, res["handle"], res["layout"], res["attr"], users=1)
+        old = self.entries.get(ino)
+        if old is not None:  # another open raced ours: the newer one stays
+            await self._drop(old)
+        self.entries[ino] = fresh
+        return fresh, False
+
+    async def discard(self, ino: int) -> None:
+        """Out of the cache, its handle given back once unused."""
+        entry = self.entries.get(ino)
+        if entry is not None:
+            await self._drop(entry)
+
+    async def close(self, entry: CachedOpen) -> None:
+        """An open file using *entry* was closed: no round trip unless the
+        entry was dropped meanwhile and this was its last user."""
+        entry.users -= 1
+        entry.idle_since = trio.current_time()
+        if entry.users <= 0 and entry.dropped:
+            await self._release(entry.ino, entry.handle)
+
+    def observe(self, attr: Attr) -> None:
+        """Attributes fetched for any reason: a changed counter drops the
+        entry (its handle is given back by the next `expire`)."""
+        entry = self.entries.get(attr["ino"])
+        changed = entry is not None and attr["change"] != entry.attr["change"]
+        if entry is not None and changed and self._forget(entry):
+            self._unused.append(entry)
+
+    def handles(self) -> list[tuple[int, int]]:
+        """(ino, handle) of every cached handle (for the session renewal)."""
+        held = [*self.entries.values(), *self._unused]
+        return [(e.ino, e.handle) for e in held]
+
+    def clear(self) -> None:
+        """The session was lost: its handles are gone on the server."""
+        for entry in self.entries.values():
+            entry.dropped = True
+        self.entries.clear()
+        self._unused.clear()
+
+    async def expire(self) -> int:
+        """Give back the handles idle for longer than `linger`, and the
+        oldest idle ones beyond `limit`. Returns how many were given back."""
+        now = trio.current_time()
+        idle = sorted(
+            (e for e in self.entries.values() if e.users <= 0), key=lambda e: e.idle_since
+        )
+        over = max(0, len(self.entries) - self.limit)
+        expired = [e for i, e in enumerate(idle) if i < over or now - e.idle_since >= self.linger]
+        unused, self._unused = self._unused, []
+        for entry in expired:
+            await self._drop(entry)
+        for entry in unused:
+            await self._release(entry.ino, entry.handle)
+        return len(expired) + len(unused)
+
+    async def run(self) -> None:
+        """Expire idle handles until cancelled."""
+        while True:
+            await trio.sleep(max(0.05, min(self.linger / 2, 1.0)))
+            try:
+                await self.expire()
+            except FsError as exc:  # the session's end gives it back in any case
+                log.warning("giving back cached read-only handles: %s", exc.message)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _forget(self, entry: CachedOpen) -> bool:
+        """Out of the cache; returns whether nobody uses its handle (the
+        caller gives it back), else the last close does."""
+        if self.entries.get(entry.ino) is entry:
+            del self.entries[entry.ino]
+        entry.dropped = True
+        return entry.users <= 0
+
+    async def _drop(self, entry: CachedOpen) -> None:
+        if self._forget(entry):
+            await self._release(entry.ino, entry.handle)

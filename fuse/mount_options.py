@@ -1,0 +1,150 @@
+"""`shufflefs mount -o ...`: the options, their defaults per mode, and their checks.
+
+Two modes (docs/operations.md, "Mount modes and caches" states what a reader
+sees when):
+
+* ``rw`` (the default): close-to-open. Every open revalidates with the
+  metadata server (one read-only call when the file is already cached here);
+  kernel timeouts default to 1 s, negative entries are not cached.
+* ``ro`` (a dataset mode for immutable data; ``cache=immutable`` says the same
+  and implies ``ro``): every mutation answers EROFS, opens and closes make
+  no round trip once a file was opened, and kernel timeouts default to
+  `DATASET_TIMEOUT`.
+
+Every kernel cache timeout is an option (``attr_timeout=``, ``entry_timeout=``,
+``negative_timeout=``, seconds, as in JuiceFS and 3FS); what was given and what
+it defaulted to are reported with the mount's metadata session, so
+``shufflefs status`` can list them for every mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+from dataclasses import dataclass
+
+from shufflefs.metadata.protocol import MountInfo
+from shufflefs.rpc.errors import FsError
+
+RW_TIMEOUT = 1.0  # s: attr/entry cache of a read-write mount
+DATASET_TIMEOUT = 300.0  # s: every kernel cache timeout of an -o ro mount
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: the kernel keeps timeouts as jiffies; beyond is a typo
+RW_LINGER = 5.0  # s a read-write mount keeps an idle read-only handle for the next open
+DATASET_LINGER = DATASET_TIMEOUT
+MAX_TASKS = 1024
+
+TIMEOUTS = ("attr_timeout", "entry_timeout", "negative_timeout")
+FLAGS = ("ro", "rw", "no_local_reads", "debug")
+
+
+@dataclass
+class MountOptions:
+    """What the FUSE layer and the client need to know of the mount's options."""
+
+    read_only: bool = False
+    attr_timeout: float = RW_TIMEOUT
+    entry_timeout: float = RW_TIMEOUT
+    negative_timeout: float = 0.0
+    # s an idle read-only handle is kept (with its layout) for the next open;
+    # also the bound on how long a file removed elsewhere keeps its space
+    # for this mount after its last close here
+    handle_linger: float = RW_LINGER
+    max_tasks: int = 64
+    local_reads: bool = True
+    debug: bool = False
+
+    def fuse_options(self) -> set[str]:
+        """The options handed to the kernel/libfuse (beside ours)."""
+        out = {"ro"} if self.read_only else set()
+        if self.debug:
+            out.add("debug")
+        return out
+
+    def info(self, mountpoint: str) -> MountInfo:
+        """What the mount reports with its metadata session (`shufflefs status`)."""
+        return {
+            "mountpoint": mountpoint,
+            "mode": "ro" if self.read_only else "rw",
+            "attr_timeout": self.attr_timeout,
+            "entry_timeout": self.entry_timeout,
+            "negative_timeout": self.negative_timeout,
+            "handle_linger": self.handle_linger,
+        }
+
+
+def parse_options(items: list[str]) -> MountOptions:
+    """``-o`` values (each comma separated, repeatable) into MountOptions.
+    Unknown options and bad values are EINVAL naming the option."""
+    given: dict[str, str] = {}
+    for item in ",".join(items).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        if key in FLAGS and not eq:
+            given[key] = ""
+        elif key in (*TIMEOUTS, "handle_linger", "max_tasks", "cache") and eq:
+            given[key] = value
+        elif key in FLAGS or key in (*TIMEOUTS, "handle_linger", "max_tasks", "cache"):
+            raise FsError(errno.EINVAL, f"mount option {item!r}: " + _usage(key))
+        else:
+            raise FsError(errno.EINVAL, f"unknown mount option {item!r}")
+    if "ro" in given and "rw" in given:
+        raise FsError(errno.EINVAL, "mount options 'ro' and 'rw' contradict each other")
+    cache = given.get("cache")
+    if cache is not None and cache != "immutable":
+        raise FsError(errno.EINVAL, f"mount option 'cache={cache}': the one mode is immutable")
+    if cache == "immutable" and "rw" in given:
+        raise FsError(errno.EINVAL, "mount option 'cache=immutable' needs a read-only mount")
+    read_only = "ro" in given or cache == "immutable"
+    default = DATASET_TIMEOUT if read_only else RW_TIMEOUT
+    options = MountOptions(
+        read_only=read_only,
+        attr_timeout=_seconds(given, "attr_timeout", default),
+        entry_timeout=_seconds(given, "entry_timeout", default),
+        negative_timeout=_seconds(given, "negative_timeout", default if read_only else 0.0),
+        handle_linger=_seconds(given, "handle_linger", DATASET_LINGER if read_only else RW_LINGER),
+        local_reads="no_local_reads" not in given,
+        debug="debug" in given,
+    )
+    if "max_tasks" in given:
+        options.max_tasks = _count(given["max_tasks"])
+    return options
+
+
+def _usage(key: str) -> str:
+    if key in FLAGS:
+        return "takes no value"
+    if key == "cache":
+        return "needs a value: cache=immutable"
+    if key == "max_tasks":
+        return f"needs a value: max_tasks=N (1..{MAX_TASKS})"
+    return f"needs a value: {key}=SECONDS"
+
+
+def _seconds(given: dict[str, str], key: str, default: float) -> float:
+    if key not in given:
+        return default
+    text = given[key]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_TIMEOUT:  # also NaN
+        raise FsError(
+            errno.EINVAL,
+            f"mount option '{key}={text}': seconds from 0 to {MAX_TIMEOUT:.0f} expected",
+        )
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_TASKS:
+        raise FsError(
+            errno.EINVAL, f"mount option 'max_tasks={text}': a whole number from 1 to {MAX_TASKS}"
+        )
+    return value

@@ -1,0 +1,152 @@
+"""Read-only opens answered from the client's cache (client/open_cache.py),
+against the real metadata server and storage daemons in this process; the
+server's own per-method request counts (`rpc_calls`) show what each open cost.
+
+* revalidate (the read-write mount): a cached open costs one getattr and no
+  open/release; a change closed elsewhere is seen by the next open;
+* trust (the -o ro mount): a cached open costs nothing; a change is seen once
+  attributes fetched for any reason show the new change counter;
+* a cached handle is a real handle: a file unlinked elsewhere keeps its data
+  until the handle lingers out, and session renewals report it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+from clusters import ChainCluster
+
+from shufflefs.client.fs import ClientOptions, FileSystem
+from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.rpc.errors import FsError
+
+OpenFs = Callable[[ClientOptions], Awaitable[FileSystem]]  # the `open_fs` fixture
+DATA = b"sample " * 1000
+
+
+async def calls(fs: FileSystem) -> dict[str, int]:
+    address = fs.routing.current.meta_address()
+    result: dict[str, int] = await fs.rpc.call(address, "rpc_calls", {}, timeout=5.0)
+    return result
+
+
+async def put(fs: FileSystem, name: bytes, data: bytes) -> int:
+    """Create (or overwrite in place) and close: close-to-open's 'close'."""
+    try:
+        ino = (await fs.lookup(ROOT_INODE, name))["ino"]
+        f, _ = await fs.open(ino, os.O_WRONLY)
+    except FsError:
+        f, _ = await fs.create(ROOT_INODE, name, 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+    await fs.write(f.fh, 0, data)
+    await fs.release(f.fh)
+    return f.ino
+
+
+async def read(fs: FileSystem, ino: int) -> bytes:
+    f, attr = await fs.open(ino, os.O_RDONLY)
+    try:
+        return bytes(await fs.read(f.fh, 0, attr["size"] + 1))
+    finally:
+        await fs.release(f.fh)
+
+
+def delta(before: dict[str, int], after: dict[str, int], *methods: str) -> tuple[int, ...]:
+    return tuple(after.get(m, 0) - before.get(m, 0) for m in methods)
+
+
+async def test_revalidated_open_costs_one_getattr_and_sees_closed_changes(
+    open_fs: OpenFs,
+) -> None:
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    ino = await put(writer, b"f", DATA)
+    assert await read(reader, ino) == DATA  # opened afresh, handle kept
+    before = await calls(reader)
+    for _ in range(5):
+        assert await read(reader, ino) == DATA
+    after = await calls(reader)
+    assert delta(before, after, "open", "release", "getattr") == (0, 0, 5)
+    assert reader.open_cache.hits == 5
+
+    # same size, in place: only the change counter tells the two apart
+    await put(writer, b"f", DATA.upper())
+    before = await calls(reader)
+    assert await read(reader, ino) == DATA.upper()
+    # the revalidation, then a fresh open (and the stale handle given back)
+    assert delta(before, await calls(reader), "getattr", "open", "release") == (1, 1, 1)
+
+
+async def test_trusted_open_costs_nothing_until_attributes_show_a_change(
+    open_fs: OpenFs,
+) -> None:
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(
+        ClientOptions(local_reads=False, open_linger=30.0, trust_open_cache=True)
+    )
+    ino = await put(writer, b"g", DATA)
+    assert await read(reader, ino) == DATA
+    before = await calls(reader)
+    for _ in range(5):
+        assert await read(reader, ino) == DATA
+    assert delta(before, await calls(reader), "open", "release", "getattr") == (0, 0, 0)
+
+    longer = DATA + b"more"
+    await put(writer, b"g", longer)
+    # the size the reader knows is the cached one: what the kernel would
+    # also show until its attr_timeout ran out
+    assert await read(reader, ino) == longer[: len(DATA)]
+    await reader.getattr(ino)  # the kernel asking again after attr_timeout
+    assert await read(reader, ino) == longer
+
+
+async def test_cached_handle_keeps_an_unlinked_file_until_it_lingers_out(
+    open_fs: OpenFs, meta_cluster: ChainCluster
+) -> None:
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=1.0))
+    ino = await put(writer, b"h", DATA)
+    assert await read(reader, ino) == DATA
+    held = [[ino, h] for i, h in reader.open_cache.handles() if i == ino]
+    assert held and all(p in reader._read_only_handles() for p in held)  # renewals report it
+
+    await writer.unlink(ROOT_INODE, b"h")
+    attr = await writer.getattr(ino)  # kept: the reader's cached handle holds it
+    assert attr["nlink"] == 0
+
+    stub = MetaStub(writer.rpc, writer.routing.current.meta_address())
+
+    async def gone() -> bool:
+        try:
+            await writer.getattr(ino)
+        except FsError:
+            return True
+        return False
+
+    with trio.fail_after(20):
+        while not await gone():
+            await trio.sleep(0.1)
+    assert reader.open_cache.handles() == []
+    mine = [s for s in await stub.sessions() if s["session"] == reader.session.id]
+    assert mine and mine[0]["open_ro"] == 0 and mine[0]["mount"] is None
+
+
+async def test_an_open_for_writing_does_not_reach_a_file_only_the_cache_kept(
+    open_fs: OpenFs,
+) -> None:
+    """A name removed elsewhere, opened through a stale name for writing (what
+    `O_CREAT` through a cached dentry does): the cached handle is given back
+    first, so the server answers ENOENT (the mount turns it into ESTALE and
+    the kernel creates the file anew) instead of writing into the removed one."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    ino = await put(writer, b"w", DATA)
+    assert await read(reader, ino) == DATA
+    await writer.unlink(ROOT_INODE, b"w")
+    with pytest.raises(FsError) as err:
+        await reader.open(ino, os.O_WRONLY)
+    assert err.value.code == errno.ENOENT
+    assert reader.open_cache.handles() == []

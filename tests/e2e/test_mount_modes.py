@@ -1,0 +1,203 @@
+"""The consistency model of each mount mode, with real mounts of one cluster
+(docs/operations.md, "Mount modes and caches"):
+
+* default (read-write): close-to-open between two mounts, and a cached open
+  of an unchanged file makes no `open` call on the metadata server;
+* ``-o ro``: every mutation is EROFS; an open of a file opened before makes
+  no metadata call at all; a change made elsewhere is seen within the
+  mount's timeouts (here 1 s);
+* `shufflefs status` lists every mount with its mode and timeouts.
+
+The metadata server's own request counts (`rpc_calls`) say what an open cost.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from clusters import ProcessCluster
+from harness import shufflefs
+
+from shufflefs.cluster.routing import Routing
+
+BOUND = 1.0  # the short ro mount's attr/entry/negative timeout
+SLACK = 10.0  # what the test allows beyond the bound on a busy machine
+
+
+@pytest.fixture(scope="module")
+def mounts(
+    mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Path]]:
+    """A (the session's default mount), B (another default mount), R (-o ro,
+    default timeouts) and S (-o ro with BOUND-second timeouts)."""
+    made: list[Path] = []
+    short = f"ro,attr_timeout={BOUND},entry_timeout={BOUND}"
+    options = {"B": [], "R": ["-o", "ro"], "S": ["-o", short, "-o", f"negative_timeout={BOUND}"]}
+    try:
+        for name, opts in options.items():
+            mountpoint = tmp_path_factory.mktemp(f"mount-{name}")
+            shufflefs("mount", "--config", str(mounted.client_config), *opts, str(mountpoint))
+            made.append(mountpoint)
+        yield {"A": mounted.mountpoint, **dict(zip(options, made, strict=True))}
+    finally:
+        for mountpoint in made:
+            shufflefs("umount", str(mountpoint))
+
+
+@pytest.fixture
+def where(mnt: Path, mounts: dict[str, Path]) -> Callable[[str], Path]:
+    """The test's directory as seen through mount *name*."""
+    return lambda name: mounts[name] / mnt.name
+
+
+def meta_calls(cluster: ProcessCluster) -> dict[str, int]:
+    address = Routing(cluster.routing()).meta_address()
+
+    async def fetch() -> dict[str, int]:
+        async with cluster.rpc() as rpc:
+            result: dict[str, int] = await rpc.call(address, "rpc_calls", {}, timeout=5.0)
+            return result
+
+    return trio.run(fetch)
+
+
+def read(p: Path) -> bytes:
+    with open(p, "rb") as f:
+        return f.read()
+
+
+def rewrite_in_place(p: Path, data: bytes) -> None:
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def eventually_reads(p: Path, want: bytes) -> float:
+    """Seconds until an open of *p* reads *want* (fails after BOUND + SLACK)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if read(p) == want:
+                return time.monotonic() - t0
+        except FileNotFoundError:
+            pass
+        assert time.monotonic() - t0 < BOUND + SLACK, f"{p} never read the new content"
+        time.sleep(0.05)
+
+
+def test_status_lists_every_mount_with_its_options(
+    mounted: ProcessCluster, mounts: dict[str, Path]
+) -> None:
+    out = shufflefs("status", "--json", "--config", str(mounted.client_config)).stdout
+    listed = {m["mountpoint"]: m for m in json.loads(out)["mounts"]}
+    for name in "AB":
+        m = listed[str(mounts[name])]
+        assert (m["mode"], m["attr_timeout"], m["entry_timeout"], m["negative_timeout"]) == (
+            "rw",
+            1.0,
+            1.0,
+            0.0,
+        )
+    assert listed[str(mounts["R"])]["mode"] == "ro"
+    assert listed[str(mounts["R"])]["attr_timeout"] == 300.0
+    s = listed[str(mounts["S"])]
+    assert (s["mode"], s["attr_timeout"], s["entry_timeout"], s["negative_timeout"]) == (
+        "ro",
+        BOUND,
+        BOUND,
+        BOUND,
+    )
+    assert all(m["pid"] > 0 and m["host"] for m in listed.values())
+    text = shufflefs("status", "--config", str(mounted.client_config)).stdout
+    mounts_section = text.split("\nMOUNTS\n", 1)[1]
+    for mountpoint in mounts.values():
+        assert str(mountpoint) in mounts_section
+    assert "ro     300s   300s     300s" in mounts_section
+
+
+def test_default_mount_close_to_open_and_cached_open(
+    mounted: ProcessCluster, where: Callable[[str], Path]
+) -> None:
+    a, b = where("A"), where("B")
+    (a / "f").write_bytes(b"A" * 5000)
+    assert read(b / "f") == b"A" * 5000  # B opens afresh and keeps the handle
+    before = meta_calls(mounted)
+    for _ in range(10):
+        assert read(b / "f") == b"A" * 5000
+    after = meta_calls(mounted)
+    assert after.get("open", 0) == before.get("open", 0)  # revalidated, not reopened
+    assert after.get("getattr", 0) - before.get("getattr", 0) >= 10  # one per open
+    # close-to-open: closed on A, seen by B's next open (same size: only the
+    # inode's change counter tells the versions apart)
+    rewrite_in_place(a / "f", b"B" * 5000)
+    assert read(b / "f") == b"B" * 5000
+    (a / "f").write_bytes(b"shorter")
+    assert read(b / "f") == b"shorter"
+
+
+def test_ro_mount_refuses_every_mutation(where: Callable[[str], Path]) -> None:
+    a, r = where("A"), where("R")
+    (a / "f").write_bytes(b"data")
+    (a / "d").mkdir()
+    attempts: list[Callable[[], object]] = [
+        lambda: os.open(r / "f", os.O_WRONLY),
+        lambda: os.open(r / "f", os.O_RDONLY | os.O_TRUNC),
+        lambda: os.open(r / "new", os.O_WRONLY | os.O_CREAT, 0o644),
+        lambda: os.mkdir(r / "d2"),
+        lambda: os.unlink(r / "f"),
+        lambda: os.rmdir(r / "d"),
+        lambda: os.rename(r / "f", r / "g"),
+        lambda: os.symlink("f", r / "s"),
+        lambda: os.link(r / "f", r / "h"),
+        lambda: os.chmod(r / "f", 0o600),
+        lambda: os.truncate(r / "f", 0),
+        lambda: os.setxattr(r / "f", "user.x", b"1"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as err:
+            attempt()
+        assert err.value.errno == errno.EROFS
+    assert read(r / "f") == b"data"  # and nothing changed
+    assert sorted(os.listdir(a)) == ["d", "f"]
+
+
+def test_ro_open_makes_no_metadata_call(
+    mounted: ProcessCluster, where: Callable[[str], Path]
+) -> None:
+    a, r = where("A"), where("R")
+    (a / "f").write_bytes(os.urandom(110_000))
+    want = read(r / "f")
+    before = meta_calls(mounted)
+    for _ in range(20):
+        assert read(r / "f") == want
+    after = meta_calls(mounted)
+    for method in ("open", "release", "getattr", "lookup"):
+        assert after.get(method, 0) == before.get(method, 0), method
+
+
+def test_ro_mount_sees_a_change_made_elsewhere_within_its_timeouts(
+    where: Callable[[str], Path],
+) -> None:
+    a, s = where("A"), where("S")
+    (a / "f").write_bytes(b"one" * 1000)
+    assert read(s / "f") == b"one" * 1000  # cached: handle, layout, pages
+    rewrite_in_place(a / "f", b"two" * 1000)  # same size, same inode
+    eventually_reads(s / "f", b"two" * 1000)
+    (a / "f").write_bytes(b"three, longer" * 1000)  # truncate and grow
+    eventually_reads(s / "f", b"three, longer" * 1000)
+    # a name it missed (cached negative) and another file renamed over one it read
+    assert not (s / "new").exists()
+    (a / "new").write_bytes(b"new")
+    eventually_reads(s / "new", b"new")
+    (a / "tmp").write_bytes(b"replacement")
+    os.rename(a / "tmp", a / "f")
+    eventually_reads(s / "f", b"replacement")

@@ -1,0 +1,77 @@
+"""`shufflefs mount -o`: the options each mode defaults to, and the bad values
+refused with EINVAL naming the option (the CLI prints that one line)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from shufflefs.fuse.mount_options import (
+    DATASET_LINGER,
+    DATASET_TIMEOUT,
+    RW_LINGER,
+    RW_TIMEOUT,
+    parse_options,
+)
+from shufflefs.rpc.errors import FsError
+
+
+def test_default_mount_is_read_write_close_to_open() -> None:
+    o = parse_options([])
+    assert not o.read_only and o.fuse_options() == set()
+    assert (o.attr_timeout, o.entry_timeout, o.negative_timeout) == (RW_TIMEOUT, RW_TIMEOUT, 0.0)
+    assert o.handle_linger == RW_LINGER and o.local_reads
+
+
+@pytest.mark.parametrize("given", [["ro"], ["cache=immutable"], ["ro,cache=immutable"]])
+def test_ro_is_the_dataset_mode_with_long_timeouts(given: list[str]) -> None:
+    o = parse_options(given)
+    assert o.read_only and "ro" in o.fuse_options()
+    assert o.attr_timeout == o.entry_timeout == o.negative_timeout == DATASET_TIMEOUT
+    assert o.handle_linger == DATASET_LINGER
+
+
+def test_timeouts_are_options_in_either_mode() -> None:
+    o = parse_options(["attr_timeout=2.5,entry_timeout=0", "negative_timeout=7"])
+    assert (o.attr_timeout, o.entry_timeout, o.negative_timeout) == (2.5, 0.0, 7.0)
+    o = parse_options(["ro,attr_timeout=3600", "handle_linger=0,max_tasks=8,no_local_reads"])
+    assert o.read_only and o.attr_timeout == 3600 and o.entry_timeout == DATASET_TIMEOUT
+    assert o.handle_linger == 0 and o.max_tasks == 8 and not o.local_reads
+
+
+def test_info_is_what_the_session_reports() -> None:
+    info = parse_options(["ro,entry_timeout=9"]).info("/mnt/x")
+    assert info == {
+        "mountpoint": "/mnt/x",
+        "mode": "ro",
+        "attr_timeout": DATASET_TIMEOUT,
+        "entry_timeout": 9.0,
+        "negative_timeout": DATASET_TIMEOUT,
+        "handle_linger": DATASET_LINGER,
+    }
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ("attr_timeout=soon", "attr_timeout=soon"),
+        ("entry_timeout=-1", "entry_timeout=-1"),
+        ("negative_timeout=nan", "negative_timeout=nan"),
+        ("attr_timeout=inf", "attr_timeout=inf"),
+        ("attr_timeout=1e9", "attr_timeout=1e9"),
+        ("attr_timeout", "needs a value"),
+        ("ro=1", "takes no value"),
+        ("max_tasks=0", "max_tasks=0"),
+        ("max_tasks=many", "max_tasks=many"),
+        ("cache=loose", "cache=loose"),
+        ("cache=immutable,rw", "needs a read-only mount"),
+        ("ro,rw", "contradict"),
+        ("noatime", "unknown mount option 'noatime'"),
+    ],
+)
+def test_bad_options_are_einval_naming_them(given: str, says: str) -> None:
+    with pytest.raises(FsError) as err:
+        parse_options([given])
+    assert err.value.code == errno.EINVAL
+    assert says in err.value.message and "\n" not in err.value.message
