@@ -78,6 +78,7 @@ class OpenFile:
     handle: int
     layout: Layout | None
     position: int = 0  # for the native file API
+    created: bool = False  # made by this open (so it has no xattrs yet)
 
     @property
     def readable(self) -> bool:
@@ -282,6 +283,7 @@ class FileSystem:
             st = self.inodes[ino] = InodeState(size=attr["size"])
         st.opens += 1
         f = OpenFile(next(self._fh), ino, flags, res["handle"], res["layout"])
+        f.created = res.get("created", False)
         self.files[f.fh] = f
         return f, self.overlay(attr)
 

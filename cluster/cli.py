@@ -281,10 +281,17 @@ def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentPa
     )
     f.add_argument("--config", help=f"of the cluster to measure: {CONFIG_HELP}")
     f.add_argument("--mount", help="a mounted filesystem to measure (default: the cluster's)")
-    f.add_argument("--ro-mount", help="a read-only mount of the same files (fuse-ro rows)")
+    f.add_argument(
+        "--ro-mount",
+        help="a read-only mount of the same files (default: a `mount -o ro` it starts)",
+    )
     f.add_argument("--prefetch-mount", help="a mount with prefetch (default: --mount)")
     f.add_argument("--embedded", action="store_true", help="start a cluster, stop it after")
-    f.add_argument("--replicas", type=positive_int, help="copies per chunk of --embedded's cluster")
+    f.add_argument(
+        "--replicas",
+        type=positive_int,
+        help="copies per chunk of --embedded's cluster (default: as `up`)",
+    )
     f.add_argument("--local-dir", help="where the local directory's set goes (default: /tmp)")
     f.add_argument("--quick", action="store_true", help="2,000 files in 20 directories")
     f.add_argument("--files", type=positive_int, help="files in the set (default: 20000)")
