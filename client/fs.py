@@ -86,6 +86,7 @@ class OpenFile:
     layout: Layout | None
     position: int = 0  # for the native file API
     cached: CachedOpen | None = None  # its handle is the open cache's (client/open_cache.py)
+    created: bool = False  # made by this open (so it has no xattrs yet)
 
     @property
     def readable(self) -> bool:
@@ -315,6 +316,7 @@ class FileSystem:
             st = self.inodes[ino] = InodeState(size=attr["size"])
         st.opens += 1
         f = OpenFile(next(self._fh), ino, flags, res["handle"], res["layout"])
+        f.created = res.get("created", False)
         self.files[f.fh] = f
         return f, self.overlay(attr)
 

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -202,19 +202,36 @@ def reader_main(conn: Connection, target: Target, file_size: int, batch: int) ->
         reader.close()
 
 
-class ReaderPool:
-    """N reader processes, started once and reused for every row."""
+class ProcessPool:
+    """N spawned processes, each running ``main(conn, *args)`` on its end of a
+    pipe until it receives None; started once and reused for every row."""
 
-    def __init__(self, n: int, target: Target, file_size: int, batch: int) -> None:
+    def __init__(self, n: int, main: Callable[..., None], *args: Any) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
-        self.procs = []
+        self.procs: list[Any] = []
         for _ in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=reader_main, args=(child, target, file_size, batch), daemon=True)
+            p = ctx.Process(target=main, args=(child, *args), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+class ReaderPool(ProcessPool):
+    """N reader processes (`reader_main`)."""
+
+    def __init__(self, n: int, target: Target, file_size: int, batch: int) -> None:
+        super().__init__(n, reader_main, target, file_size, batch)
 
     def run(
         self, readers: int, path: str, w: Workload, seconds: float, cold: bool, file_size: int
@@ -231,15 +248,6 @@ class ReaderPool:
         nbytes = sum(r[1] for r in results)
         lat = np.concatenate([np.asarray(r[2], dtype=np.int64) for r in results])
         return ops, nbytes, wall, lat
-
-    def close(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
 
 
 # ---- setup --------------------------------------------------------------------------
@@ -281,11 +289,12 @@ def write_test_file(local: Path, fuse: Path | None, config: str, remote: str, si
 
 
 @contextlib.contextmanager
-def embedded_cluster(workdir: Path) -> Iterator[tuple[str, Path]]:
+def embedded_cluster(workdir: Path, up_args: Sequence[str] = ()) -> Iterator[tuple[str, Path]]:
+    """A cluster `shufflefs up` starts in *workdir* (with *up_args*), stopped after."""
     data, mnt = workdir / "cluster", workdir / "mnt"
     cmd = [sys.executable, "-m", "shufflefs.cluster.cli"]
     subprocess.run(
-        [*cmd, "up", "--data-dir", str(data), "--mountpoint", str(mnt)],
+        [*cmd, "up", "--data-dir", str(data), "--mountpoint", str(mnt), *up_args],
         check=True,
         stdout=subprocess.DEVNULL,
     )

@@ -266,6 +266,58 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     b.add_argument(
         "--plot", metavar="FILE.png", help="draw tokens/s against batch size (default: no plot)"
     )
+    add_bench_files_parser(modes)
+
+
+def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    f = modes.add_parser(
+        "files",
+        help="one-file-per-sample datasets: create, stat, scan, shuffled reads, a DataLoader",
+        description="Create an ImageFolder-shaped set of files in a local directory and in the "
+        "mount, and measure create+write+close/s, stat/s, scan entries/s and open+read+close/s "
+        "in shuffled order with 1 and --procs processes, cold and warm, through the mount, an "
+        "-o ro mount and the native FileDataset, each with its ratio to the local directory; "
+        "then a DataLoader(num_workers=4) over the mount.",
+    )
+    f.add_argument("--config", help=f"of the cluster to measure: {CONFIG_HELP}")
+    f.add_argument("--mount", help="a mounted filesystem to measure (default: the cluster's)")
+    f.add_argument(
+        "--ro-mount",
+        help="a read-only mount of the same files (default: a `mount -o ro` it starts)",
+    )
+    f.add_argument("--prefetch-mount", help="a mount with prefetch (default: --mount)")
+    f.add_argument("--embedded", action="store_true", help="start a cluster, stop it after")
+    f.add_argument(
+        "--replicas",
+        type=positive_int,
+        help="copies per chunk of --embedded's cluster (default: as `up`)",
+    )
+    f.add_argument("--local-dir", help="where the local directory's set goes (default: /tmp)")
+    f.add_argument("--quick", action="store_true", help="2,000 files in 20 directories")
+    f.add_argument("--files", type=positive_int, help="files in the set (default: 20000)")
+    f.add_argument("--size", type=size, help="bytes per file (default: 110K)")
+    f.add_argument("--dirs", type=positive_int, help="class directories (default: 100)")
+    f.add_argument("--procs", type=positive_int, default=4, help="processes of the parallel rows")
+    f.add_argument("--reads", type=positive_int, help="files per stat/read row (default: all)")
+    f.add_argument(
+        "--ops",
+        type=comma_list(_files_ops, "operation"),
+        help="comma-separated: create,stat,scan,read (default: all; files are always created)",
+    )
+    f.add_argument("--no-cold", action="store_true", help="skip the cold rows")
+    f.add_argument("--no-loader", action="store_true", help="skip the DataLoader rows")
+    f.add_argument(
+        "--loader-workers", type=positive_int, default=4, help="num_workers of the DataLoader"
+    )
+    f.add_argument("--seed", type=int, default=0, help="of the shuffled order")
+    f.add_argument("--keep", action="store_true", help="leave the files in the mount")
+    f.add_argument("--json", action="store_true", help="print one JSON object with `rows`")
+
+
+def _files_ops() -> tuple[str, ...]:
+    from shufflefs.client.bench_files import OPS
+
+    return OPS
 
 
 def _io_workloads() -> tuple[str, ...]:

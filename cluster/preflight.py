@@ -343,7 +343,21 @@ def _check_sample(args: argparse.Namespace) -> None:
         _check_cluster_answers(args)
 
 
+def _check_bench_files(args: argparse.Namespace) -> None:
+    """`bench files` may measure any mount (MooseFS too): a cluster is
+    asked only when one is named or none is mounted to measure."""
+    for option in ("mount", "ro_mount", "prefetch_mount", "local_dir"):
+        if getattr(args, option):
+            check_existing_dir(getattr(args, option), "--" + option.replace("_", "-"))
+    named = args.config or not (args.mount or args.embedded)
+    if named and (args.config or find_client_config(None).exists()):
+        _check_cluster_answers(args)
+
+
 def _check_bench(args: argparse.Namespace) -> None:
+    if getattr(args, "bench_mode", None) == "files":
+        _check_bench_files(args)
+        return
     if not args.embedded:
         _check_cluster_answers(args)
     if args.mountpoint:

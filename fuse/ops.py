@@ -372,6 +372,8 @@ class ShuffleOps(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         f, attr = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        if f.created:  # a new file has no security.capability: spare the write's getxattr
+            self.no_caps[attr["ino"]] = trio.current_time() + self.options.attr_timeout
         entry = self.remember(attr)  # first, so file_info sees the kernel is told these
         return self.file_info(f.fh, attr, flags), entry
 

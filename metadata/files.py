@@ -1,7 +1,8 @@
 """The POSIX operations on open files and attributes: create, open, release,
 setattr and the length a writer reports.
 
-Opening takes a handle for the caller's session (`lifetime.add_handle`); the
+Opening takes a handle for the caller's session, held in the server's memory
+(`readonly.ReadOnlyHandles`: no commit for it, nor for its release); the
 handle keeps an unlinked file alive until `release`. A shrink (setattr with a
 smaller size, or O_TRUNC) commits the new size together with a truncate job
 (`jobs.record_truncate`) that the server carries out on storage before it
@@ -26,7 +27,7 @@ from shufflefs.metadata.checks import (
     check_time,
 )
 from shufflefs.metadata.jobs import record_truncate
-from shufflefs.metadata.lifetime import add_handle, free_if_orphan, remove_handle
+from shufflefs.metadata.lifetime import free_if_orphan, remove_handle
 from shufflefs.metadata.namespace import LayoutSource, make_inode
 from shufflefs.metadata.protocol import Attr, OpenResult, is_read_only_handle
 from shufflefs.metadata.records import (
@@ -61,7 +62,8 @@ def regular_file(ino: int, rec: Rec, size: int, what: str) -> None:
 
 def opens_for_writing(flags: int) -> bool:
     """Does an open with *flags* change anything (write access or O_TRUNC)?
-    Only such opens take a durable handle; the rest are `readonly`'s."""
+    Only such opens take a write transaction (the session check, a pending
+    cut settled, O_TRUNC); the rest one read snapshot."""
     return (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
 
 
@@ -79,7 +81,7 @@ def open_inode(tx: Tx, ino: int, flags: int, session: int) -> OpenResult:
     if flags & os.O_TRUNC and is_reg(rec):
         set_size(tx, ino, rec, 0)
         rec["mtime"] = rec["ctime"] = tx.now
-    handle = add_handle(tx, ino, session)
+    handle = tx.read_only.hold(tx, session, ino)
     return {"attr": attr_of(ino, rec), "layout": layout_of(rec), "handle": handle}
 
 
@@ -122,8 +124,13 @@ class FileOps:
             ino, rec = make_inode(
                 tx, parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, layout=layout()
             )
-            handle = add_handle(tx, ino, session)
-            return {"attr": attr_of(ino, rec), "layout": layout_of(rec), "handle": handle}
+            handle = tx.read_only.hold(tx, session, ino)
+            return {
+                "attr": attr_of(ino, rec),
+                "layout": layout_of(rec),
+                "handle": handle,
+                "created": True,
+            }
 
         return self.txns.write(body)
 

@@ -12,7 +12,6 @@ import errno
 
 from shufflefs.metadata.jobs import drop_truncate, record_gc
 from shufflefs.metadata.records import (
-    C_HANDLE,
     DB_HANDLES,
     DB_SESSION_HANDLES,
     DB_XATTRS,
@@ -30,17 +29,9 @@ def has_handles(tx: Tx, ino: int) -> bool:
     return tx.has_prefix(DB_HANDLES, u64(ino))
 
 
-def add_handle(tx: Tx, ino: int, session: int) -> int:
-    """A new handle on *ino*, indexed by inode and by session (so closing a
-    session is one range scan)."""
-    handle = tx.next_id(C_HANDLE)
-    tx.put(DB_HANDLES, handle_key(ino, handle), u64(session))
-    tx.put(DB_SESSION_HANDLES, handle_key(session, handle), u64(ino))
-    return handle
-
-
 def remove_handle(tx: Tx, ino: int, handle: int, session: int) -> bool:
-    """Give a handle back; one already gone is not an error (False)."""
+    """Give a durable handle back (one a store written before handles were
+    held in memory may still hold); one already gone is not an error (False)."""
     key = handle_key(ino, handle)
     owner = tx.get_raw(DB_HANDLES, key)
     if owner is None:

@@ -14,7 +14,7 @@ trusted like root. uid/gid of new inodes come from the caller.
 from __future__ import annotations
 
 import errno
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from shufflefs.rpc.client import RpcClient
 
@@ -72,6 +72,7 @@ class OpenResult(TypedDict):
     attr: Attr
     layout: Layout | None  # None for anything but a regular file
     handle: int  # pass to release(); keeps an unlinked file alive until then
+    created: NotRequired[bool]  # create made the file (it has no xattrs yet)
 
 
 class ReaddirPage(TypedDict):

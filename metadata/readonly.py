@@ -1,12 +1,17 @@
-"""Read-only handles: kept in the metadata server's memory, never in LMDB.
+"""Open-file handles, kept in the metadata server's memory, never in LMDB.
 
-A read-only open must cost no durable commit, yet an unlinked file must keep
-its data while anyone still reads it (POSIX). So a read-only handle lives in
-this table, per session; when an inode loses its last name, `lifetime` keeps
-it (nlink 0) if a durable handle in LMDB *or* a handle here holds it, and the
-release of the last one frees it in one write transaction, as for durable
-handles. Handle ids carry `RO_HANDLE_BIT`, so `release` knows which kind it
-was given without a lookup.
+A read-only open must cost no durable commit, and a create or an open for
+writing none beyond the one its change needs (the new inode, the O_TRUNC),
+nor its release any (small-file ingestion is create, write, close), yet an
+unlinked file must keep its data while anyone still has it open (POSIX). So
+every handle lives in this table, per session (`open` for read-only opens,
+`hold` inside the write transaction of the others; "read-only" in the names
+here is historical: they are the handles held in memory); when an inode
+loses its last name, `lifetime` keeps it (nlink 0) if a handle here (or a
+durable one in LMDB, which stores of earlier versions may hold) holds it, and
+the release of the last one frees it in one write transaction. Handle ids
+carry `RO_HANDLE_BIT`, so `release` knows which kind it was given without a
+lookup.
 
 The table is lost when the server stops. At startup every session in LMDB
 enters a *grace* state: until each has renewed once (reporting the read-only
@@ -78,6 +83,21 @@ class ReadOnlyHandles:
             self._holders[ino] += 1
             return handle
 
+    def hold(self, tx: Tx, session: int, ino: int) -> int:
+        """A handle taken inside write transaction *tx* (`create`, an open
+        for writing or truncating): held here too, so neither it nor its
+        release costs a commit of its own; dropped again if *tx* aborts. The
+        transaction's own commit carries what the open changed (a new inode,
+        an O_TRUNC)."""
+        with self._lock:
+            if session in self._closing:
+                raise FsError(SESSION_EXPIRED, f"session {session} is closing")
+            handle = RO_HANDLE_BIT | next(self._ids)
+            self._sessions.setdefault(session, {})[handle] = ino
+            self._holders[ino] += 1
+        tx.after(lambda committed: self._unhold(session, handle, committed))
+        return handle
+
     def release(self, session: int, handle: int) -> int | None:
         """Give a handle back; returns its inode if this was the last
         read-only handle of an inode a free kept alive (it needs freeing
@@ -126,9 +146,9 @@ class ReadOnlyHandles:
         tx.after(lambda committed: self._unmark_free(ino))
         return True
 
-    def close_session(self, tx: Tx, session: int) -> set[int]:
+    def close_session(self, tx: Tx, session: int) -> list[int]:
         """*session* is being closed in *tx*: drop its handles (put back if
-        *tx* aborts) and return the inodes they held."""
+        *tx* aborts) and return the inode of each."""
         with self._lock:
             held = self._sessions.pop(session, {})
             for ino in held.values():
@@ -137,7 +157,7 @@ class ReadOnlyHandles:
             in_grace = session in self._grace
             self._end_grace(session)
         tx.after(lambda committed: self._session_closed(session, held, in_grace, committed))
-        return set(held.values())
+        return list(held.values())
 
     # ---- startup and inspection ----------------------------------------------------
 
@@ -176,6 +196,15 @@ class ReadOnlyHandles:
             return False
         del self._holders[ino]
         return True
+
+    def _unhold(self, session: int, handle: int, committed: bool) -> None:
+        """After `hold`'s transaction: the handle stays if it committed."""
+        if committed:
+            return
+        with self._lock:
+            ino = self._sessions.get(session, {}).pop(handle, None)
+            if ino is not None:
+                self._drop(ino)
 
     def _end_grace(self, session: int) -> None:
         if session in self._grace:

@@ -59,10 +59,11 @@ def close_session(tx: Tx, session: int) -> tuple[int, int]:
         tx.delete(DB_SESSION_HANDLES, key)
         tx.delete(DB_HANDLES, value + handle)
         inos.add(read_u64(value))
-    inos |= tx.read_only.close_session(tx, session)
+    in_memory = tx.read_only.close_session(tx, session)
+    inos.update(in_memory)
     tx.delete(DB_SESSIONS, u64(session))
     freed = sum(free_if_orphan(tx, ino) for ino in sorted(inos))
-    return len(handles), freed
+    return len(handles) + len(in_memory), freed
 
 
 class SessionOps:

@@ -31,7 +31,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -495,6 +495,17 @@ class ProcessCluster:
             "every target serving",
             lambda s: all(t["state"] == "serving" for t in s["targets"]),
         )
+
+
+@contextmanager
+def another_mount(cluster: ProcessCluster, mountpoint: Path) -> Iterator[Path]:
+    """A second mount of *cluster* (the real `shufflefs mount`), removed
+    with `shufflefs umount`."""
+    shufflefs("mount", "--config", str(cluster.client_config), str(mountpoint))
+    try:
+        yield mountpoint
+    finally:
+        shufflefs("umount", str(mountpoint))
 
 
 # ---- fixtures (registered in conftest.py) ------------------------------------------

@@ -21,8 +21,7 @@ from typing import Any, ClassVar
 
 import hypothesis.strategies as st
 import pytest
-from clusters import ProcessCluster
-from harness import shufflefs
+from clusters import ProcessCluster, another_mount
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -37,12 +36,8 @@ CHUNK = 1 << 20
 
 @pytest.fixture(scope="module")
 def second(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    mountpoint = tmp_path_factory.mktemp("second-mount")
-    shufflefs("mount", "--config", str(mounted.client_config), str(mountpoint))
-    try:
+    with another_mount(mounted, tmp_path_factory.mktemp("second-mount")) as mountpoint:
         yield mountpoint
-    finally:
-        shufflefs("umount", str(mountpoint))
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from metaservice import CHAINS, Env, ShiftedClock, open_store, service_env
 from shufflefs.metadata.protocol import ROOT_INODE, is_read_only_handle
 from shufflefs.metadata.readonly import FreeInProgress
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.metadata.txn import Tx
 from shufflefs.rpc import FsError
 
 if TYPE_CHECKING:
@@ -58,12 +59,15 @@ async def test_read_only_work_takes_no_write_transaction(env: Env) -> None:
     assert writes(env.store) == before
     assert env.store.counts()["handles"] == 0  # nothing durable either
 
-    # a writing open still takes a durable handle (and so a commit)
+    # a writing open takes one write transaction (its session check, a cut
+    # owed to storage), its handle is held in memory too: its release commits nothing
     opened = await meta.open(ino, os.O_RDWR, env.session)
-    assert not is_read_only_handle(opened["handle"])
-    assert env.store.counts()["handles"] == 1
+    assert is_read_only_handle(opened["handle"])
+    assert env.store.counts()["handles"] == 0
+    assert env.store.read_only.held() == {ino}
     await meta.release(ino, opened["handle"], env.session)
-    assert writes(env.store)[1] == before[1] + 2
+    assert writes(env.store)[1] == before[1] + 1
+    assert env.store.read_only.held() == set()
 
 
 async def test_unlink_while_open_read_only(env: Env) -> None:
@@ -205,3 +209,54 @@ def test_read_only_open_meets_a_free_being_committed(ns: NamespaceStore, fs: Fs)
     assert info.value.code == errno.ENOENT
     assert [j["ino"] for j in ns.gc_jobs()] == [ino]
     ns.gc_done(ino)
+
+
+async def test_create_and_writing_opens_hold_their_handles_in_memory(tmp_path: Path) -> None:
+    """A create costs one commit (the new inode) and its release none; the
+    handle keeps an unlinked file alive, across a metadata restart too
+    (its client re-reports it with the renewal, as a reader does)."""
+    clock = ShiftedClock()
+    path = tmp_path / "ns"
+    store = open_store(path, clock)
+    async with service_env(store, clock) as env:
+        writer = (await env.meta.session_open("writer", "elsewhere", 2))["session"]
+        before = writes(store)
+        made = await env.meta.create(ROOT, b"f", 0o644, os.O_CREAT | os.O_RDWR, 0, 0, writer)
+        ino, handle = made["attr"]["ino"], made["handle"]
+        assert made.get("created") is True and is_read_only_handle(handle)
+        assert writes(store)[1] == before[1] + 1 and store.counts()["handles"] == 0
+        again = await env.meta.create(ROOT, b"f", 0o644, os.O_CREAT | os.O_RDWR, 0, 0, writer)
+        assert "created" not in again  # an existing file, opened
+        await env.meta.release(ino, again["handle"], writer)
+        assert writes(store)[1] == before[1] + 2  # the second open; no release commits
+        await env.meta.session_close(env.session)
+    store.close()  # the server stops: the handle table is lost
+
+    store = open_store(path, clock)
+    try:
+        store.restart_leases()
+        async with service_env(store, clock) as env:
+            await env.meta.unlink(ROOT, b"f")
+            assert store.gc_jobs() == [] and store.fsck() == []
+            await env.meta.session_renew(writer, [[ino, handle]])  # the writer reports it
+            assert (await env.meta.getattr(ino))["nlink"] == 0  # held: still there
+            await env.meta.update_length(ino, 4096)  # and written through
+            await env.meta.release(ino, handle, writer)  # the last close frees it
+            assert [j["ino"] for j in store.gc_jobs()] == [ino]
+            store.gc_done(ino)
+            assert store.fsck() == []
+    finally:
+        store.close()
+
+
+def test_a_hold_in_an_aborted_transaction_is_dropped(ns: NamespaceStore, fs: Fs) -> None:
+    ino = fs.file(ROOT, b"f")
+
+    def body(tx: Tx) -> None:
+        tx.read_only.hold(tx, fs.session, ino)
+        assert ns.read_only.held() == {ino}
+        raise FsError(errno.EIO, "the transaction fails after the hold")
+
+    with pytest.raises(FsError):
+        ns.txns.write(body)
+    assert ns.read_only.held() == set() and ns.read_only.count() == 0

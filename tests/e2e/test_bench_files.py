@@ -1,0 +1,50 @@
+"""`shufflefs bench files --json` against a real mounted cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from clusters import ProcessCluster
+
+
+def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    local.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "files", "--quick",
+         "--config", str(mounted.client_config), "--local-dir", str(local),
+         "--files", "24", "--dirs", "3", "--size", "3000", "--procs", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = report["rows"]
+    paths = {r["path"] for r in rows}
+    assert {"local", "fuse", "native", "fuse-ro"} <= paths  # `mount -o ro` is in this tree
+    assert any("fuse-prefetch" in n for n in report["notes"])
+    for r in rows:
+        assert set(r) >= {"path", "procs", "cache", "op", "per_s", "ratio_to_local"}
+        assert r["per_s"] > 0 and r["procs"] in (1, 2) and r["cache"] in ("cold", "warm")
+    created: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if r["op"] == "create":
+            created[r["path"]] += r["count"]
+        else:
+            assert r["count"] == 24, r  # every file once (scan: every entry)
+        if r["path"] == "local":
+            assert r["ratio_to_local"] == 1.0
+    assert dict(created) == {"local": 24, "fuse": 24}
+    reads = {(r["path"], r["procs"], r["cache"]) for r in rows if r["op"] == "read"}
+    assert reads == {
+        (p, n, c) for p in ("local", "fuse", "fuse-ro", "native") for n in (1, 2)
+        for c in ("cold", "warm")
+    }  # fmt: skip
+    loader = {(r["path"], r["cache"]) for r in report["loader"]}
+    assert loader == {(p, c) for p in ("local", "fuse", "fuse-ro") for c in ("cold", "warm")}
+    # the bench removes its files from the mount and the local directory
+    assert not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
+    assert list(local.iterdir()) == []
