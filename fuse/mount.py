@@ -23,7 +23,7 @@ from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import ClientConfig, find_client_config, load_client_config
 from shufflefs.cluster.launcher import unmount, wait_mounted
-from shufflefs.cluster.preflight import mounted_fstype
+from shufflefs.cluster.preflight import mounted_fstype, parse_size
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.fuse.ops import MountOptions, ShuffleOps
 from shufflefs.rpc.client import open_rpc_client
@@ -51,6 +51,8 @@ def parse_options(items: list[str]) -> tuple[MountOptions, set[str]]:
                 options.entry_timeout = float(value)
             elif key == "max_tasks":
                 options.max_tasks = int(value)
+            elif key == "prefetch_memory":
+                options.prefetch_memory = 0 if value.strip() == "0" else parse_size(value)
             elif key == "no_local_reads":
                 options.local_reads = False
             elif key in ("ro", "rw", "debug"):
@@ -74,6 +76,7 @@ async def run_mount(
         fs = FileSystem(rpc, routing, ClientOptions(local_reads=options.local_reads))
         await fs.start(nursery)
         ops = ShuffleOps(fs, options)
+        await ops.prefetch.start(nursery)
         opts = set(pyfuse3.default_options) | fuse_opts
         opts |= {"fsname=shufflefs", "subtype=shufflefs"}
         if os.geteuid() == 0:

@@ -1,0 +1,431 @@
+"""Prefetch along the shuffle for readers of the mount (docs/training-data.md,
+"Prefetch through the mount").
+
+A loader that knows its upcoming order hands it to the mount as an extended
+attribute; the mount reads the hinted bytes ahead from the storage daemons
+(through `FileSystem.read_into`, the one read path) into a bounded cache of
+its own, which `read` consults before going to storage. Two forms:
+
+* ``setxattr(<mount root>, "user.shufflefs.prefetch", value)``: a batch of
+  hints. *value* is newline-separated paths (relative to the mount root), or
+  a JSON array whose items are a path or ``[path, offset, length]``. The
+  batch is checked and resolved whole before anything is queued (the
+  kernel caps a value at 64 KiB, XATTR_SIZE_MAX: larger is E2BIG): a
+  malformed one is EINVAL, one with too many items or a range larger than
+  the budget E2BIG, a path that does not exist ENOENT, a directory EISDIR,
+  and then nothing changed. An empty value cancels the queued hints and
+  drops what is held (an epoch's end, a loader restarted).
+* ``getxattr(<file>, "user.shufflefs.prefetch")``: hint that one whole file.
+  It works on a read-only mount too, where the kernel refuses every
+  setxattr with EROFS before the mount sees it.
+* ``getxattr(<directory>, "user.shufflefs.prefetch")``: the cache's state as
+  JSON (budget, bytes held, counters); what a loader probes to know that a
+  path is on a shufflefs mount.
+
+Why an xattr and not a control file: a control file would need a fake inode
+that lookup, getattr, readdir, open and release all special-case (the cache
+engineer's code paths), and errors of buffered writes surface at close, not
+at the call that caused them; setxattr is one atomic call per batch whose
+errno is the answer. Why our own cache and not ``notify_store``: the kernel
+accepts stored pages only for inodes it already knows (the hinted files
+mostly have not been looked up yet: ENOENT), drops them at the next open
+without keep_cache, and gives us no way to bound or account for them.
+
+Bounded: fetched plus in-flight bytes never exceed the budget (mount option
+``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
+(the loader has moved on). An entry is dropped when a handle that read from
+it is released (a sample is read once per epoch), when the file changes
+(a write or truncate through this mount, an open that sees another version
+after another client's close: close-to-open), when its name is unlinked or
+renamed over here, or after ENTRY_TTL unread when room is needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import posixpath
+import stat
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import trio
+
+from shufflefs.client.fs import FileSystem
+from shufflefs.metadata.protocol import Attr
+from shufflefs.rpc.errors import FsError
+
+log = logging.getLogger("shufflefs.fuse.prefetch")
+
+PREFETCH_XATTR = b"user.shufflefs.prefetch"
+DEFAULT_MEMORY = 256 << 20
+MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
+MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
+FETCHERS = 8  # ranges read concurrently
+MAX_PARALLEL_RESOLVES = 64
+ENTRY_TTL = 120.0  # seconds an unread entry keeps its room when room is needed
+
+T = TypeVar("T")
+Version = tuple[int, int, int]  # (size, mtime, ctime): what close-to-open compares
+
+
+def version_of(attr: Attr) -> Version:
+    return (attr["size"], attr["mtime"], attr["ctime"])
+
+
+@dataclass
+class Hint:
+    ino: int
+    offset: int
+    length: int | None  # None: to the end of the file
+    name: tuple[int, bytes] | None = None  # (parent inode, name) when hinted by path
+
+
+@dataclass
+class Entry:
+    version: Version
+    offset: int
+    data: bytearray
+    name: tuple[int, bytes] | None
+    fetched_at: float
+    served: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.offset + len(self.data)
+
+
+@dataclass
+class Counters:
+    hinted: int = 0  # ranges queued
+    fetched: int = 0  # ranges read into the cache
+    hits: int = 0  # reads answered from the cache
+    dropped: int = 0  # queued ranges pushed out unread (MAX_PENDING)
+    invalidated: int = 0  # entries dropped because their file changed
+    expired: int = 0  # entries dropped unread after ENTRY_TTL
+    failed: int = 0  # ranges whose read failed (the reader will read them itself)
+    fetched_bytes: int = 0
+    served_bytes: int = 0
+
+
+def parse_hint(value: bytes) -> list[tuple[bytes, int, int | None]]:
+    """(path, offset, length) items of a setxattr value; EINVAL/E2BIG."""
+    text = value.strip()
+    items: list[tuple[bytes, int, int | None]] = []
+    if text.startswith(b"["):
+        try:
+            decoded = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FsError(errno.EINVAL, f"prefetch hint: not JSON ({exc})") from None
+        if len(decoded) > MAX_HINT_ITEMS:
+            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
+        for item in decoded:
+            if isinstance(item, str):
+                items.append((os.fsencode(item), 0, None))
+            elif (
+                isinstance(item, list)
+                and len(item) == 3
+                and isinstance(item[0], str)
+                and all(type(x) is int for x in item[1:])
+                and item[1] >= 0
+                and item[2] >= 0
+            ):
+                items.append((os.fsencode(item[0]), item[1], item[2]))
+            else:
+                raise FsError(
+                    errno.EINVAL, f"prefetch hint: {item!r} is not a path or [path, offset, length]"
+                )
+    else:
+        lines = [line for line in text.split(b"\n") if line.strip()]
+        if len(lines) > MAX_HINT_ITEMS:
+            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
+        items = [(line.rstrip(b"\r"), 0, None) for line in lines]
+    for path, _, _ in items:
+        if not path or b"\0" in path:
+            raise FsError(errno.EINVAL, "prefetch hint: an empty path or a NUL in a path")
+    return items
+
+
+@dataclass
+class Prefetcher:
+    fs: FileSystem
+    budget: int = DEFAULT_MEMORY
+    entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # ino -> data
+    names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
+    pending: deque[Hint] = field(default_factory=deque)
+    counters: Counters = field(default_factory=Counters)
+    held: int = 0  # bytes in entries plus bytes of reads in flight
+    running: bool = False
+
+    def __post_init__(self) -> None:
+        self._wake = trio.Event()  # pending grew, or room was freed
+        self._generation = 0  # counts changes and resets
+        self._reset_at = 0
+        self._changed: dict[int, int] = {}  # ino -> generation of its last change
+        self._in_flight = 0
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        if self.budget <= 0:
+            return
+        self.running = True
+        for _ in range(FETCHERS):
+            nursery.start_soon(self._fetch_loop)
+
+    # ---- the hint interface (called from the xattr handlers) -------------
+
+    async def hint_batch(self, value: bytes) -> None:
+        """setxattr on the mount root: check and resolve all, then queue all."""
+        self._check_enabled()
+        if not value.strip():  # an empty hint: start over
+            self.pending.clear()
+            self._generation += 1
+            self._reset_at = self._generation  # and reads in flight are dropped
+            for ino in list(self.entries):
+                self._drop(ino)
+            return
+        items = parse_hint(value)
+        for _, _, length in items:
+            if length is not None and length > self.budget:
+                raise FsError(
+                    errno.E2BIG, f"prefetch hint: a range of {length} bytes > budget {self.budget}"
+                )
+        hints = await self._resolve(items)
+        for h in hints:
+            self._queue(h)
+
+    async def hint_file(self, attr: Attr) -> bytes:
+        """getxattr on an inode: a directory answers the state, a file is queued."""
+        if stat.S_ISDIR(attr["mode"]):
+            return self.status()
+        self._check_enabled()
+        if not stat.S_ISREG(attr["mode"]):
+            raise FsError(errno.EINVAL, "prefetch: not a regular file")
+        self._queue(Hint(attr["ino"], 0, None))
+        return b"queued"
+
+    def status(self) -> bytes:
+        state = {
+            "budget": self.budget,
+            "held_bytes": self.held,
+            "entries": len(self.entries),
+            "pending": len(self.pending),
+            **vars(self.counters),
+        }
+        return json.dumps(state, separators=(",", ":")).encode()
+
+    def _check_enabled(self) -> None:
+        if not self.running:
+            raise FsError(errno.EOPNOTSUPP, "prefetch is off on this mount (prefetch_memory=0)")
+
+    async def _resolve(self, items: list[tuple[bytes, int, int | None]]) -> list[Hint]:
+        """Every path to an inode, each directory resolved once; the first
+        failure (ENOENT, ENOTDIR, EISDIR...) fails the whole batch."""
+        dirs: dict[bytes, int] = {}
+        split = []
+        for path, off, length in items:
+            p = posixpath.normpath(b"/" + path)
+            head, name = posixpath.split(p)
+            if not name:
+                raise FsError(errno.EISDIR, "prefetch hint: the mount root is a directory")
+            split.append((head, name, off, length))
+            dirs[head] = 0
+        limit = trio.CapacityLimiter(MAX_PARALLEL_RESOLVES)
+        failure: list[FsError] = []
+
+        async def resolve_dir(head: bytes) -> None:
+            async with limit:
+                attr = await self.fs.resolve(head)
+            if not stat.S_ISDIR(attr["mode"]):
+                raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
+            dirs[head] = attr["ino"]
+
+        files: dict[tuple[bytes, bytes], tuple[int, int]] = {}  # -> (parent, ino)
+
+        async def lookup(key: tuple[bytes, bytes]) -> None:
+            head, name = key
+            parent = dirs[head]
+            async with limit:
+                attr = await self.fs.lookup(parent, name)
+            if not stat.S_ISREG(attr["mode"]):
+                path = os.fsdecode(posixpath.join(head, name))
+                raise FsError(errno.EISDIR, f"prefetch hint: {path} is not a regular file")
+            files[key] = (parent, attr["ino"])
+
+        async def guarded(
+            step: Callable[[T], Awaitable[None]], arg: T, scope: trio.CancelScope
+        ) -> None:
+            try:
+                await step(arg)
+            except FsError as exc:
+                failure.append(exc)
+                scope.cancel()
+
+        async def each(step: Callable[[T], Awaitable[None]], args: list[T]) -> None:
+            async with trio.open_nursery() as nursery:
+                for a in args:
+                    nursery.start_soon(guarded, step, a, nursery.cancel_scope)
+            if failure:
+                exc = failure[0]
+                if exc.code == errno.ENOENT:
+                    raise FsError(errno.ENOENT, f"prefetch hint: {exc.message}")
+                raise exc
+
+        await each(resolve_dir, list(dirs))
+        await each(lookup, list(dict.fromkeys((head, name) for head, name, _, _ in split)))
+        hints = []
+        for head, name, off, length in split:
+            parent, ino = files[(head, name)]
+            hints.append(Hint(ino, off, length, (parent, name)))
+        return hints
+
+    def _queue(self, hint: Hint) -> None:
+        if len(self.pending) >= MAX_PENDING:
+            self.pending.popleft()
+            self.counters.dropped += 1
+        self.pending.append(hint)
+        self.counters.hinted += 1
+        self._notify()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = trio.Event()
+
+    # ---- fetching ----------------------------------------------------------
+
+    async def _fetch_loop(self) -> None:
+        while True:
+            if not self.pending:
+                await self._wake.wait()
+                continue
+            hint = self.pending[0]
+            if hint.ino in self.entries:  # a hint repeated: nothing to read
+                self.pending.popleft()
+                continue
+            # the reservation is a guess (whole files: their size unknown until
+            # open), so reserve after the open, below; here only wait for room
+            if self.held >= self.budget and not self._expire():
+                with trio.move_on_after(1.0):
+                    await self._wake.wait()
+                continue
+            self.pending.popleft()
+            try:
+                await self._fetch(hint)
+            except FsError as exc:
+                self.counters.failed += 1
+                log.debug("prefetch of inode %d: %s", hint.ino, exc.message)
+            except Exception:
+                self.counters.failed += 1
+                log.exception("prefetch of inode %d", hint.ino)
+
+    async def _fetch(self, hint: Hint) -> None:
+        if hint.ino in self.entries:
+            return  # already held (a hint repeated)
+        start = self._generation
+        self._in_flight += 1
+        reserved = 0
+        try:
+            f, attr = await self.fs.open(hint.ino, os.O_RDONLY)
+            try:
+                size = attr["size"]
+                length = size - hint.offset if hint.length is None else hint.length
+                length = max(0, min(length, size - hint.offset))
+                if length > self.budget:
+                    return  # a whole file larger than the whole budget
+                while self.held + length > self.budget:
+                    if not self._expire():
+                        with trio.move_on_after(1.0):
+                            await self._wake.wait()
+                reserved = length
+                self.held += reserved
+                data = bytearray(length)
+                if length:
+                    extents = self.fs.extents(f, ((hint.offset, length),))
+                    await self.fs.read_into(extents, memoryview(data))
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.fs.release(f.fh)
+            if hint.ino in self.entries:
+                return
+            if self._changed.get(hint.ino, -1) > start or self._reset_at > start:
+                return  # changed (or reset) while we read: the bytes may be stale
+            self.entries[hint.ino] = Entry(
+                version_of(attr), hint.offset, data, hint.name, trio.current_time()
+            )
+            reserved = 0  # now held by the entry
+            if hint.name is not None:
+                self.names[hint.name] = hint.ino
+            self.counters.fetched += 1
+            self.counters.fetched_bytes += length
+        finally:
+            self.held -= reserved
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._changed.clear()
+            if reserved:
+                self._notify()
+
+    def _expire(self) -> bool:
+        """Drop entries unread for ENTRY_TTL; whether room was freed."""
+        now = trio.current_time()
+        old = [ino for ino, e in self.entries.items() if now - e.fetched_at > ENTRY_TTL]
+        for ino in old:
+            self._drop(ino)
+            self.counters.expired += 1
+        return bool(old)
+
+    def _drop(self, ino: int) -> Entry | None:
+        e = self.entries.pop(ino, None)
+        if e is not None:
+            self.held -= len(e.data)
+            if e.name is not None and self.names.get(e.name) == ino:
+                del self.names[e.name]
+            self._notify()
+        return e
+
+    # ---- hooks of the FUSE operations ------------------------------------
+
+    def opened(self, attr: Attr) -> None:
+        """An open saw *attr*: data of another version is dropped."""
+        e = self.entries.get(attr["ino"])
+        if e is not None and e.version != version_of(attr):
+            self._drop(attr["ino"])
+            self.counters.invalidated += 1
+
+    def read(self, ino: int, offset: int, size: int) -> memoryview | None:
+        """The bytes of a read if the cache holds all of them (clamped to the
+        file's end as it was fetched), else None."""
+        e = self.entries.get(ino)
+        if e is None or offset < e.offset:
+            return None
+        file_size = e.version[0]
+        end = min(offset + size, file_size)
+        if end > e.end or offset > end:
+            return None
+        e.served = True
+        self.counters.hits += 1
+        self.counters.served_bytes += end - offset
+        return memoryview(e.data)[offset - e.offset : end - e.offset]
+
+    def released(self, ino: int) -> None:
+        """A handle was closed: an entry it read from has served its sample."""
+        e = self.entries.get(ino)
+        if e is not None and e.served:
+            self._drop(ino)
+
+    def changed(self, ino: int) -> None:
+        """This mount wrote or truncated *ino*: its cached bytes are stale."""
+        self._generation += 1
+        if self._in_flight:
+            self._changed[ino] = self._generation
+        if self._drop(ino) is not None:
+            self.counters.invalidated += 1
+
+    def name_changed(self, parent: int, name: bytes) -> None:
+        """*name* in *parent* was unlinked or renamed away or over."""
+        ino = self.names.get((parent, name))
+        if ino is not None:
+            self.changed(ino)
