@@ -33,11 +33,12 @@ without keep_cache, and gives us no way to bound or account for them.
 
 Bounded: fetched plus in-flight bytes never exceed the budget (mount option
 ``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
-(the loader has moved on). An entry is dropped when a handle that read from
-it is released (a sample is read once per epoch), when the file changes
+(the loader has moved on). A range is dropped once a read took its last
+byte, or when a handle that read from it is released (a sample is read once
+per epoch), when the file changes
 (a write or truncate through this mount, an open that sees another version
 after another client's close: close-to-open), when its name is unlinked or
-renamed over here, or after ENTRY_TTL unread when room is needed.
+renamed over here, or ENTRY_TTL after it was fetched when room is needed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
 MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
 FETCHERS = 8  # ranges read concurrently
 MAX_PARALLEL_RESOLVES = 64
+PAGE = 4096
+MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
 ENTRY_TTL = 120.0  # seconds an unread entry keeps its room when room is needed
 
 T = TypeVar("T")
@@ -154,7 +157,8 @@ def parse_hint(value: bytes) -> list[tuple[bytes, int, int | None]]:
 class Prefetcher:
     fs: FileSystem
     budget: int = DEFAULT_MEMORY
-    entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # ino -> data
+    # ino -> the byte ranges held of it (all of one version)
+    entries: OrderedDict[int, list[Entry]] = field(default_factory=OrderedDict)
     names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
     pending: deque[Hint] = field(default_factory=deque)
     counters: Counters = field(default_factory=Counters)
@@ -211,7 +215,7 @@ class Prefetcher:
         state = {
             "budget": self.budget,
             "held_bytes": self.held,
-            "entries": len(self.entries),
+            "entries": sum(len(held) for held in self.entries.values()),
             "pending": len(self.pending),
             **vars(self.counters),
         }
@@ -301,38 +305,47 @@ class Prefetcher:
             if not self.pending:
                 await self._wake.wait()
                 continue
-            hint = self.pending[0]
-            if hint.ino in self.entries:  # a hint repeated: nothing to read
-                self.pending.popleft()
-                continue
-            # the reservation is a guess (whole files: their size unknown until
-            # open), so reserve after the open, below; here only wait for room
             if self.held >= self.budget and not self._expire():
                 with trio.move_on_after(1.0):
                     await self._wake.wait()
                 continue
-            self.pending.popleft()
+            # the head hint and those right behind it for the same file: one
+            # open and one read for the ranges of a file a batch touches
+            ino = self.pending[0].ino
+            hints: list[Hint] = []
+            while self.pending and self.pending[0].ino == ino and len(hints) < MAX_RANGES_PER_READ:
+                hint = self.pending.popleft()
+                if not self._covered(hint.ino, hint.offset, hint.length):
+                    hints.append(hint)
+            if not hints:
+                continue
             try:
-                await self._fetch(hint)
+                await self._fetch(ino, hints)
             except FsError as exc:
-                self.counters.failed += 1
-                log.debug("prefetch of inode %d: %s", hint.ino, exc.message)
+                self.counters.failed += len(hints)
+                log.debug("prefetch of inode %d: %s", ino, exc.message)
             except Exception:
-                self.counters.failed += 1
-                log.exception("prefetch of inode %d", hint.ino)
+                self.counters.failed += len(hints)
+                log.exception("prefetch of inode %d", ino)
 
-    async def _fetch(self, hint: Hint) -> None:
-        if hint.ino in self.entries:
-            return  # already held (a hint repeated)
+    def _covered(self, ino: int, offset: int, length: int | None) -> bool:
+        for e in self.entries.get(ino, ()):
+            size = e.version[0]
+            end = size if length is None else min(size, offset + length)
+            if e.offset <= offset and end <= e.end:
+                return True
+        return False
+
+    async def _fetch(self, ino: int, hints: list[Hint]) -> None:
         start = self._generation
         self._in_flight += 1
         reserved = 0
         try:
-            f, attr = await self.fs.open(hint.ino, os.O_RDONLY)
+            f, attr = await self.fs.open(ino, os.O_RDONLY)
             try:
                 size = attr["size"]
-                length = size - hint.offset if hint.length is None else hint.length
-                length = max(0, min(length, size - hint.offset))
+                ranges = merged_ranges(hints, size)
+                length = sum(end - off for off, end in ranges)
                 if length > self.budget:
                     return  # a whole file larger than the whole budget
                 while self.held + length > self.budget:
@@ -343,22 +356,27 @@ class Prefetcher:
                 self.held += reserved
                 data = bytearray(length)
                 if length:
-                    extents = self.fs.extents(f, ((hint.offset, length),))
+                    extents = self.fs.extents(f, [(off, end - off) for off, end in ranges])
                     await self.fs.read_into(extents, memoryview(data))
             finally:
                 with trio.CancelScope(shield=True):
                     await self.fs.release(f.fh)
-            if hint.ino in self.entries:
-                return
-            if self._changed.get(hint.ino, -1) > start or self._reset_at > start:
+            if self._changed.get(ino, -1) > start or self._reset_at > start:
                 return  # changed (or reset) while we read: the bytes may be stale
-            self.entries[hint.ino] = Entry(
-                version_of(attr), hint.offset, data, hint.name, trio.current_time()
-            )
-            reserved = 0  # now held by the entry
-            if hint.name is not None:
-                self.names[hint.name] = hint.ino
-            self.counters.fetched += 1
+            if ino in self.entries and self.entries[ino][0].version != version_of(attr):
+                self._drop(ino)  # held bytes of an older version
+            now = trio.current_time()
+            held = self.entries.setdefault(ino, [])
+            pos = 0
+            for off, end in ranges:
+                chunk = data[pos : pos + end - off] if len(ranges) > 1 else data
+                pos += end - off
+                held.append(Entry(version_of(attr), off, chunk, hints[0].name, now))
+            self.entries.move_to_end(ino)
+            reserved = 0  # now held by the entries
+            if hints[0].name is not None:
+                self.names[hints[0].name] = ino
+            self.counters.fetched += len(hints)
             self.counters.fetched_bytes += length
         finally:
             self.held -= reserved
@@ -369,59 +387,84 @@ class Prefetcher:
                 self._notify()
 
     def _expire(self) -> bool:
-        """Drop entries unread for ENTRY_TTL; whether room was freed."""
+        """Drop files whose bytes were fetched ENTRY_TTL ago;
+        whether room was freed."""
         now = trio.current_time()
-        old = [ino for ino, e in self.entries.items() if now - e.fetched_at > ENTRY_TTL]
+        old = [
+            ino
+            for ino, held in self.entries.items()
+            if all(now - e.fetched_at > ENTRY_TTL for e in held)
+        ]
         for ino in old:
             self._drop(ino)
             self.counters.expired += 1
         return bool(old)
 
-    def _drop(self, ino: int) -> Entry | None:
-        e = self.entries.pop(ino, None)
-        if e is not None:
-            self.held -= len(e.data)
-            if e.name is not None and self.names.get(e.name) == ino:
-                del self.names[e.name]
-            self._notify()
-        return e
+    def _drop_entry(self, ino: int, entry: Entry) -> None:
+        held = self.entries[ino]
+        held.remove(entry)
+        self.held -= len(entry.data)
+        if not held:
+            del self.entries[ino]
+            if entry.name is not None and self.names.get(entry.name) == ino:
+                del self.names[entry.name]
+        self._notify()
+
+    def _drop(self, ino: int, only_served: bool = False) -> bool:
+        """Drop what is held of *ino* (or only the ranges that served a read);
+        whether anything was."""
+        held = self.entries.get(ino)
+        if not held:
+            return False
+        gone = [e for e in held if e.served] if only_served else held
+        if not gone:
+            return False
+        kept = [e for e in held if not e.served] if only_served else []
+        self.held -= sum(len(e.data) for e in gone)
+        if kept:
+            self.entries[ino] = kept
+        else:
+            del self.entries[ino]
+            name = gone[0].name
+            if name is not None and self.names.get(name) == ino:
+                del self.names[name]
+        self._notify()
+        return True
 
     # ---- hooks of the FUSE operations ------------------------------------
 
     def opened(self, attr: Attr) -> None:
         """An open saw *attr*: data of another version is dropped."""
-        e = self.entries.get(attr["ino"])
-        if e is not None and e.version != version_of(attr):
+        held = self.entries.get(attr["ino"])
+        if held and held[0].version != version_of(attr):
             self._drop(attr["ino"])
             self.counters.invalidated += 1
 
     def read(self, ino: int, offset: int, size: int) -> memoryview | None:
-        """The bytes of a read if the cache holds all of them (clamped to the
-        file's end as it was fetched), else None."""
-        e = self.entries.get(ino)
-        if e is None or offset < e.offset:
-            return None
-        file_size = e.version[0]
-        end = min(offset + size, file_size)
-        if end > e.end or offset > end:
-            return None
-        e.served = True
-        self.counters.hits += 1
-        self.counters.served_bytes += end - offset
-        return memoryview(e.data)[offset - e.offset : end - e.offset]
+        """The bytes of a read if one held range has all of them (clamped to
+        the file's end as it was fetched), else None."""
+        for e in self.entries.get(ino, ()):
+            end = min(offset + size, e.version[0])
+            if e.offset <= offset <= end <= e.end:
+                e.served = True
+                self.counters.hits += 1
+                self.counters.served_bytes += end - offset
+                out = memoryview(e.data)[offset - e.offset : end - e.offset]
+                if end >= min(e.end, e.version[0]):
+                    self._drop_entry(ino, e)  # read to its end: the sample is taken
+                return out
+        return None
 
     def released(self, ino: int) -> None:
-        """A handle was closed: an entry it read from has served its sample."""
-        e = self.entries.get(ino)
-        if e is not None and e.served:
-            self._drop(ino)
+        """A handle was closed: the ranges it read from have served their samples."""
+        self._drop(ino, only_served=True)
 
     def changed(self, ino: int) -> None:
         """This mount wrote or truncated *ino*: its cached bytes are stale."""
         self._generation += 1
         if self._in_flight:
             self._changed[ino] = self._generation
-        if self._drop(ino) is not None:
+        if self._drop(ino):
             self.counters.invalidated += 1
 
     def name_changed(self, parent: int, name: bytes) -> None:
@@ -429,3 +472,23 @@ class Prefetcher:
         ino = self.names.get((parent, name))
         if ino is not None:
             self.changed(ino)
+
+
+def merged_ranges(hints: list[Hint], size: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of *hints* in one file of *size* bytes, out to
+    whole pages (what the kernel asks for) and merged where they touch."""
+    spans = []
+    for h in hints:
+        end = size if h.length is None else min(size, h.offset + h.length)
+        start = h.offset - h.offset % PAGE
+        end = min(size, -(-end // PAGE) * PAGE)
+        if start < end or (start == 0 and size == 0):
+            spans.append((start, end))
+    spans.sort()
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
