@@ -35,6 +35,7 @@ from shufflefs.metadata.protocol import (
     FsStats,
     Layout,
     OpenResult,
+    ReaddirLayoutsPage,
     ReaddirPage,
     Session,
     is_read_only_handle,
@@ -370,6 +371,12 @@ class MetaService:
     @rpc_method(inline=True)
     async def readdir(self, ino: int, after: bytes | None = None, limit: int = 256) -> ReaddirPage:
         return self.store.readdir(ino, after, limit)
+
+    @rpc_method(inline=True)
+    async def readdir_layouts(
+        self, ino: int, after: bytes | None = None, limit: int = 256
+    ) -> ReaddirLayoutsPage:
+        return self.store.readdir_layouts(ino, after, limit)
 
     @rpc_method(inline=True)
     async def statfs(self) -> FsStats:
