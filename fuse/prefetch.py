@@ -50,14 +50,12 @@ import os
 import posixpath
 import stat
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import trio
 
 from shufflefs.client.fs import FileSystem
-from shufflefs.metadata.protocol import Attr
+from shufflefs.metadata.protocol import READDIR_MAX, Attr, Layout
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse.prefetch")
@@ -70,9 +68,15 @@ FETCHERS = 8  # ranges read concurrently
 MAX_PARALLEL_RESOLVES = 64
 PAGE = 4096
 MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
-ENTRY_TTL = 120.0  # seconds an unread entry keeps its room when room is needed
+ENTRY_TTL = 120.0
+# directory listings kept to resolve hinted names (one request per directory
+# and page instead of a lookup and an open per file); staleness is caught
+# where it matters: an open that sees another version drops the bytes
+LISTING_TTL = 30.0
+MAX_LISTED = (
+    1 << 20
+)  # names kept over all listings  # seconds an unread entry keeps its room when room is needed
 
-T = TypeVar("T")
 Version = tuple[int, int, int]  # (size, mtime, ctime): what close-to-open compares
 
 
@@ -86,6 +90,18 @@ class Hint:
     offset: int
     length: int | None  # None: to the end of the file
     name: tuple[int, bytes] | None = None  # (parent inode, name) when hinted by path
+    # from a directory listing: read without an open (else opened for them)
+    layout: Layout | None = None
+    version: Version | None = None
+
+
+@dataclass
+class Listing:
+    """A directory's files as `readdir_layouts` gave them, kept LISTING_TTL."""
+
+    ino: int
+    listed_at: float
+    files: dict[bytes, tuple[int, Version, Layout]]  # name -> (ino, version, layout)
 
 
 @dataclass
@@ -161,6 +177,7 @@ class Prefetcher:
     entries: OrderedDict[int, list[Entry]] = field(default_factory=OrderedDict)
     names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
     pending: deque[Hint] = field(default_factory=deque)
+    listings: OrderedDict[bytes, Listing] = field(default_factory=OrderedDict)  # dir path ->
     counters: Counters = field(default_factory=Counters)
     held: int = 0  # bytes in entries plus bytes of reads in flight
     running: bool = False
@@ -171,6 +188,7 @@ class Prefetcher:
         self._reset_at = 0
         self._changed: dict[int, int] = {}  # ino -> generation of its last change
         self._in_flight = 0
+        self._listed = 0  # names in listings
 
     async def start(self, nursery: trio.Nursery) -> None:
         if self.budget <= 0:
@@ -226,65 +244,85 @@ class Prefetcher:
             raise FsError(errno.EOPNOTSUPP, "prefetch is off on this mount (prefetch_memory=0)")
 
     async def _resolve(self, items: list[tuple[bytes, int, int | None]]) -> list[Hint]:
-        """Every path to an inode, each directory resolved once; the first
+        """Every path to an inode, by a listing of its directory (kept for
+        LISTING_TTL), or a lookup for a name the listing lacks; the first
         failure (ENOENT, ENOTDIR, EISDIR...) fails the whole batch."""
-        dirs: dict[bytes, int] = {}
         split = []
         for path, off, length in items:
-            p = posixpath.normpath(b"/" + path)
-            head, name = posixpath.split(p)
+            head, name = posixpath.split(posixpath.normpath(b"/" + path))
             if not name:
                 raise FsError(errno.EISDIR, "prefetch hint: the mount root is a directory")
             split.append((head, name, off, length))
-            dirs[head] = 0
-        limit = trio.CapacityLimiter(MAX_PARALLEL_RESOLVES)
-        failure: list[FsError] = []
-
-        async def resolve_dir(head: bytes) -> None:
-            async with limit:
-                attr = await self.fs.resolve(head)
-            if not stat.S_ISDIR(attr["mode"]):
-                raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
-            dirs[head] = attr["ino"]
-
-        files: dict[tuple[bytes, bytes], tuple[int, int]] = {}  # -> (parent, ino)
-
-        async def lookup(key: tuple[bytes, bytes]) -> None:
-            head, name = key
-            parent = dirs[head]
-            async with limit:
-                attr = await self.fs.lookup(parent, name)
-            if not stat.S_ISREG(attr["mode"]):
-                path = os.fsdecode(posixpath.join(head, name))
-                raise FsError(errno.EISDIR, f"prefetch hint: {path} is not a regular file")
-            files[key] = (parent, attr["ino"])
-
-        async def guarded(
-            step: Callable[[T], Awaitable[None]], arg: T, scope: trio.CancelScope
-        ) -> None:
-            try:
-                await step(arg)
-            except FsError as exc:
-                failure.append(exc)
-                scope.cancel()
-
-        async def each(step: Callable[[T], Awaitable[None]], args: list[T]) -> None:
-            async with trio.open_nursery() as nursery:
-                for a in args:
-                    nursery.start_soon(guarded, step, a, nursery.cancel_scope)
-            if failure:
-                exc = failure[0]
-                if exc.code == errno.ENOENT:
-                    raise FsError(errno.ENOENT, f"prefetch hint: {exc.message}")
-                raise exc
-
-        await each(resolve_dir, list(dirs))
-        await each(lookup, list(dict.fromkeys((head, name) for head, name, _, _ in split)))
+        listings: dict[bytes, Listing] = {}
+        for head in dict.fromkeys(head for head, _, _, _ in split):
+            listings[head] = await self._listing(head)
         hints = []
+        limit = trio.CapacityLimiter(MAX_PARALLEL_RESOLVES)
+        looked_up: dict[tuple[int, bytes], Attr] = {}
+        missing = {
+            (listings[head].ino, name)
+            for head, name, _, _ in split
+            if name not in listings[head].files
+        }
+        if missing:  # new since the listing, or not a regular file, or absent
+
+            async def lookup(parent: int, name: bytes) -> None:
+                async with limit:
+                    looked_up[(parent, name)] = await self.fs.lookup(parent, name)
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for parent, name in missing:
+                        nursery.start_soon(lookup, parent, name)
+            except* FsError as group:
+                exc = group.exceptions[0]
+                assert isinstance(exc, FsError)
+                raise FsError(exc.code, f"prefetch hint: {exc.message}") from None
         for head, name, off, length in split:
-            parent, ino = files[(head, name)]
-            hints.append(Hint(ino, off, length, (parent, name)))
+            listing = listings[head]
+            key = (listing.ino, name)
+            if key in looked_up:
+                attr = looked_up[key]
+                if not stat.S_ISREG(attr["mode"]):
+                    shown = os.fsdecode(posixpath.join(head, name))
+                    raise FsError(errno.EISDIR, f"prefetch hint: {shown} is not a regular file")
+                hints.append(Hint(attr["ino"], off, length, key))
+            else:
+                ino, version, layout = listing.files[name]
+                hints.append(Hint(ino, off, length, key, layout, version))
         return hints
+
+    async def _listing(self, head: bytes) -> Listing:
+        now = trio.current_time()
+        kept = self.listings.get(head)
+        if kept is not None and now - kept.listed_at < LISTING_TTL:
+            return kept
+        attr = await self.fs.resolve(head)
+        if not stat.S_ISDIR(attr["mode"]):
+            raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
+        files: dict[bytes, tuple[int, Version, Layout]] = {}
+        after: bytes | None = None
+        while True:
+            try:
+                page = await self.fs.readdir_layouts(attr["ino"], after, READDIR_MAX)
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                break  # a metadata server of before readdir_layouts: lookups then
+            for name, a, layout in page["entries"]:
+                if layout is not None and stat.S_ISREG(a["mode"]):
+                    files[name] = (a["ino"], version_of(a), layout)
+            if not page["more"] or not page["entries"]:
+                break
+            after = page["entries"][-1][0]
+        listing = Listing(attr["ino"], now, files)
+        self.listings.pop(head, None)
+        self.listings[head] = listing
+        self._listed += len(files) - (len(kept.files) if kept is not None else 0)
+        while self._listed > MAX_LISTED and len(self.listings) > 1:
+            _, old = self.listings.popitem(last=False)
+            self._listed -= len(old.files)
+        return listing
 
     def _queue(self, hint: Hint) -> None:
         if len(self.pending) >= MAX_PENDING:
@@ -341,9 +379,20 @@ class Prefetcher:
         self._in_flight += 1
         reserved = 0
         try:
-            f, attr = await self.fs.open(ino, os.O_RDONLY)
+            listed = hints[0]
+            layout: Layout | None
+            if listed.layout is not None and listed.version is not None:
+                # from a listing: no open, no release (a file removed since
+                # fails the read, and the reader reads it itself)
+                version, layout = listed.version, listed.layout
+                f = None
+            else:
+                f, attr = await self.fs.open(ino, os.O_RDONLY)
+                version, layout = version_of(attr), f.layout
             try:
-                size = attr["size"]
+                if layout is None:
+                    return
+                size = version[0]
                 ranges = merged_ranges(hints, size)
                 length = sum(end - off for off, end in ranges)
                 if length > self.budget:
@@ -356,14 +405,15 @@ class Prefetcher:
                 self.held += reserved
                 data = bytearray(length)
                 if length:
-                    extents = self.fs.extents(f, [(off, end - off) for off, end in ranges])
+                    extents = [(ino, layout, off, end - off) for off, end in ranges]
                     await self.fs.read_into(extents, memoryview(data))
             finally:
-                with trio.CancelScope(shield=True):
-                    await self.fs.release(f.fh)
+                if f is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.fs.release(f.fh)
             if self._changed.get(ino, -1) > start or self._reset_at > start:
                 return  # changed (or reset) while we read: the bytes may be stale
-            if ino in self.entries and self.entries[ino][0].version != version_of(attr):
+            if ino in self.entries and self.entries[ino][0].version != version:
                 self._drop(ino)  # held bytes of an older version
             now = trio.current_time()
             held = self.entries.setdefault(ino, [])
@@ -371,7 +421,7 @@ class Prefetcher:
             for off, end in ranges:
                 chunk = data[pos : pos + end - off] if len(ranges) > 1 else data
                 pos += end - off
-                held.append(Entry(version_of(attr), off, chunk, hints[0].name, now))
+                held.append(Entry(version, off, chunk, hints[0].name, now))
             self.entries.move_to_end(ino)
             reserved = 0  # now held by the entries
             if hints[0].name is not None:
