@@ -68,6 +68,8 @@ FETCHERS = 8  # ranges read concurrently
 MAX_PARALLEL_RESOLVES = 64
 PAGE = 4096
 MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
+MAX_FILES_PER_READ = 256  # listed files read together (one request per storage node)
+READ_BATCH = 8 << 20  # bytes of listed files read together
 ENTRY_TTL = 120.0
 # directory listings kept to resolve hinted names (one request per directory
 # and page instead of a lookup and an open per file); staleness is caught
@@ -347,24 +349,43 @@ class Prefetcher:
                 with trio.move_on_after(1.0):
                     await self._wake.wait()
                 continue
-            # the head hint and those right behind it for the same file: one
-            # open and one read for the ranges of a file a batch touches
-            ino = self.pending[0].ino
-            hints: list[Hint] = []
-            while self.pending and self.pending[0].ino == ino and len(hints) < MAX_RANGES_PER_READ:
-                hint = self.pending.popleft()
-                if not self._covered(hint.ino, hint.offset, hint.length):
-                    hints.append(hint)
-            if not hints:
+            groups = self._next_groups()
+            if not groups:
                 continue
             try:
-                await self._fetch(ino, hints)
+                await self._fetch(groups)
             except FsError as exc:
-                self.counters.failed += len(hints)
-                log.debug("prefetch of inode %d: %s", ino, exc.message)
+                self.counters.failed += sum(len(h) for _, h in groups)
+                log.debug("prefetch of inodes %s: %s", [i for i, _ in groups][:8], exc.message)
             except Exception:
-                self.counters.failed += len(hints)
-                log.exception("prefetch of inode %d", ino)
+                self.counters.failed += sum(len(h) for _, h in groups)
+                log.exception("prefetch of inodes %s", [i for i, _ in groups][:8])
+
+    def _next_groups(self) -> list[tuple[int, list[Hint]]]:
+        """The next hints to read together, per file in order: those of
+        listed files (layout known) up to READ_BATCH bytes, many files in
+        one read (one request per storage node); else one file's run of
+        hints, which it opens."""
+        groups: dict[int, list[Hint]] = {}
+        limit = min(READ_BATCH, max(1, self.budget // 4))
+        listed = self.pending[0].layout is not None
+        size = 0
+        while self.pending and len(groups) < MAX_FILES_PER_READ:
+            hint = self.pending[0]
+            if (hint.layout is not None) != listed or (
+                not listed and hint.ino not in groups and groups
+            ):
+                break
+            if listed and groups and hint.ino not in groups and size >= limit:
+                break
+            if len(groups.get(hint.ino, ())) >= MAX_RANGES_PER_READ:
+                break
+            self.pending.popleft()
+            if not self._covered(hint.ino, hint.offset, hint.length):
+                groups.setdefault(hint.ino, []).append(hint)
+                if hint.version is not None:
+                    size += hint.version[0] if hint.length is None else hint.length
+        return list(groups.items())
 
     def _covered(self, ino: int, offset: int, length: int | None) -> bool:
         for e in self.entries.get(ino, ()):
@@ -374,61 +395,63 @@ class Prefetcher:
                 return True
         return False
 
-    async def _fetch(self, ino: int, hints: list[Hint]) -> None:
+    async def _fetch(self, groups: list[tuple[int, list[Hint]]]) -> None:
         start = self._generation
         self._in_flight += 1
         reserved = 0
+        opened = None
         try:
-            listed = hints[0]
-            layout: Layout | None
-            if listed.layout is not None and listed.version is not None:
-                # from a listing: no open, no release (a file removed since
-                # fails the read, and the reader reads it itself)
-                version, layout = listed.version, listed.layout
-                f = None
-            else:
-                f, attr = await self.fs.open(ino, os.O_RDONLY)
-                version, layout = version_of(attr), f.layout
-            try:
-                if layout is None:
-                    return
-                size = version[0]
-                ranges = merged_ranges(hints, size)
-                length = sum(end - off for off, end in ranges)
-                if length > self.budget:
-                    return  # a whole file larger than the whole budget
-                while self.held + length > self.budget:
-                    if not self._expire():
-                        with trio.move_on_after(1.0):
-                            await self._wake.wait()
-                reserved = length
-                self.held += reserved
-                data = bytearray(length)
-                if length:
-                    extents = [(ino, layout, off, end - off) for off, end in ranges]
-                    await self.fs.read_into(extents, memoryview(data))
-            finally:
-                if f is not None:
-                    with trio.CancelScope(shield=True):
-                        await self.fs.release(f.fh)
-            if self._changed.get(ino, -1) > start or self._reset_at > start:
-                return  # changed (or reset) while we read: the bytes may be stale
-            if ino in self.entries and self.entries[ino][0].version != version:
-                self._drop(ino)  # held bytes of an older version
+            files: list[tuple[int, list[Hint], Version, list[tuple[int, int]]]] = []
+            extents = []
+            for ino, hints in groups:
+                h = hints[0]
+                layout: Layout | None
+                if h.layout is not None and h.version is not None:
+                    # from a listing: no open, no release (a file removed since
+                    # fails the read, and the reader reads it itself)
+                    version, layout = h.version, h.layout
+                else:
+                    opened, attr = await self.fs.open(ino, os.O_RDONLY)
+                    version, layout = version_of(attr), opened.layout
+                ranges = merged_ranges(hints, version[0])
+                if layout is None or sum(e - o for o, e in ranges) > self.budget:
+                    continue  # not a file, or larger than the whole budget
+                files.append((ino, hints, version, ranges))
+                extents += [(ino, layout, off, end - off) for off, end in ranges]
+            length = sum(e[3] for e in extents)
+            while self.held + length > self.budget:
+                if not self._expire():
+                    with trio.move_on_after(1.0):
+                        await self._wake.wait()
+            reserved = length
+            self.held += reserved
+            data = bytearray(length)
+            if length:
+                await self.fs.read_into(extents, memoryview(data))
             now = trio.current_time()
-            held = self.entries.setdefault(ino, [])
             pos = 0
-            for off, end in ranges:
-                chunk = data[pos : pos + end - off] if len(ranges) > 1 else data
-                pos += end - off
-                held.append(Entry(version, off, chunk, hints[0].name, now))
-            self.entries.move_to_end(ino)
-            reserved = 0  # now held by the entries
-            if hints[0].name is not None:
-                self.names[hints[0].name] = ino
-            self.counters.fetched += len(hints)
-            self.counters.fetched_bytes += length
+            for ino, hints, version, ranges in files:
+                chunks = []
+                for off, end in ranges:
+                    chunks.append((off, data[pos : pos + end - off]))
+                    pos += end - off
+                if self._changed.get(ino, -1) > start or self._reset_at > start:
+                    continue  # changed (or reset) while we read: the bytes may be stale
+                if ino in self.entries and self.entries[ino][0].version != version:
+                    self._drop(ino)  # held bytes of an older version
+                held = self.entries.setdefault(ino, [])
+                for off, chunk in chunks:
+                    held.append(Entry(version, off, chunk, hints[0].name, now))
+                    reserved -= len(chunk)  # now held by the entry
+                self.entries.move_to_end(ino)
+                if hints[0].name is not None:
+                    self.names[hints[0].name] = ino
+                self.counters.fetched += len(hints)
+                self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
         finally:
+            if opened is not None:
+                with trio.CancelScope(shield=True):
+                    await self.fs.release(opened.fh)
             self.held -= reserved
             self._in_flight -= 1
             if self._in_flight == 0:
