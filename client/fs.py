@@ -49,6 +49,7 @@ from shufflefs.metadata.protocol import (
     Layout,
     MountInfo,
     OpenResult,
+    ReaddirLayoutsPage,
     ReaddirPage,
     is_read_only_handle,
 )
@@ -282,6 +283,15 @@ class FileSystem:
         await self.meta.call_at_most_once(
             "rename", lambda m: m.rename(parent, name, new_parent, new_name, flags)
         )
+
+    async def readdir_layouts(
+        self, ino: int, after: bytes | None, limit: int
+    ) -> ReaddirLayoutsPage:
+        page = await self.meta.call_idempotent(
+            "readdir_layouts", lambda m: m.readdir_layouts(ino, after, limit)
+        )
+        page["entries"] = [(n, self.overlay(a), lay) for n, a, lay in page["entries"]]
+        return page
 
     async def readdir(self, ino: int, after: bytes | None, limit: int) -> ReaddirPage:
         page = await self.meta.call_idempotent("readdir", lambda m: m.readdir(ino, after, limit))

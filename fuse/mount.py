@@ -53,6 +53,7 @@ async def run_mount(
         fs = FileSystem(rpc, routing, client_options)
         await fs.start(nursery)
         ops = ShuffleOps(fs, options)
+        await ops.prefetch.start(nursery)
         opts = set(pyfuse3.default_options) | options.fuse_options()
         opts |= {"fsname=shufflefs", "subtype=shufflefs"}
         if os.geteuid() == 0:

@@ -23,6 +23,8 @@ import errno
 import math
 from dataclasses import dataclass
 
+from shufflefs.cluster.preflight import parse_size
+from shufflefs.fuse.prefetch import DEFAULT_MEMORY
 from shufflefs.metadata.protocol import MountInfo
 from shufflefs.rpc.errors import FsError
 
@@ -35,6 +37,7 @@ MAX_TASKS = 1024
 
 TIMEOUTS = ("attr_timeout", "entry_timeout", "negative_timeout")
 FLAGS = ("ro", "rw", "no_local_reads", "debug")
+VALUED = (*TIMEOUTS, "handle_linger", "max_tasks", "prefetch_memory", "cache")
 
 
 @dataclass
@@ -51,6 +54,7 @@ class MountOptions:
     handle_linger: float = RW_LINGER
     max_tasks: int = 64
     local_reads: bool = True
+    prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     debug: bool = False
 
     def fuse_options(self) -> set[str]:
@@ -83,9 +87,9 @@ def parse_options(items: list[str]) -> MountOptions:
         key, eq, value = item.partition("=")
         if key in FLAGS and not eq:
             given[key] = ""
-        elif key in (*TIMEOUTS, "handle_linger", "max_tasks", "cache") and eq:
+        elif key in VALUED and eq:
             given[key] = value
-        elif key in FLAGS or key in (*TIMEOUTS, "handle_linger", "max_tasks", "cache"):
+        elif key in FLAGS or key in VALUED:
             raise FsError(errno.EINVAL, f"mount option {item!r}: " + _usage(key))
         else:
             raise FsError(errno.EINVAL, f"unknown mount option {item!r}")
@@ -109,6 +113,8 @@ def parse_options(items: list[str]) -> MountOptions:
     )
     if "max_tasks" in given:
         options.max_tasks = _count(given["max_tasks"])
+    if "prefetch_memory" in given:
+        options.prefetch_memory = _size(given["prefetch_memory"])
     return options
 
 
@@ -117,6 +123,8 @@ def _usage(key: str) -> str:
         return "takes no value"
     if key == "cache":
         return "needs a value: cache=immutable"
+    if key == "prefetch_memory":
+        return "needs a value: prefetch_memory=SIZE (0 turns hints off)"
     if key == "max_tasks":
         return f"needs a value: max_tasks=N (1..{MAX_TASKS})"
     return f"needs a value: {key}=SECONDS"
@@ -148,3 +156,14 @@ def _count(text: str) -> int:
             errno.EINVAL, f"mount option 'max_tasks={text}': a whole number from 1 to {MAX_TASKS}"
         )
     return value
+
+
+def _size(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_size(text)
+    except FsError:
+        raise FsError(
+            errno.EINVAL, f"mount option 'prefetch_memory={text}': a size such as 256M expected"
+        ) from None

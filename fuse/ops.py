@@ -48,6 +48,7 @@ import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
 from shufflefs.fuse.mount_options import MountOptions
+from shufflefs.fuse.prefetch import PREFETCH_XATTR, Prefetcher
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError, as_fs_error
 
@@ -153,6 +154,7 @@ class ShuffleOps(pyfuse3.Operations):
         self.dirs: dict[int, DirHandle] = {}
         self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
         self._next_dir = 1
+        self.prefetch = Prefetcher(fs, self.options.prefetch_memory)
 
     # ---- conversions ----------------------------------------------------------
 
@@ -243,6 +245,7 @@ class ShuffleOps(pyfuse3.Operations):
         )
         if fields.update_size:
             self.cached.pop(inode, None)
+            self.prefetch.changed(inode)
         return self.entry(new)
 
     @fuse_errors
@@ -299,6 +302,7 @@ class ShuffleOps(pyfuse3.Operations):
     @mutation
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.unlink(parent_inode, name)
+        self.prefetch.name_changed(parent_inode, name)
 
     @fuse_errors
     @mutation
@@ -317,6 +321,8 @@ class ShuffleOps(pyfuse3.Operations):
         ctx: pyfuse3.RequestContext,
     ) -> None:
         await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        self.prefetch.name_changed(parent_inode_old, name_old)
+        self.prefetch.name_changed(parent_inode_new, name_new)
 
     # ---- files ------------------------------------------------------------------
 
@@ -364,6 +370,7 @@ class ShuffleOps(pyfuse3.Operations):
             # with O_CREAT a new file) rather than the removed file
             await self.fs.release(f.fh)
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
+        self.prefetch.opened(attr)
         return self.file_info(f.fh, attr, flags)
 
     @fuse_errors
@@ -378,9 +385,12 @@ class ShuffleOps(pyfuse3.Operations):
         return self.file_info(f.fh, attr, flags), entry
 
     @fuse_errors
-    async def read(self, fh: int, off: int, size: int) -> bytearray:  # type: ignore[override]
+    async def read(self, fh: int, off: int, size: int) -> bytearray | memoryview:  # type: ignore[override]
         # pyfuse3 replies from any contiguous buffer (its stub says bytes):
         # the bytes go to the kernel without a copy into a bytes object
+        ahead = self.prefetch.read(self.fs.file(fh).ino, off, size)
+        if ahead is not None:
+            return ahead
         return await self.fs.read(fh, off, size)
 
     @fuse_errors
@@ -397,6 +407,7 @@ class ShuffleOps(pyfuse3.Operations):
             # writes one at a time, so each lands after the previous.
             at = self.fs.known_size(f.ino)
         n = await self.fs.write(fh, at, buf)
+        self.prefetch.changed(f.ino)
         # the kernel grows its i_size to the end of the write as it placed it
         self.kernel_size[f.ino] = max(self.kernel_size.get(f.ino, 0), off + n)
         return n
@@ -420,6 +431,8 @@ class ShuffleOps(pyfuse3.Operations):
         f = self.fs.files.get(fh)
         if f is not None and f.writable:
             self.cached.pop(f.ino, None)
+        if f is not None:
+            self.prefetch.released(f.ino)
         await self.fs.release(fh)
 
     # ---- directories ------------------------------------------------------------------
@@ -505,6 +518,8 @@ class ShuffleOps(pyfuse3.Operations):
         # the write drop file capabilities?), since a FUSE inode never gets
         # S_NOSEC. Its absence is remembered for attr_timeout, as attributes
         # are, so small writes do not each cost a metadata round trip.
+        if name == PREFETCH_XATTR:  # the prefetch hint interface (fuse/prefetch.py)
+            return await self.prefetch.hint_file(await self.fs.getattr(inode))
         caps = name == CAPS_XATTR
         if caps and self.no_caps.get(inode, 0.0) > trio.current_time():
             raise FsError(errno.ENODATA, "no security.capability (cached)")
@@ -523,6 +538,15 @@ class ShuffleOps(pyfuse3.Operations):
     ) -> None:
         # pyfuse3 checks XATTR_CREATE/XATTR_REPLACE itself (with getxattr)
         # before calling us, so what is left is a plain set
+        if name == PREFETCH_XATTR:  # the prefetch hint interface (fuse/prefetch.py)
+            if inode != pyfuse3.ROOT_INODE:
+                raise FsError(errno.EINVAL, "prefetch hints are set on the mount root")
+            try:
+                await self.prefetch.hint_batch(value)
+            except FsError as exc:  # as it is: a missing hinted path is ENOENT, not ESTALE
+                log.info("prefetch hint refused: %s", exc.message)
+                raise pyfuse3.FUSEError(exc.code) from None
+            return
         self.no_caps.pop(inode, None)
         await self.fs.setxattr(inode, name, value, 0)
         self.no_caps.pop(inode, None)  # and any absence cached while we set it

@@ -35,6 +35,7 @@ from shufflefs.metadata.protocol import (
     ROOT_INODE,
     Attr,
     Layout,
+    ReaddirLayoutsPage,
     ReaddirPage,
 )
 from shufflefs.metadata.records import (
@@ -45,6 +46,7 @@ from shufflefs.metadata.records import (
     dentry_child,
     is_dir,
     is_lnk,
+    layout_of,
     new_inode,
     u64,
 )
@@ -176,16 +178,30 @@ class NameOps:
         """A page in name order after the name *after*: a cursor that is a
         name, not a position, cannot skip or repeat an entry when others come
         and go between pages."""
+        entries, more = self._page(ino, after, limit, False)
+        return {"entries": [(name, attr) for name, attr, _ in entries], "more": more}
+
+    def readdir_layouts(
+        self, ino: int, after: bytes | None = None, limit: int = 256
+    ) -> ReaddirLayoutsPage:
+        """`readdir` with each regular file's layout: what a reader of every
+        file of a directory needs, in one read transaction per page."""
+        entries, more = self._page(ino, after, limit, True)
+        return {"entries": entries, "more": more}
+
+    def _page(
+        self, ino: int, after: bytes | None, limit: int, layouts: bool
+    ) -> tuple[list[tuple[bytes, Attr, Layout | None]], bool]:
         if limit < 1:
             raise FsError(errno.EINVAL, f"readdir limit {limit} < 1")
         limit = min(limit, READDIR_MAX)
         if after is not None and len(after) > NAME_MAX:
             raise FsError(errno.EINVAL, "readdir cursor longer than a name")
 
-        def body(tx: Tx) -> ReaddirPage:
+        def body(tx: Tx) -> tuple[list[tuple[bytes, Attr, Layout | None]], bool]:
             tx.directory(ino)
             prefix = u64(ino)
-            entries: list[tuple[bytes, Attr]] = []
+            entries: list[tuple[bytes, Attr, Layout | None]] = []
             more = False
             for key, value in tx.prefix_items(DB_DENTRIES, prefix, prefix + (after or b"")):
                 name = key[8:]
@@ -199,8 +215,8 @@ class NameOps:
                 if rec is None:
                     log.warning("dentry %r in directory %d points to missing inode", name, ino)
                     continue
-                entries.append((name, attr_of(child, rec)))
-            return {"entries": entries, "more": more}
+                entries.append((name, attr_of(child, rec), layout_of(rec) if layouts else None))
+            return entries, more
 
         return self.txns.read(body)
 

@@ -80,6 +80,11 @@ class ReaddirPage(TypedDict):
     more: bool  # another page follows: call again with after = the last name
 
 
+class ReaddirLayoutsPage(TypedDict):
+    entries: list[tuple[bytes, Attr, Layout | None]]  # as ReaddirPage, with regular files' layouts
+    more: bool
+
+
 class Session(TypedDict):
     session: int
     lease: float  # seconds: renew well before; an expired session's handles are closed
@@ -295,6 +300,17 @@ class MetaStub:
         repeated that existed throughout the listing). At most READDIR_MAX
         entries per page."""
         result: ReaddirPage = await self._call("readdir", ino=ino, after=after, limit=limit)
+        return result
+
+    async def readdir_layouts(
+        self, ino: int, after: bytes | None = None, limit: int = 256
+    ) -> ReaddirLayoutsPage:
+        """`readdir` with each regular file's layout (None for other kinds):
+        one request per page lets a reader read every file of a directory
+        without opening each (read-only: no write transaction)."""
+        result: ReaddirLayoutsPage = await self._call(
+            "readdir_layouts", ino=ino, after=after, limit=limit
+        )
         return result
 
     async def statfs(self) -> FsStats:

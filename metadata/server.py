@@ -36,6 +36,7 @@ from shufflefs.metadata.protocol import (
     Layout,
     MountInfo,
     OpenResult,
+    ReaddirLayoutsPage,
     ReaddirPage,
     Session,
     SessionInfo,
@@ -378,6 +379,12 @@ class MetaService:
     @rpc_method(inline=True)
     async def readdir(self, ino: int, after: bytes | None = None, limit: int = 256) -> ReaddirPage:
         return self.store.readdir(ino, after, limit)
+
+    @rpc_method(inline=True)
+    async def readdir_layouts(
+        self, ino: int, after: bytes | None = None, limit: int = 256
+    ) -> ReaddirLayoutsPage:
+        return self.store.readdir_layouts(ino, after, limit)
 
     @rpc_method(inline=True)
     async def statfs(self) -> FsStats:

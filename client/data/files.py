@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shufflefs.client.data.mount_hints import DEFAULT_AHEAD, MountHints, lookahead
 from shufflefs.client.data.readahead import ReadPlan, pipeline
 from shufflefs.client.data.readers import RangeReader, make_reader
 from shufflefs.client.data.sharding import (
@@ -62,6 +63,7 @@ class ShuffleSampler(EpochState):
         super().__init__(Shard(n, rank, world_size, drop_last), seed, batch_size)
         self._extra = identity or {}
         self.files: FileKeys | None = None  # names samples for quarantine keys
+        self.hints: MountHints | None = None  # files on a shufflefs mount: hint them ahead
 
     def _identity(self) -> dict[str, Any]:
         return {"num_items": self.shard.n, **self._extra}
@@ -87,8 +89,16 @@ class ShuffleSampler(EpochState):
             yield local.size, items if keep is None else items[keep]
         self._finish(cursor)
 
+    def _hinted_runs(self, unit: int) -> Iterator[tuple[int, IntArray]]:
+        hints = self.hints
+        if hints is None:
+            return self._runs(unit)
+        return lookahead(
+            self._runs(min(unit, 64)), hints.ahead, lambda r: hints.files(r[1].tolist()), _run_size
+        )
+
     def __iter__(self) -> Iterator[int]:
-        for positions, items in self._runs(1024):
+        for positions, items in self._hinted_runs(1024):
             for item in items.tolist():
                 self._consumed += 1
                 yield item
@@ -99,9 +109,13 @@ class ShuffleSampler(EpochState):
         where samples are quarantined): a DataLoader ``batch_sampler``."""
         if self.batch_size is None:
             raise ValueError("batches() needs the sampler's batch_size")
-        for positions, items in self._runs(self.batch_size):
+        for positions, items in self._hinted_runs(self.batch_size):
             self._consumed += positions
             yield items.tolist()
+
+
+def _run_size(run: tuple[int, IntArray]) -> int:
+    return int(run[1].size)
 
 
 class FileKeys:
@@ -140,6 +154,7 @@ class FileSamples:
         config: str | os.PathLike[str] | None = None,
         transform: Callable[[bytes], Any] | None = None,
         suffixes: Sequence[str] | None = None,
+        mount_prefetch: int = DEFAULT_AHEAD,
     ) -> None:
         self.config = os.fspath(config) if config is not None else None
         given = as_path_list(paths)
@@ -154,6 +169,8 @@ class FileSamples:
         if not found:
             raise ValueError(f"no files in {given!r}")
         self.files = [p for p, _ in found]
+        # natively listed files are read by their listed layouts, without opens
+        self._layouts = [ns.layouts.get(p) for p in self.files] if ns.layouts else None
         self.sizes = np.asarray([s for _, s in found], dtype=np.int64)
         self.transform = transform
         if readahead < 0 or read_size < 1:
@@ -172,6 +189,8 @@ class FileSamples:
             },
         )
         self.sampler.files = FileKeys(self.files, self.sizes)
+        if not ns.native:
+            self.sampler.hints = MountHints.find(self.files, mount_prefetch, whole_files=True)
         self._reader: RangeReader | None = None
 
     # ---- map-style -------------------------------------------------------
@@ -284,7 +303,14 @@ class FileSamples:
     @property
     def reader(self) -> RangeReader:
         if self._reader is None:
-            self._reader = make_reader(self.files, self.config, max(1, self.readahead))
+            self._reader = make_reader(
+                self.files,
+                self.config,
+                max(1, self.readahead),
+                hints=self.sampler.hints,
+                find_hints=False,
+                layouts=self._layouts,
+            )
         return self._reader
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from shufflefs.client.data.mount_hints import lookahead
 from shufflefs.client.data.readers import RangeReader
 
 P = TypeVar("P")
@@ -44,13 +45,23 @@ def _fresh(plan: ReadPlan[P]) -> npt.NDArray[np.uint8]:
     return np.empty(int(plan.lengths.sum()), dtype=np.uint8)
 
 
+def _samples(plan: ReadPlan[P]) -> int:
+    return len(plan.files)
+
+
 def pipeline(
     reader: RangeReader,
     plans: Iterator[ReadPlan[P]],
     depth: int,
     buffer: Callable[[ReadPlan[P]], npt.NDArray[np.uint8]] = _fresh,
 ) -> Iterator[tuple[P, npt.NDArray[np.uint8]]]:
-    """(tag, filled buffer) for each plan, in order, reading *depth* ahead."""
+    """(tag, filled buffer) for each plan, in order, reading *depth* ahead
+    (and, on a shufflefs mount, hinting the mount further ahead still)."""
+    hints = reader.hints
+    if hints is not None:
+        plans = lookahead(
+            plans, hints.ahead, lambda p: hints.plan(p.files, p.offsets, p.lengths), _samples
+        )
     if depth <= 0:
         for plan in plans:
             buf = buffer(plan)

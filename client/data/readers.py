@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from shufflefs.client.data.mount_hints import MountHints
 from shufflefs.client.data.urls import client_for, is_url, parse_url
 from shufflefs.client.fs import FileSystem
 from shufflefs.client.layout import Extent
@@ -61,6 +62,8 @@ async def _noop() -> None:
 class RangeReader:
     """Reads ``lengths[i]`` bytes at ``offsets[i]`` of file ``files[i]`` (an
     index into *paths*) into *out*, the ranges laid end to end."""
+
+    hints: MountHints | None = None  # where reads are hinted to a shufflefs mount
 
     def __init__(self, paths: Sequence[str], threads: int = 4) -> None:
         self.paths = list(paths)
@@ -106,8 +109,11 @@ class RangeReader:
 class LocalReader(RangeReader):
     """Plain positioned reads on paths of any mounted filesystem."""
 
-    def __init__(self, paths: Sequence[str], threads: int = 4) -> None:
+    def __init__(
+        self, paths: Sequence[str], threads: int = 4, hints: MountHints | None = None
+    ) -> None:
         super().__init__(paths, threads)
+        self.hints = hints
         self._fds: dict[int, int] = {}
         self._fd_lock = threading.Lock()
 
@@ -125,6 +131,11 @@ class LocalReader(RangeReader):
                 fd = self._fds.get(index)
                 if fd is None:
                     fd = self._fds[index] = os.open(self.paths[index], os.O_RDONLY | os.O_CLOEXEC)
+                    if self.hints is not None:
+                        # the kernel then asks the mount for just the pages
+                        # read, which the hinted ranges hold (no readahead
+                        # window beyond them)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
 
     def read_into(
@@ -147,6 +158,8 @@ class LocalReader(RangeReader):
 
     def close(self) -> None:
         super().close()  # first: reads still running must not reopen what we close
+        if self.hints is not None:
+            self.hints.close()
         if self._pid == os.getpid():
             for fd in self._fds.values():
                 os.close(fd)
@@ -177,9 +190,18 @@ class NativeReader(RangeReader):
     """``shufflefs://`` URLs read through the native client, a batch at a time
     with one request per storage node."""
 
-    def __init__(self, paths: Sequence[str], config: str | None = None, threads: int = 4) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        config: str | None = None,
+        threads: int = 4,
+        layouts: Sequence[tuple[int, Layout] | None] | None = None,
+    ) -> None:
         super().__init__(paths, threads)
         self.config = config
+        # (inode, layout) per file when a listing gave them (`readdir_layouts`):
+        # those files are read without being opened
+        self.layouts = list(layouts) if layouts is not None else None
         self.fs_paths = [os.fsencode(parse_url(p).path) for p in paths]
         self._files: _NativeFiles | None = None
 
@@ -249,6 +271,21 @@ class NativeReader(RangeReader):
                 log.warning("closing %s: %s", self.paths[i], exc.message)
         return out
 
+    def _listed_layouts(self, indices: list[int]) -> dict[int, tuple[int, Layout]] | None:
+        """(ino, layout) of the given files from the dataset's listing, if
+        it has all of them. (No handle: the files must not be removed while
+        the dataset reads them, as for any file dataset.)"""
+        known = self.layouts
+        if known is None:
+            return None
+        out = {}
+        for i in indices:
+            entry = known[i]
+            if entry is None:
+                return None
+            out[i] = entry
+        return out
+
     def _open_layouts(self, indices: list[int]) -> dict[int, tuple[int, Layout]] | None:
         """(ino, layout) of the given files when every one is open already,
         read from the caller's thread: a warm batch makes no trip to the
@@ -269,7 +306,7 @@ class NativeReader(RangeReader):
             self._reset()
         client = self.client
         file_list = files.tolist()
-        layouts = self._open_layouts(file_list)
+        layouts = self._listed_layouts(file_list) or self._open_layouts(file_list)
         if layouts is None:  # some file not open yet: open it in the client's loop
             layouts = client._run(self._layouts, file_list)
         extents: list[Extent] = []
@@ -303,11 +340,23 @@ class NativeReader(RangeReader):
         return state
 
 
-def make_reader(paths: Sequence[str], config: str | None, threads: int) -> RangeReader:
-    """The reader for *paths*: all local paths, or all ``shufflefs://`` URLs."""
+def make_reader(
+    paths: Sequence[str],
+    config: str | None,
+    threads: int,
+    *,
+    hints: MountHints | None = None,
+    find_hints: bool = True,
+    layouts: Sequence[tuple[int, Layout] | None] | None = None,
+) -> RangeReader:
+    """The reader for *paths*: all local paths, or all ``shufflefs://`` URLs.
+    Local paths on a shufflefs mount are hinted to it (*hints*, else, with
+    *find_hints*, those `MountHints.find` finds)."""
     kinds = {is_url(p) for p in paths}
     if len(kinds) > 1:
         raise ValueError("a dataset's paths must be all local paths or all shufflefs:// URLs")
     if kinds == {True}:
-        return NativeReader(paths, config, threads)
-    return LocalReader(paths, threads)
+        return NativeReader(paths, config, threads, layouts)
+    if hints is None and find_hints:
+        hints = MountHints.find(paths)
+    return LocalReader(paths, threads, hints)

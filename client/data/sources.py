@@ -34,6 +34,7 @@ import trio
 
 from shufflefs.client.data.urls import Url, check_cluster, client_for, is_url, parse_url
 from shufflefs.client.fs import normalize
+from shufflefs.metadata.protocol import READDIR_MAX, Layout
 from shufflefs.rpc.errors import FsError
 
 IntArray = npt.NDArray[np.int64]
@@ -65,6 +66,8 @@ class Namespace:
             raise ValueError("a dataset's paths must be all local paths or all shufflefs:// URLs")
         self.native = kinds == {True}
         self.config = config
+        # (inode, layout) of the files a native `walk` listed: read without opening
+        self.layouts: dict[str, tuple[int, Layout]] = {}
         if self.native:
             for mgmtd in {parse_url(p).mgmtd for p in paths}:
                 check_cluster(Url(mgmtd, "/"), config)
@@ -109,7 +112,9 @@ class Namespace:
 
     def walk(self, root: str) -> list[tuple[str, int]]:
         """(path, size) of every regular file under *root*, sorted by path
-        (symlinks to files are followed, to directories not)."""
+        (symlinks to files are followed, to directories not). Natively, one
+        `readdir_layouts` request per directory (per 1024 entries), which
+        also gives every file's layout (kept in `layouts`)."""
         if not self.native:
             found: list[tuple[str, int]] = []
             for dirpath, dirs, names in os.walk(root):
@@ -139,13 +144,15 @@ class Namespace:
                 path, ino = stack.pop()
                 after: bytes | None = None
                 while True:
-                    page = await fs.readdir(ino, after, 1024)
-                    for name, a in page["entries"]:
+                    page = await fs.readdir_layouts(ino, after, READDIR_MAX)
+                    for name, a, layout in page["entries"]:
                         child = path.rstrip(b"/") + b"/" + name
                         if stat.S_ISDIR(a["mode"]):
                             stack.append((child, a["ino"]))
-                        elif stat.S_ISREG(a["mode"]):
-                            out.append((f"shufflefs://{url.mgmtd}{os.fsdecode(child)}", a["size"]))
+                        elif stat.S_ISREG(a["mode"]) and layout is not None:
+                            found = f"shufflefs://{url.mgmtd}{os.fsdecode(child)}"
+                            out.append((found, a["size"]))
+                            self.layouts[found] = (a["ino"], layout)
                     if not page["more"] or not page["entries"]:
                         break
                     after = page["entries"][-1][0]

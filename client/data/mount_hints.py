@@ -1,0 +1,205 @@
+"""Telling a shufflefs mount the upcoming order (fuse/prefetch.py).
+
+A dataset of local paths that are on a shufflefs mount sends, ahead of its
+reads, the files (or byte ranges) of its next batches to the mount, which
+reads them ahead from the storage daemons; cold samples then come from the
+mount's memory. `MountHints.find` recognizes the mount by its xattr (a
+directory answers ``user.shufflefs.prefetch`` with its cache state);
+anything else (a local disk, NFS, a mount with prefetch off) gets None and
+nothing is sent.
+
+Hints are advice: they go out on one background thread per process (the
+reader never waits for the mount to resolve them, at most MAX_OUTSTANDING
+batches are queued), and a failure is logged and forgotten. On a read-only
+mount, where the kernel refuses setxattr, each file is hinted by a getxattr
+on it instead (whole files only).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+log = logging.getLogger("shufflefs.client.data")
+
+XATTR = "user.shufflefs.prefetch"
+MAX_VALUE = 60_000  # bytes per setxattr: under the kernel's XATTR_SIZE_MAX (64 KiB)
+MAX_OUTSTANDING = 8  # hint batches queued on the sender thread
+DEFAULT_AHEAD = 512  # samples hinted ahead of the reads
+
+T = TypeVar("T")
+
+
+def mount_root(path: str) -> str:
+    """The mount point *path* is under."""
+    p = os.path.realpath(path)
+    while not os.path.ismount(p):
+        p = os.path.dirname(p)
+    return p
+
+
+def mount_state(root: str) -> dict[str, Any] | None:
+    """The prefetch state of a shufflefs mount at *root*; None if it is not
+    one or prefetch is off there."""
+    try:
+        state = json.loads(os.getxattr(root, XATTR))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or not state.get("budget"):
+        return None
+    return state
+
+
+class MountHints:
+    """Sends hints for files of one shufflefs mount (paths given per file index)."""
+
+    def __init__(
+        self, root: str, paths: Sequence[str], ahead: int = DEFAULT_AHEAD, whole_files: bool = False
+    ) -> None:
+        self.root = root
+        self.paths = list(paths)
+        cut = len(root.rstrip("/")) + 1
+        self.relative = [os.path.abspath(p)[cut:] for p in paths]
+        self.ahead = ahead
+        self.whole_files = whole_files  # the reads are whole files (else byte ranges)
+        self.read_only = False
+        self._pid = -1
+        self._jobs: queue.Queue[Callable[[], None] | None] | None = None
+
+    @classmethod
+    def find(
+        cls, paths: Sequence[str], ahead: int = DEFAULT_AHEAD, whole_files: bool = False
+    ) -> MountHints | None:
+        """Hints for *paths* if they are all on one shufflefs mount with
+        prefetch on (by their absolute paths: a path reaching the mount
+        through a symlink from elsewhere turns hints off)."""
+        if ahead <= 0 or not paths:
+            return None
+        try:
+            root = mount_root(paths[0])
+        except OSError:
+            return None
+        if mount_state(root) is None:
+            return None
+        prefix = root.rstrip("/") + "/"
+        if not all(os.path.abspath(p).startswith(prefix) for p in paths):
+            return None
+        return cls(root, paths, ahead, whole_files)
+
+    def plan(self, files: Any, offsets: Any, lengths: Any) -> None:
+        """Hint one read plan's ranges (index arrays)."""
+        if self.whole_files:
+            self.files(files.tolist())
+        else:
+            self.ranges(files.tolist(), offsets.tolist(), lengths.tolist())
+
+    # ---- sending -------------------------------------------------------------
+
+    def files(self, items: Sequence[int]) -> None:
+        """Hint whole files (indices into the paths)."""
+        self._submit(lambda: self._send_files(list(items)))
+
+    def ranges(self, files: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
+        """Hint byte ranges of files."""
+        triples = list(zip(files, offsets, lengths, strict=True))
+        self._submit(lambda: self._send_ranges(triples))
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        if self._jobs is None or self._pid != os.getpid():  # a forked child: our own thread
+            self._pid = os.getpid()
+            self._jobs = queue.Queue(MAX_OUTSTANDING)
+            threading.Thread(
+                target=self._run, args=(self._jobs,), name="shufflefs-hints", daemon=True
+            ).start()
+        self._jobs.put(job)  # blocks while MAX_OUTSTANDING are waiting
+
+    @staticmethod
+    def _run(jobs: queue.Queue[Callable[[], None] | None]) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except OSError as exc:
+                log.debug("prefetch hint not taken: %s", exc)
+            finally:
+                jobs.task_done()
+
+    def _set_all(self, values: Iterator[bytes]) -> bool:
+        """setxattr each value on the mount root; False on a read-only mount."""
+        try:
+            for value in values:
+                os.setxattr(self.root, XATTR, value)
+        except OSError as exc:
+            if exc.errno != errno.EROFS:
+                raise
+            self.read_only = True
+        return not self.read_only
+
+    def _send_files(self, items: list[int]) -> None:
+        lines = [os.fsencode(self.relative[i]) for i in items]
+        if self.read_only or not self._set_all(pack(lines, b"\n", b"", b"")):
+            for i in items:  # what a read-only mount takes: a getxattr per file
+                os.getxattr(self.paths[i], XATTR)
+
+    def _send_ranges(self, triples: list[tuple[int, int, int]]) -> None:
+        if not self.read_only:
+            items = [json.dumps([self.relative[f], o, n]).encode() for f, o, n in triples]
+            self._set_all(pack(items, b",", b"[", b"]"))
+
+    def flush(self) -> None:
+        """Wait until every hint handed over was sent."""
+        if self._jobs is not None and self._pid == os.getpid():
+            self._jobs.join()
+
+    def close(self) -> None:
+        if self._jobs is not None and self._pid == os.getpid():
+            self._jobs.put(None)
+            self._jobs.join()
+        self._jobs = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_jobs"] = None
+        state["_pid"] = -1
+        return state
+
+
+def pack(items: list[bytes], sep: bytes, head: bytes, tail: bytes) -> Iterator[bytes]:
+    """*items* joined into values of at most MAX_VALUE bytes."""
+    batch: list[bytes] = []
+    size = len(head) + len(tail)
+    for item in items:
+        if batch and size + len(item) + len(sep) > MAX_VALUE:
+            yield head + sep.join(batch) + tail
+            batch, size = [], len(head) + len(tail)
+        batch.append(item)
+        size += len(item) + len(sep)
+    if batch:
+        yield head + sep.join(batch) + tail
+
+
+def lookahead(
+    chunks: Iterator[T], ahead: int, send: Callable[[T], None], size: Callable[[T], int]
+) -> Iterator[T]:
+    """*chunks* as they come, each passed to *send* when at least *ahead*
+    samples (counted by *size*) before it is yielded: hints along the order."""
+    waiting: deque[T] = deque()
+    queued = 0
+    for chunk in chunks:
+        send(chunk)
+        waiting.append(chunk)
+        queued += size(chunk)
+        while waiting and queued - size(waiting[0]) >= ahead:
+            first = waiting.popleft()
+            queued -= size(first)
+            yield first
+    yield from waiting

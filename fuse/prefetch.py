@@ -1,0 +1,567 @@
+"""Prefetch along the shuffle for readers of the mount (docs/training-data.md,
+"Prefetch through the mount").
+
+A loader that knows its upcoming order hands it to the mount as an extended
+attribute; the mount reads the hinted bytes ahead from the storage daemons
+(through `FileSystem.read_into`, the one read path) into a bounded cache of
+its own, which `read` consults before going to storage. Two forms:
+
+* ``setxattr(<mount root>, "user.shufflefs.prefetch", value)``: a batch of
+  hints. *value* is newline-separated paths (relative to the mount root), or
+  a JSON array whose items are a path or ``[path, offset, length]``. The
+  batch is checked and resolved whole before anything is queued (the
+  kernel caps a value at 64 KiB, XATTR_SIZE_MAX: larger is E2BIG): a
+  malformed one is EINVAL, one with too many items or a range larger than
+  the budget E2BIG, a path that does not exist ENOENT, a directory EISDIR,
+  and then nothing changed. An empty value cancels the queued hints and
+  drops what is held (an epoch's end, a loader restarted).
+* ``getxattr(<file>, "user.shufflefs.prefetch")``: hint that one whole file.
+  It works on a read-only mount too, where the kernel refuses every
+  setxattr with EROFS before the mount sees it.
+* ``getxattr(<directory>, "user.shufflefs.prefetch")``: the cache's state as
+  JSON (budget, bytes held, counters); what a loader probes to know that a
+  path is on a shufflefs mount.
+
+Why an xattr and not a control file: a control file would need a fake inode
+that lookup, getattr, readdir, open and release all special-case (the cache
+engineer's code paths), and errors of buffered writes surface at close, not
+at the call that caused them; setxattr is one atomic call per batch whose
+errno is the answer. Why our own cache and not ``notify_store``: the kernel
+accepts stored pages only for inodes it already knows (the hinted files
+mostly have not been looked up yet: ENOENT), drops them at the next open
+without keep_cache, and gives us no way to bound or account for them.
+
+Bounded: fetched plus in-flight bytes never exceed the budget (mount option
+``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
+(the loader has moved on). A range is dropped once a read took its last
+byte, or when a handle that read from it is released (a sample is read once
+per epoch), when the file changes
+(a write or truncate through this mount, an open that sees another version
+after another client's close: close-to-open), when its name is unlinked or
+renamed over here, or ENTRY_TTL after it was fetched when room is needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import posixpath
+import stat
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import trio
+
+from shufflefs.client.fs import FileSystem
+from shufflefs.metadata.protocol import READDIR_MAX, Attr, Layout
+from shufflefs.rpc.errors import FsError
+
+log = logging.getLogger("shufflefs.fuse.prefetch")
+
+PREFETCH_XATTR = b"user.shufflefs.prefetch"
+DEFAULT_MEMORY = 256 << 20
+MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
+MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
+FETCHERS = 8  # ranges read concurrently
+MAX_PARALLEL_RESOLVES = 64
+PAGE = 4096
+MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
+MAX_FILES_PER_READ = 256  # listed files read together (one request per storage node)
+READ_BATCH = 8 << 20  # bytes of listed files read together
+ENTRY_TTL = 120.0
+# directory listings kept to resolve hinted names (one request per directory
+# and page instead of a lookup and an open per file); staleness is caught
+# where it matters: an open that sees another version drops the bytes
+LISTING_TTL = 30.0
+MAX_LISTED = (
+    1 << 20
+)  # names kept over all listings  # seconds an unread entry keeps its room when room is needed
+
+Version = tuple[int, int, int]  # (size, mtime, ctime): what close-to-open compares
+
+
+def version_of(attr: Attr) -> Version:
+    return (attr["size"], attr["mtime"], attr["ctime"])
+
+
+@dataclass
+class Hint:
+    ino: int
+    offset: int
+    length: int | None  # None: to the end of the file
+    name: tuple[int, bytes] | None = None  # (parent inode, name) when hinted by path
+    # from a directory listing: read without an open (else opened for them)
+    layout: Layout | None = None
+    version: Version | None = None
+
+
+@dataclass
+class Listing:
+    """A directory's files as `readdir_layouts` gave them, kept LISTING_TTL."""
+
+    ino: int
+    listed_at: float
+    files: dict[bytes, tuple[int, Version, Layout]]  # name -> (ino, version, layout)
+
+
+@dataclass
+class Entry:
+    version: Version
+    offset: int
+    data: bytearray
+    name: tuple[int, bytes] | None
+    fetched_at: float
+    served: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.offset + len(self.data)
+
+
+@dataclass
+class Counters:
+    hinted: int = 0  # ranges queued
+    fetched: int = 0  # ranges read into the cache
+    hits: int = 0  # reads answered from the cache
+    dropped: int = 0  # queued ranges pushed out unread (MAX_PENDING)
+    invalidated: int = 0  # entries dropped because their file changed
+    expired: int = 0  # entries dropped unread after ENTRY_TTL
+    failed: int = 0  # ranges whose read failed (the reader will read them itself)
+    fetched_bytes: int = 0
+    served_bytes: int = 0
+
+
+def parse_hint(value: bytes) -> list[tuple[bytes, int, int | None]]:
+    """(path, offset, length) items of a setxattr value; EINVAL/E2BIG."""
+    text = value.strip()
+    items: list[tuple[bytes, int, int | None]] = []
+    if text.startswith(b"["):
+        try:
+            decoded = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FsError(errno.EINVAL, f"prefetch hint: not JSON ({exc})") from None
+        if len(decoded) > MAX_HINT_ITEMS:
+            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
+        for item in decoded:
+            if isinstance(item, str):
+                items.append((os.fsencode(item), 0, None))
+            elif (
+                isinstance(item, list)
+                and len(item) == 3
+                and isinstance(item[0], str)
+                and all(type(x) is int for x in item[1:])
+                and item[1] >= 0
+                and item[2] >= 0
+            ):
+                items.append((os.fsencode(item[0]), item[1], item[2]))
+            else:
+                raise FsError(
+                    errno.EINVAL, f"prefetch hint: {item!r} is not a path or [path, offset, length]"
+                )
+    else:
+        lines = [line for line in text.split(b"\n") if line.strip()]
+        if len(lines) > MAX_HINT_ITEMS:
+            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
+        items = [(line.rstrip(b"\r"), 0, None) for line in lines]
+    for path, _, _ in items:
+        if not path or b"\0" in path:
+            raise FsError(errno.EINVAL, "prefetch hint: an empty path or a NUL in a path")
+    return items
+
+
+@dataclass
+class Prefetcher:
+    fs: FileSystem
+    budget: int = DEFAULT_MEMORY
+    # ino -> the byte ranges held of it (all of one version)
+    entries: OrderedDict[int, list[Entry]] = field(default_factory=OrderedDict)
+    names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
+    pending: deque[Hint] = field(default_factory=deque)
+    listings: OrderedDict[bytes, Listing] = field(default_factory=OrderedDict)  # dir path ->
+    counters: Counters = field(default_factory=Counters)
+    held: int = 0  # bytes in entries plus bytes of reads in flight
+    running: bool = False
+
+    def __post_init__(self) -> None:
+        self._wake = trio.Event()  # pending grew, or room was freed
+        self._generation = 0  # counts changes and resets
+        self._reset_at = 0
+        self._changed: dict[int, int] = {}  # ino -> generation of its last change
+        self._in_flight = 0
+        self._listed = 0  # names in listings
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        if self.budget <= 0:
+            return
+        self.running = True
+        for _ in range(FETCHERS):
+            nursery.start_soon(self._fetch_loop)
+
+    # ---- the hint interface (called from the xattr handlers) -------------
+
+    async def hint_batch(self, value: bytes) -> None:
+        """setxattr on the mount root: check and resolve all, then queue all."""
+        self._check_enabled()
+        if not value.strip():  # an empty hint: start over
+            self.pending.clear()
+            self._generation += 1
+            self._reset_at = self._generation  # and reads in flight are dropped
+            for ino in list(self.entries):
+                self._drop(ino)
+            return
+        items = parse_hint(value)
+        for _, _, length in items:
+            if length is not None and length > self.budget:
+                raise FsError(
+                    errno.E2BIG, f"prefetch hint: a range of {length} bytes > budget {self.budget}"
+                )
+        hints = await self._resolve(items)
+        for h in hints:
+            self._queue(h)
+
+    async def hint_file(self, attr: Attr) -> bytes:
+        """getxattr on an inode: a directory answers the state, a file is queued."""
+        if stat.S_ISDIR(attr["mode"]):
+            return self.status()
+        self._check_enabled()
+        if not stat.S_ISREG(attr["mode"]):
+            raise FsError(errno.EINVAL, "prefetch: not a regular file")
+        self._queue(Hint(attr["ino"], 0, None))
+        return b"queued"
+
+    def status(self) -> bytes:
+        state = {
+            "budget": self.budget,
+            "held_bytes": self.held,
+            "entries": sum(len(held) for held in self.entries.values()),
+            "pending": len(self.pending),
+            **vars(self.counters),
+        }
+        return json.dumps(state, separators=(",", ":")).encode()
+
+    def _check_enabled(self) -> None:
+        if not self.running:
+            raise FsError(errno.EOPNOTSUPP, "prefetch is off on this mount (prefetch_memory=0)")
+
+    async def _resolve(self, items: list[tuple[bytes, int, int | None]]) -> list[Hint]:
+        """Every path to an inode, by a listing of its directory (kept for
+        LISTING_TTL), or a lookup for a name the listing lacks; the first
+        failure (ENOENT, ENOTDIR, EISDIR...) fails the whole batch."""
+        split = []
+        for path, off, length in items:
+            head, name = posixpath.split(posixpath.normpath(b"/" + path))
+            if not name:
+                raise FsError(errno.EISDIR, "prefetch hint: the mount root is a directory")
+            split.append((head, name, off, length))
+        listings: dict[bytes, Listing] = {}
+        for head in dict.fromkeys(head for head, _, _, _ in split):
+            listings[head] = await self._listing(head)
+        hints = []
+        limit = trio.CapacityLimiter(MAX_PARALLEL_RESOLVES)
+        looked_up: dict[tuple[int, bytes], Attr] = {}
+        missing = {
+            (listings[head].ino, name)
+            for head, name, _, _ in split
+            if name not in listings[head].files
+        }
+        if missing:  # new since the listing, or not a regular file, or absent
+
+            async def lookup(parent: int, name: bytes) -> None:
+                async with limit:
+                    looked_up[(parent, name)] = await self.fs.lookup(parent, name)
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for parent, name in missing:
+                        nursery.start_soon(lookup, parent, name)
+            except* FsError as group:
+                exc = group.exceptions[0]
+                assert isinstance(exc, FsError)
+                raise FsError(exc.code, f"prefetch hint: {exc.message}") from None
+        for head, name, off, length in split:
+            listing = listings[head]
+            key = (listing.ino, name)
+            if key in looked_up:
+                attr = looked_up[key]
+                if not stat.S_ISREG(attr["mode"]):
+                    shown = os.fsdecode(posixpath.join(head, name))
+                    raise FsError(errno.EISDIR, f"prefetch hint: {shown} is not a regular file")
+                hints.append(Hint(attr["ino"], off, length, key))
+            else:
+                ino, version, layout = listing.files[name]
+                hints.append(Hint(ino, off, length, key, layout, version))
+        return hints
+
+    async def _listing(self, head: bytes) -> Listing:
+        now = trio.current_time()
+        kept = self.listings.get(head)
+        if kept is not None and now - kept.listed_at < LISTING_TTL:
+            return kept
+        attr = await self.fs.resolve(head)
+        if not stat.S_ISDIR(attr["mode"]):
+            raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
+        files: dict[bytes, tuple[int, Version, Layout]] = {}
+        after: bytes | None = None
+        while True:
+            try:
+                page = await self.fs.readdir_layouts(attr["ino"], after, READDIR_MAX)
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                break  # a metadata server of before readdir_layouts: lookups then
+            for name, a, layout in page["entries"]:
+                if layout is not None and stat.S_ISREG(a["mode"]):
+                    files[name] = (a["ino"], version_of(a), layout)
+            if not page["more"] or not page["entries"]:
+                break
+            after = page["entries"][-1][0]
+        listing = Listing(attr["ino"], now, files)
+        self.listings.pop(head, None)
+        self.listings[head] = listing
+        self._listed += len(files) - (len(kept.files) if kept is not None else 0)
+        while self._listed > MAX_LISTED and len(self.listings) > 1:
+            _, old = self.listings.popitem(last=False)
+            self._listed -= len(old.files)
+        return listing
+
+    def _queue(self, hint: Hint) -> None:
+        if len(self.pending) >= MAX_PENDING:
+            self.pending.popleft()
+            self.counters.dropped += 1
+        self.pending.append(hint)
+        self.counters.hinted += 1
+        self._notify()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = trio.Event()
+
+    # ---- fetching ----------------------------------------------------------
+
+    async def _fetch_loop(self) -> None:
+        while True:
+            if not self.pending:
+                await self._wake.wait()
+                continue
+            if self.held >= self.budget and not self._expire():
+                with trio.move_on_after(1.0):
+                    await self._wake.wait()
+                continue
+            groups = self._next_groups()
+            if not groups:
+                continue
+            try:
+                await self._fetch(groups)
+            except FsError as exc:
+                self.counters.failed += sum(len(h) for _, h in groups)
+                log.debug("prefetch of inodes %s: %s", [i for i, _ in groups][:8], exc.message)
+            except Exception:
+                self.counters.failed += sum(len(h) for _, h in groups)
+                log.exception("prefetch of inodes %s", [i for i, _ in groups][:8])
+
+    def _next_groups(self) -> list[tuple[int, list[Hint]]]:
+        """The next hints to read together, per file in order: those of
+        listed files (layout known) up to READ_BATCH bytes, many files in
+        one read (one request per storage node); else one file's run of
+        hints, which it opens."""
+        groups: dict[int, list[Hint]] = {}
+        limit = min(READ_BATCH, max(1, self.budget // 4))
+        listed = self.pending[0].layout is not None
+        size = 0
+        while self.pending and len(groups) < MAX_FILES_PER_READ:
+            hint = self.pending[0]
+            if (hint.layout is not None) != listed or (
+                not listed and hint.ino not in groups and groups
+            ):
+                break
+            if listed and groups and hint.ino not in groups and size >= limit:
+                break
+            if len(groups.get(hint.ino, ())) >= MAX_RANGES_PER_READ:
+                break
+            self.pending.popleft()
+            if not self._covered(hint.ino, hint.offset, hint.length):
+                groups.setdefault(hint.ino, []).append(hint)
+                if hint.version is not None:
+                    size += hint.version[0] if hint.length is None else hint.length
+        return list(groups.items())
+
+    def _covered(self, ino: int, offset: int, length: int | None) -> bool:
+        for e in self.entries.get(ino, ()):
+            size = e.version[0]
+            end = size if length is None else min(size, offset + length)
+            if e.offset <= offset and end <= e.end:
+                return True
+        return False
+
+    async def _fetch(self, groups: list[tuple[int, list[Hint]]]) -> None:
+        start = self._generation
+        self._in_flight += 1
+        reserved = 0
+        opened = None
+        try:
+            files: list[tuple[int, list[Hint], Version, list[tuple[int, int]]]] = []
+            extents = []
+            for ino, hints in groups:
+                h = hints[0]
+                layout: Layout | None
+                if h.layout is not None and h.version is not None:
+                    # from a listing: no open, no release (a file removed since
+                    # fails the read, and the reader reads it itself)
+                    version, layout = h.version, h.layout
+                else:
+                    opened, attr = await self.fs.open(ino, os.O_RDONLY)
+                    version, layout = version_of(attr), opened.layout
+                ranges = merged_ranges(hints, version[0])
+                if layout is None or sum(e - o for o, e in ranges) > self.budget:
+                    continue  # not a file, or larger than the whole budget
+                files.append((ino, hints, version, ranges))
+                extents += [(ino, layout, off, end - off) for off, end in ranges]
+            length = sum(e[3] for e in extents)
+            while self.held + length > self.budget:
+                if not self._expire():
+                    with trio.move_on_after(1.0):
+                        await self._wake.wait()
+            reserved = length
+            self.held += reserved
+            data = bytearray(length)
+            if length:
+                await self.fs.read_into(extents, memoryview(data))
+            now = trio.current_time()
+            pos = 0
+            for ino, hints, version, ranges in files:
+                chunks = []
+                for off, end in ranges:
+                    chunks.append((off, data[pos : pos + end - off]))
+                    pos += end - off
+                if self._changed.get(ino, -1) > start or self._reset_at > start:
+                    continue  # changed (or reset) while we read: the bytes may be stale
+                if ino in self.entries and self.entries[ino][0].version != version:
+                    self._drop(ino)  # held bytes of an older version
+                held = self.entries.setdefault(ino, [])
+                for off, chunk in chunks:
+                    held.append(Entry(version, off, chunk, hints[0].name, now))
+                    reserved -= len(chunk)  # now held by the entry
+                self.entries.move_to_end(ino)
+                if hints[0].name is not None:
+                    self.names[hints[0].name] = ino
+                self.counters.fetched += len(hints)
+                self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
+        finally:
+            if opened is not None:
+                with trio.CancelScope(shield=True):
+                    await self.fs.release(opened.fh)
+            self.held -= reserved
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._changed.clear()
+            if reserved:
+                self._notify()
+
+    def _expire(self) -> bool:
+        """Drop files whose bytes were fetched ENTRY_TTL ago;
+        whether room was freed."""
+        now = trio.current_time()
+        old = [
+            ino
+            for ino, held in self.entries.items()
+            if all(now - e.fetched_at > ENTRY_TTL for e in held)
+        ]
+        for ino in old:
+            self._drop(ino)
+            self.counters.expired += 1
+        return bool(old)
+
+    def _drop_entry(self, ino: int, entry: Entry) -> None:
+        held = self.entries[ino]
+        held.remove(entry)
+        self.held -= len(entry.data)
+        if not held:
+            del self.entries[ino]
+            if entry.name is not None and self.names.get(entry.name) == ino:
+                del self.names[entry.name]
+        self._notify()
+
+    def _drop(self, ino: int, only_served: bool = False) -> bool:
+        """Drop what is held of *ino* (or only the ranges that served a read);
+        whether anything was."""
+        held = self.entries.get(ino)
+        if not held:
+            return False
+        gone = [e for e in held if e.served] if only_served else held
+        if not gone:
+            return False
+        kept = [e for e in held if not e.served] if only_served else []
+        self.held -= sum(len(e.data) for e in gone)
+        if kept:
+            self.entries[ino] = kept
+        else:
+            del self.entries[ino]
+            name = gone[0].name
+            if name is not None and self.names.get(name) == ino:
+                del self.names[name]
+        self._notify()
+        return True
+
+    # ---- hooks of the FUSE operations ------------------------------------
+
+    def opened(self, attr: Attr) -> None:
+        """An open saw *attr*: data of another version is dropped."""
+        held = self.entries.get(attr["ino"])
+        if held and held[0].version != version_of(attr):
+            self._drop(attr["ino"])
+            self.counters.invalidated += 1
+
+    def read(self, ino: int, offset: int, size: int) -> memoryview | None:
+        """The bytes of a read if one held range has all of them (clamped to
+        the file's end as it was fetched), else None."""
+        for e in self.entries.get(ino, ()):
+            end = min(offset + size, e.version[0])
+            if e.offset <= offset <= end <= e.end:
+                e.served = True
+                self.counters.hits += 1
+                self.counters.served_bytes += end - offset
+                out = memoryview(e.data)[offset - e.offset : end - e.offset]
+                if end >= min(e.end, e.version[0]):
+                    self._drop_entry(ino, e)  # read to its end: the sample is taken
+                return out
+        return None
+
+    def released(self, ino: int) -> None:
+        """A handle was closed: the ranges it read from have served their samples."""
+        self._drop(ino, only_served=True)
+
+    def changed(self, ino: int) -> None:
+        """This mount wrote or truncated *ino*: its cached bytes are stale."""
+        self._generation += 1
+        if self._in_flight:
+            self._changed[ino] = self._generation
+        if self._drop(ino):
+            self.counters.invalidated += 1
+
+    def name_changed(self, parent: int, name: bytes) -> None:
+        """*name* in *parent* was unlinked or renamed away or over."""
+        ino = self.names.get((parent, name))
+        if ino is not None:
+            self.changed(ino)
+
+
+def merged_ranges(hints: list[Hint], size: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of *hints* in one file of *size* bytes, out to
+    whole pages (what the kernel asks for) and merged where they touch."""
+    spans = []
+    for h in hints:
+        end = size if h.length is None else min(size, h.offset + h.length)
+        start = h.offset - h.offset % PAGE
+        end = min(size, -(-end // PAGE) * PAGE)
+        if start < end or (start == 0 and size == 0):
+            spans.append((start, end))
+    spans.sort()
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

@@ -1,0 +1,220 @@
+"""Prefetch along the shuffle through the mount (fuse/prefetch.py).
+
+A second mount of the shared cluster with reads through the storage daemons
+only (``no_local_reads``) and a small budget takes hints by xattr. Hinted
+files are then read with every storage daemon stopped (SIGSTOP): nothing
+reaches storage. A huge hint stream keeps the cache under its budget;
+a change on the other mount, or a write, truncate or unlink through this
+one, drops the cached bytes; bad hints get their errno and change nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from clusters import ProcessCluster
+from harness import shufflefs
+
+XATTR = "user.shufflefs.prefetch"
+BUDGET = 4 << 20
+SIZE = 110_000
+
+
+@pytest.fixture(scope="module")
+def pmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    mountpoint = tmp_path_factory.mktemp("prefetch-mount")
+    shufflefs(
+        "mount",
+        "--config",
+        str(mounted.client_config),
+        "-o",
+        f"no_local_reads,prefetch_memory={BUDGET}",
+        str(mountpoint),
+    )
+    try:
+        yield mountpoint
+    finally:
+        shufflefs("umount", str(mountpoint))
+
+
+def status(root: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads(os.getxattr(root, XATTR))
+    return state
+
+
+def hint(root: Path, paths: list[str]) -> None:
+    os.setxattr(root, XATTR, "\n".join(paths).encode())
+
+
+def wait_fetched(root: Path, count: int, timeout: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = status(root)
+        if s["fetched"] >= count and s["pending"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"not fetched in time: {s}"
+        time.sleep(0.05)
+
+
+def write_files(d: Path, n: int, tag: bytes = b"") -> list[bytes]:
+    out = []
+    for i in range(n):
+        data = (tag + os.urandom(SIZE))[:SIZE]
+        (d / f"f{i}").write_bytes(data)
+        out.append(data)
+    return out
+
+
+@contextmanager
+def storage_stopped(cluster: ProcessCluster) -> Iterator[None]:
+    """Every storage daemon SIGSTOPped (briefly: well under mgmtd's heartbeat
+    timeout), so a read that reaches storage cannot complete."""
+    pids = [p for n in cluster.names() if n.startswith("storage") and (p := cluster.pid(n))]
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+READER = "import sys; [sys.stdout.buffer.write(open(p, 'rb').read()) for p in sys.argv[1:]]"
+
+
+def read_in_child(paths: list[Path], timeout: float) -> bytes | None:
+    """The files' bytes read by another process, or None if it did not finish
+    in *timeout* seconds (then it is killed)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", READER, *map(str, paths)], stdout=subprocess.PIPE
+    )
+    try:
+        out, _ = child.communicate(timeout=timeout)
+        assert child.returncode == 0
+        return out
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return None
+
+
+def test_hinted_files_are_read_without_reaching_storage(
+    mounted: ProcessCluster, mnt: Path, pmnt: Path
+) -> None:
+    data = write_files(mnt, 12)
+    before = status(pmnt)
+    hint(pmnt, [f"{mnt.name}/f{i}" for i in range(10)])  # f10, f11 not hinted
+    wait_fetched(pmnt, before["fetched"] + 10)
+    here = pmnt / mnt.name
+    with storage_stopped(mounted):
+        got = read_in_child([here / f"f{i}" for i in range(10)], timeout=20)
+        assert got == b"".join(data[:10])
+        # the control: an unhinted file cannot be read while storage is stopped
+        assert read_in_child([here / "f10"], timeout=1.5) is None
+    after = status(pmnt)
+    assert after["hits"] >= before["hits"] + 10
+    assert after["served_bytes"] - before["served_bytes"] == 10 * SIZE
+    assert (here / "f11").read_bytes() == data[11]
+
+
+def test_memory_stays_under_the_budget_with_a_huge_hint_stream(mnt: Path, pmnt: Path) -> None:
+    n = 100  # 11 MB of files, a 4 MiB budget
+    data = write_files(mnt, n)
+    paths = [f"{mnt.name}/f{i}" for i in range(n)]
+    peak = 0
+    batch = 60_000 // len(paths[0])  # under the kernel's 64 KiB per xattr value
+    for _ in range(70_000 // batch + 1):  # over MAX_PENDING (65,536) hinted ranges
+        hint(pmnt, (paths * (batch // n + 1))[:batch])
+        s = status(pmnt)
+        peak = max(peak, s["held_bytes"])
+        assert s["held_bytes"] <= BUDGET and s["pending"] <= 65536
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = status(pmnt)
+        peak = max(peak, s["held_bytes"])
+        assert s["held_bytes"] <= BUDGET
+        if s["held_bytes"] > BUDGET // 2:
+            break
+        time.sleep(0.05)
+    assert s["dropped"] > 0  # the oldest hints were pushed out, not kept
+    assert BUDGET // 2 < peak <= BUDGET  # it filled the budget (reads are batched), no more
+    # every file still reads right, from the cache or not
+    for i in range(n):
+        assert (pmnt / mnt.name / f"f{i}").read_bytes() == data[i]
+    os.setxattr(pmnt, XATTR, b"")  # an empty hint cancels the queue, drops what is held
+    deadline = time.monotonic() + 10  # reads in flight finish, and are not kept
+    while (s := status(pmnt))["held_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s["pending"] == 0 and s["entries"] == 0 and s["held_bytes"] == 0
+
+
+def test_cached_bytes_are_dropped_when_the_file_changes(mnt: Path, pmnt: Path) -> None:
+    write_files(mnt, 4, b"old")
+    here = pmnt / mnt.name
+    base = status(pmnt)
+    hint(pmnt, [f"{mnt.name}/f{i}" for i in range(4)])
+    wait_fetched(pmnt, base["fetched"] + 4)
+    # another mount writes (same size) and closes: the next open here sees it
+    new0 = b"new" + os.urandom(SIZE - 3)
+    (mnt / "f0").write_bytes(new0)
+    assert (here / "f0").read_bytes() == new0
+    # a write through this mount
+    with open(here / "f1", "r+b") as f:
+        f.write(b"W")
+    assert (mnt / "f1").read_bytes()[:1] == b"W"
+    assert (here / "f1").read_bytes()[:1] == b"W"
+    # a truncate through this mount
+    os.truncate(here / "f2", 10)
+    assert (here / "f2").read_bytes() == (mnt / "f2").read_bytes()[:10]
+    assert len((mnt / "f2").read_bytes()) == 10
+    s = status(pmnt)
+    assert s["invalidated"] >= base["invalidated"] + 3
+    # an unlink through this mount drops the entry of that name
+    held = s["held_bytes"]
+    os.unlink(here / "f3")
+    assert status(pmnt)["held_bytes"] == held - SIZE
+
+
+def test_bad_hints_get_an_error_and_change_nothing(mnt: Path, pmnt: Path) -> None:
+    write_files(mnt, 2)
+    (mnt / "sub").mkdir()
+    os.setxattr(pmnt, XATTR, b"")
+    before = status(pmnt)
+    good = f"{mnt.name}/f0"
+    bad: list[tuple[bytes, int]] = [
+        (f"{good}\n{mnt.name}/missing".encode(), errno.ENOENT),  # one good, one missing
+        (f"{good}\nno-such-dir/f0".encode(), errno.ENOENT),
+        (b'["' + good.encode() + b'", 3', errno.EINVAL),  # malformed JSON
+        (json.dumps([[good, -1, 10]]).encode(), errno.EINVAL),
+        (json.dumps([{"path": good}]).encode(), errno.EINVAL),
+        (json.dumps([[good, 0, BUDGET + 1]]).encode(), errno.E2BIG),
+        ("\n".join(["f"] * 8193).encode(), errno.E2BIG),  # too many items
+        (b"f" * (65 << 10), errno.E2BIG),  # over the kernel's XATTR_SIZE_MAX
+        (f"{good}\n{mnt.name}/sub".encode(), errno.EISDIR),
+        (f"{mnt.name}/f0/x".encode(), errno.ENOTDIR),
+    ]
+    for value, code in bad:
+        with pytest.raises(OSError) as info:
+            os.setxattr(pmnt, XATTR, value)
+        assert info.value.errno == code, value[:60]
+    with pytest.raises(OSError) as info:  # batches go to the mount root only
+        os.setxattr(pmnt / mnt.name, XATTR, good.encode())
+    assert info.value.errno == errno.EINVAL
+    after = status(pmnt)
+    for key in ("hinted", "pending", "fetched", "entries", "held_bytes"):
+        assert after[key] == before[key], key
+    # the mount still works, and a good hint is taken
+    os.setxattr(pmnt, XATTR, json.dumps([[good, 0, 1000]]).encode())
+    assert status(pmnt)["hinted"] == before["hinted"] + 1
