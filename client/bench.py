@@ -2,7 +2,9 @@
 
 ``shufflefs bench [options]`` measures random-read IOPS and latency four
 ways in (`shufflefs.client.iobench`); ``shufflefs bench loader ...`` measures
-training-data reads (shuffled token windows, `shufflefs.client.data.bench`).
+training-data reads (shuffled token windows, `shufflefs.client.data.bench`);
+``shufflefs bench --remote`` the first from reader hosts off the storage hosts
+(`shufflefs.client.iobench_remote`).
 Modes are imported only when chosen, so the heavy ones cost nothing to the
 others.
 """
@@ -18,6 +20,10 @@ def cli_bench(args: argparse.Namespace) -> int:
         from shufflefs.client.data.bench import cli_loader
 
         return cli_loader(args)
+    if args.remote:
+        from shufflefs.client.iobench_remote import cli_remote
+
+        return cli_remote(args)
     from shufflefs.client.iobench import cli_io
 
     return cli_io(args)

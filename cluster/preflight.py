@@ -344,7 +344,7 @@ def _check_sample(args: argparse.Namespace) -> None:
 
 
 def _check_bench(args: argparse.Namespace) -> None:
-    if not args.embedded:
+    if not args.embedded and not getattr(args, "remote", False):  # those start their own
         _check_cluster_answers(args)
     if args.mountpoint:
         check_existing_dir(args.mountpoint, "--mountpoint")
