@@ -5,6 +5,8 @@ ways in (`shufflefs.client.iobench`); ``shufflefs bench loader ...`` measures
 training-data reads (shuffled token windows, `shufflefs.client.data.bench`);
 ``shufflefs bench files ...`` one-file-per-sample datasets
 (`shufflefs.client.bench_files`).
+``shufflefs bench --remote`` the first from reader hosts off the storage hosts
+(`shufflefs.client.iobench_remote`).
 Modes are imported only when chosen, so the heavy ones cost nothing to the
 others.
 """
@@ -24,6 +26,10 @@ def cli_bench(args: argparse.Namespace) -> int:
         from shufflefs.client.bench_files import cli_files
 
         return cli_files(args)
+    if args.remote:
+        from shufflefs.client.iobench_remote import cli_remote
+
+        return cli_remote(args)
     from shufflefs.client.iobench import cli_io
 
     return cli_io(args)

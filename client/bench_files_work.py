@@ -170,7 +170,7 @@ def run_task(task: Task) -> tuple[int, float, float]:
     return count, start, time.monotonic()
 
 
-def worker_main(conn: Connection) -> None:
+def worker_main(conn: Connection, index: int) -> None:  # index: which of the pool
     while True:
         task = conn.recv()
         if task is None:

@@ -90,6 +90,7 @@ class Target:
     remote_path: str  # the file's path inside shufflefs
     config: str  # client config
     local_reads: bool = True  # native paths may read this host's chunk files directly
+    netns: tuple[str, ...] = ()  # reader i runs on host netns[i % len] (`bench --remote`)
 
 
 def offsets(w: Workload, file_size: int, seed: int, start: int) -> Iterator[int]:
@@ -185,8 +186,12 @@ class Reader:
         return len(lat), nbytes, lat
 
 
-def reader_main(conn: Connection, target: Target, file_size: int, batch: int) -> None:
+def reader_main(conn: Connection, index: int, target: Target, file_size: int, batch: int) -> None:
     """One reader process: runs the rows it is sent and sends back latencies."""
+    if target.netns:  # first, before the client starts a thread or opens a socket
+        from shufflefs.cluster.netns import enter
+
+        enter(target.netns[index % len(target.netns)])
     reader = Reader(target, file_size, batch)
     try:
         while True:
@@ -203,16 +208,16 @@ def reader_main(conn: Connection, target: Target, file_size: int, batch: int) ->
 
 
 class ProcessPool:
-    """N spawned processes, each running ``main(conn, *args)`` on its end of a
+    """N spawned processes, each running ``main(conn, index, *args)`` on its end of a
     pipe until it receives None; started once and reused for every row."""
 
     def __init__(self, n: int, main: Callable[..., None], *args: Any) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
-        for _ in range(n):
+        for i in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=main, args=(child, *args), daemon=True)
+            p = ctx.Process(target=main, args=(child, i, *args), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -373,17 +378,84 @@ def render(rows: list[Row], out: Any = sys.stdout) -> None:
         )
 
 
-def cli_io(args: argparse.Namespace) -> int:
-    quick = args.quick
-    file_size = (args.size_mb or (256 if quick else 1024)) * MiB
-    seconds = args.seconds or (0.4 if quick else 5.0)
+def caches_of(args: argparse.Namespace) -> list[str]:
+    """Warm, and cold where the page caches can be dropped (root) unless --no-cold."""
+    return ["warm"] if os.geteuid() != 0 or args.no_cold else ["warm", "cold"]
+
+
+@contextlib.contextmanager
+def test_file(
+    args: argparse.Namespace,
+    config: str,
+    mountpoint: Path | None,
+    workdir: Path,
+    file_size: int,
+    netns: tuple[str, ...] = (),
+) -> Iterator[Target]:
+    """The test file, in shufflefs and as a local copy in *workdir*, as the
+    readers' `Target`; removed from shufflefs after."""
+    remote = f"/.bench/io-{os.getpid()}.bin"
+    local_file = workdir / "local.bin"
+    fuse_file = mountpoint / remote.lstrip("/") if mountpoint else None
+    if not args.json:
+        print(
+            f"writing a {file_size // MiB} MiB test file (local copy in {workdir})",
+            file=sys.stderr,
+        )
+    write_test_file(local_file, fuse_file, config, remote, file_size)
+    try:
+        yield Target(
+            str(local_file),
+            str(fuse_file) if fuse_file else None,
+            remote,
+            config,
+            local_reads=not args.no_local_reads,
+            netns=netns,
+        )
+    finally:
+        if fuse_file is not None:
+            with contextlib.suppress(OSError):
+                fuse_file.unlink()
+        else:
+            from shufflefs.client import Client
+
+            with contextlib.suppress(OSError), Client(config) as c:
+                c.unlink(remote)
+
+
+def measure(args: argparse.Namespace, target: Target, file_size: int) -> list[Row]:
+    """Every row the options ask for, on *target*."""
     reader_counts = sorted({1, args.readers})
-    workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
-    paths = args.paths.split(",") if args.paths else list(PATHS)
-    caches = ["warm", "cold"] if os.geteuid() == 0 else ["warm"]
-    for name in workloads:
+    pool = ReaderPool(max(reader_counts), target, file_size, args.batch)
+    try:
+        return run_rows(
+            pool,
+            target,
+            file_size,
+            args.paths.split(",") if args.paths else list(PATHS),
+            args.workloads.split(",") if args.workloads else list(WORKLOADS),
+            reader_counts,
+            caches_of(args),
+            seconds_of(args),
+            progress=not args.json and sys.stderr.isatty(),
+        )
+    finally:
+        pool.close()
+
+
+def seconds_of(args: argparse.Namespace) -> float:
+    return float(args.seconds or (0.4 if args.quick else 5.0))
+
+
+def check_workloads(args: argparse.Namespace) -> None:
+    for name in args.workloads.split(",") if args.workloads else []:
         if name not in WORKLOADS:
             raise SystemExit(f"shufflefs bench: unknown workload {name!r}")
+
+
+def cli_io(args: argparse.Namespace) -> int:
+    file_size = (args.size_mb or (256 if args.quick else 1024)) * MiB
+    check_workloads(args)
     with contextlib.ExitStack() as stack:
         workdir = Path(
             stack.enter_context(
@@ -402,48 +474,12 @@ def cli_io(args: argparse.Namespace) -> int:
                 mountpoint = Path(args.mountpoint).absolute()
             else:  # a cluster `shufflefs up` started records where it mounted
                 mountpoint = LocalCluster(config_path.parent).recorded_mountpoint()
-        remote = f"/.bench/io-{os.getpid()}.bin"
-        local_file = workdir / "local.bin"
-        fuse_file = mountpoint / remote.lstrip("/") if mountpoint else None
-        if not args.json:
-            print(
-                f"writing a {file_size // MiB} MiB test file (local copy in {workdir})",
-                file=sys.stderr,
-            )
-        write_test_file(local_file, fuse_file, config, remote, file_size)
-        target = Target(
-            str(local_file),
-            str(fuse_file) if fuse_file else None,
-            remote,
-            config,
-            local_reads=not args.no_local_reads,
-        )
-        pool = ReaderPool(max(reader_counts), target, file_size, args.batch)
-        try:
-            rows = run_rows(
-                pool,
-                target,
-                file_size,
-                paths,
-                workloads,
-                reader_counts,
-                caches,
-                seconds,
-                progress=not args.json and sys.stderr.isatty(),
-            )
-        finally:
-            pool.close()
-            if fuse_file is not None:
-                with contextlib.suppress(OSError):
-                    fuse_file.unlink()
-            else:
-                from shufflefs.client import Client
-
-                with contextlib.suppress(OSError), Client(config) as c:
-                    c.unlink(remote)
+        target = stack.enter_context(test_file(args, config, mountpoint, workdir, file_size))
+        rows = measure(args, target, file_size)
+    caches = caches_of(args)
     settings = {
         "file_mb": file_size // MiB,
-        "seconds_per_row": seconds,
+        "seconds_per_row": seconds_of(args),
         "batch": args.batch,
         "cold": "cold" in caches,
         "embedded": bool(args.embedded),
@@ -453,6 +489,6 @@ def cli_io(args: argparse.Namespace) -> int:
         print(json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2))
     else:
         render(rows)
-        if "cold" not in caches:
+        if "cold" not in caches and not args.no_cold:
             print("(cold rows need root to drop the page caches)")
     return 0

@@ -223,6 +223,27 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help="native rows read through the storage daemons even on their own host",
     )
+    p.add_argument("--no-cold", action="store_true", help="skip the cold-cache rows")
+    r = p.add_argument_group("--remote: readers off the storage hosts (network namespaces, root)")
+    r.add_argument(
+        "--remote",
+        action="store_true",
+        help="start storage hosts and reader hosts, measure from a reader host, tear all down",
+    )
+    r.add_argument("--storage-hosts", type=positive_int, default=3, help="storage hosts")
+    r.add_argument("--reader-hosts", type=positive_int, default=1, help="reader hosts")
+    r.add_argument("--replicas", type=positive_int, help="default: min(3, storage hosts)")
+    r.add_argument(
+        "--link-mbps",
+        type=positive_float,
+        help="cap each storage host's link, MB/s each way (default: uncapped)",
+    )
+    r.add_argument("--no-fio", action="store_true", help="skip the fio O_DIRECT rows")
+    r.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="fio rows on a copy in DIR too, e.g. a MooseFS mount (default: none)",
+    )
     modes = p.add_subparsers(dest="bench_mode", metavar="MODE")
     modes.required = False
     b = modes.add_parser(

@@ -358,7 +358,7 @@ def _check_bench(args: argparse.Namespace) -> None:
     if getattr(args, "bench_mode", None) == "files":
         _check_bench_files(args)
         return
-    if not args.embedded:
+    if not args.embedded and not getattr(args, "remote", False):  # those start their own
         _check_cluster_answers(args)
     if args.mountpoint:
         check_existing_dir(args.mountpoint, "--mountpoint")

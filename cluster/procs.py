@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shufflefs.cluster.netns import enter_command
 from shufflefs.rpc.errors import FsError
 
 
@@ -30,10 +31,13 @@ class ServiceProcess:
     netns: str | None = None  # run inside this network namespace (test hosts)
 
     def command(self) -> list[str]:
-        # `ip netns exec` enters the namespace and execs the command in the same
-        # process, so the pid we record is the service's own
-        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
-        return [*prefix, sys.executable, "-m", "shufflefs.cluster.cli", *self.argv]
+        return [
+            *enter_command(self.netns),
+            sys.executable,
+            "-m",
+            "shufflefs.cluster.cli",
+            *self.argv,
+        ]
 
 
 def cmdline(pid: int) -> str:

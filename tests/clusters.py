@@ -44,6 +44,7 @@ from shufflefs.cluster import procs
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.launcher import LocalCluster, default_replicas
 from shufflefs.cluster.mgmtd import MgmtdService
+from shufflefs.cluster.netns_cluster import format_on_hosts
 from shufflefs.cluster.protocol import ClusterConfig, MgmtdStub, RoutingInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.cluster.startup import wait_services_ready
@@ -374,16 +375,15 @@ class ProcessCluster:
         self.mountpoint = mountpoint or self.local.dir.parent / "mnt"
         self.hosts = hosts
         if not self.local.exists():
-            nodes = range(1, storage_nodes + 1)
-            self.local.format(
-                storage_nodes,
-                default_replicas(storage_nodes, replicas),
-                chunk_size,
-                hosts.gateway if hosts else "127.0.0.1",
-                storage_hosts=[hosts.address(i) for i in nodes] if hosts else None,
-                storage_netns=[hosts.netns(i) for i in nodes] if hosts else None,
-                mgmtd_settings=mgmtd_settings,
-            )
+            replicas = default_replicas(storage_nodes, replicas)
+            if hosts is None:
+                self.local.format(
+                    storage_nodes, replicas, chunk_size, "127.0.0.1", mgmtd_settings=mgmtd_settings
+                )
+            else:
+                format_on_hosts(
+                    self.local, hosts, storage_nodes, replicas, chunk_size, mgmtd_settings
+                )
         self.layout = self.local.layout()
         self.mgmtd_address = f"{self.layout.host}:{self.layout.mgmtd_port}"
 
