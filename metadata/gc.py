@@ -17,11 +17,12 @@ which may free unlinked files and so create GC jobs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import trio
 
@@ -89,6 +90,7 @@ class StorageJobs:
         self.chain_watch = ChainWatch()
         self.report_unreachable: Callable[[int], Awaitable[bool]] | None = None
         self._dead_heads: set[int] = set()  # nodes of heads that did not answer
+        self._cut_locks: dict[int, list[Any]] = {}  # ino -> [lock, tasks using it]
         self.base_delay = base_delay
         self.max_delay = max_delay
         self.idle_interval = idle_interval
@@ -168,38 +170,62 @@ class StorageJobs:
 
     # ---- truncation: a shrunk file's chunks ----------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def _cutting(self, ino: int) -> AsyncIterator[None]:
+        """One cut of *ino* at a time. A cut carried out late (one that kept
+        retrying while a replica died) must never land after the file's next
+        writes: so every cut re-reads its job under this lock and runs only if
+        the job is still pending, and a reply waits for any cut in flight."""
+        entry = self._cut_locks.setdefault(ino, [trio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._cut_locks[ino]
+
     async def truncate_now(self, ino: int) -> None:
         """Carry out *ino*'s pending truncation before a reply goes out; EIO if
         a storage daemon cannot be reached (the job stays and is retried)."""
-        while True:
-            job = self.store.truncate_job(ino)
-            if job is None:
-                return
-            try:
-                await self._cut(job)
-            except FsError as exc:
-                self._failed(("truncate", ino), f"truncate ino={ino} size={job['size']}", exc)
-                self.wake()
-                raise FsError(
-                    errno.EIO,
-                    f"inode {ino} has size {job['size']} but cutting its chunks on storage "
-                    f"failed ({exc.message}); it is retried in the background",
-                ) from None
-            if await self.writer(self.store.truncate_done, ino, job["seq"]):
-                self._backoff.pop(("truncate", ino), None)
-                return
-            # a newer shrink was recorded meanwhile: carry that one out too
+        async with self._cutting(ino):
+            while True:
+                try:
+                    done = await self._cut_pending(ino)
+                except FsError as exc:
+                    self.wake()
+                    raise FsError(
+                        errno.EIO,
+                        f"inode {ino} has a new size but cutting its chunks on storage "
+                        f"failed ({exc.message}); it is retried in the background",
+                    ) from None
+                if done is not False:
+                    return
+                # a newer shrink was recorded meanwhile: carry that one out too
 
-    async def _truncate(self, job: TruncateJob) -> None:
-        ino = job["ino"]
+    async def _truncate(self, listed: TruncateJob) -> None:
+        async with self._cutting(listed["ino"]):
+            try:
+                done = await self._cut_pending(listed["ino"])  # the listing may be old
+            except FsError:
+                return
+            if done is False:
+                self.wake()  # superseded by a newer job: the next pass runs it
+
+    async def _cut_pending(self, ino: int) -> bool | None:
+        """Under `_cutting`: carry out the job pending now. None if there is
+        none; else whether it was still the newest (and so is done)."""
+        job = self.store.truncate_job(ino)
+        if job is None:
+            return None
         try:
             await self._cut(job)
         except FsError as exc:
             self._failed(("truncate", ino), f"truncate ino={ino} size={job['size']}", exc)
-            return
+            raise
         self._backoff.pop(("truncate", ino), None)
-        if not await self.writer(self.store.truncate_done, ino, job["seq"]):
-            self.wake()  # superseded by a newer job: the next pass runs it
+        return bool(await self.writer(self.store.truncate_done, ino, job["seq"]))
 
     async def _cut(self, job: TruncateJob) -> None:
         ino, size, layout = job["ino"], job["size"], job["layout"]

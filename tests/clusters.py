@@ -42,13 +42,13 @@ from hosts import TestHosts, namespaces_available
 
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.coordination import EmbeddedCoordination
 from shufflefs.cluster.launcher import LocalCluster, default_replicas
 from shufflefs.cluster.mgmtd import MgmtdService
 from shufflefs.cluster.protocol import ClusterConfig, MgmtdStub, RoutingInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.cluster.startup import wait_services_ready
 from shufflefs.cluster.state import ClusterState
-from shufflefs.cluster.store import MgmtdStore
 from shufflefs.metadata.config import MetaConfig
 from shufflefs.metadata.server import serve as serve_meta
 from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client
@@ -146,8 +146,9 @@ class ChainCluster:
             heartbeat_timeout=60.0,  # nodes leave by a clean stop or a verified report only
         )
         self.state = ClusterState.new(config)
-        store = MgmtdStore(self.base / "mgmtd")
-        service = MgmtdService(self.state, store, self.rpc)
+        coordination = EmbeddedCoordination(self.base / "mgmtd")
+        coordination.elected.set()
+        service = MgmtdService(self.state, coordination, self.rpc)
         port = await self.nursery.start(
             RpcServer(SECRET, [service], name="mgmtd").serve, "127.0.0.1", 0
         )

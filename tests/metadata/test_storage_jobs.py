@@ -117,3 +117,29 @@ async def test_shrink_rides_through_a_crashed_head(cluster: ChainCluster, tmp_pa
             assert {c: v[:2] for c, v in state.items()} == {chunk_id(ino, 0): (2, 100)}
     finally:
         ns.close()
+
+
+async def test_a_late_cut_never_lands_after_new_writes(
+    cluster: ChainCluster, tmp_path: Path
+) -> None:
+    """A background pass that listed a truncate job before the reply path
+    carried it out must not cut again afterwards: the file has been written
+    past the cut since (the bytes would vanish)."""
+    [chain] = cluster.chain_ids()
+    ns = NamespaceStore(tmp_path / "ns", map_size=64 << 20, sync=False)
+    try:
+        jobs = storage_jobs(cluster, ns)
+        layout = {"chunk_size": CS, "chains": [chain]}
+        ino = ns.mknod(ROOT_INODE, b"f", stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
+        await cluster.write(chain, chunk_id(ino, 0), 0, b"a" * CS)
+        ns.update_length(ino, CS)
+        ns.setattr(ino, size=10)
+        listed = ns.truncate_jobs()  # what a background pass saw
+        await jobs.truncate_now(ino)
+        await cluster.write(chain, chunk_id(ino, 0), 10, b"b" * 100)  # written after the cut
+        await jobs._truncate(listed[0])
+        [target] = cluster.members(chain)[:1]
+        state = await cluster.replica_state(target)
+        assert state[chunk_id(ino, 0)][1] == 110
+    finally:
+        ns.close()
