@@ -24,6 +24,7 @@ import base64
 import errno
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -55,6 +56,7 @@ class EtcdCoordination(Coordination):
     def __init__(self, endpoints: list[str], prefix: str, ttl: int) -> None:
         super().__init__()
         self.clients = []
+        self._order_lock = threading.Lock()  # requests run in several worker threads
         for endpoint in endpoints:
             host, port = parse_address(endpoint)
             self.clients.append(etcd3gw.client(host=host, port=port, timeout=REQUEST_TIMEOUT))
@@ -77,9 +79,10 @@ class EtcdCoordination(Coordination):
             except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as exc:
                 last = exc
                 continue
-            # answer from this member next time first
-            self.clients.remove(client)
-            self.clients.insert(0, client)
+            with self._order_lock:  # ask this member first next time
+                if client in self.clients:
+                    self.clients.remove(client)
+                    self.clients.insert(0, client)
             return result
         raise FsError(errno.EHOSTDOWN, f"no etcd member answered: {last}")
 
