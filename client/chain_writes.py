@@ -16,20 +16,20 @@ import trio
 
 from shufflefs.client.layout import Piece, plan
 from shufflefs.client.storage_parts import StoragePart
-from shufflefs.cluster.routing import Routing
+from shufflefs.cluster.routing import ChainWatch, Routing
 from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.retry import TRANSIENT, retrying
 from shufflefs.rpc.transport import Buffer
-from shufflefs.storage.protocol import StorageStub
+from shufflefs.storage.protocol import StorageStub, chain_call_timeout
 
 MAX_PARALLEL_CHUNK_WRITES = 8
 
 
 @dataclass(eq=False)
 class ChainWriter(StoragePart):
-    # writes awaiting a head: (chain, its version when sent, the scope to cancel)
-    in_flight: set[tuple[int, int, trio.CancelScope]] = field(default_factory=set)
+    # writes awaiting a head, cancelled if their chain changes (`routing_changed`)
+    in_flight: ChainWatch = field(default_factory=ChainWatch)
 
     async def write(self, ino: int, layout: Layout, offset: int, data: Buffer) -> None:
         """Write *data* at *offset*; returns once every chunk piece is acknowledged."""
@@ -72,13 +72,13 @@ class ChainWriter(StoragePart):
         if not serving:
             raise FsError(errno.ENXIO, f"chain {p[0]} has no serving target")
         head = serving[0]
-        stub = StorageStub(self.rpc, routing.target_address(head["id"]), self.timeout)
+        # never give up before the head could answer for the rest of its chain
+        timeout = max(self.timeout, chain_call_timeout(len(routing.write_targets(p[0]))))
+        stub = StorageStub(self.rpc, routing.target_address(head["id"]), timeout)
         # a head that went silent is taken out of the chain by mgmtd: then
         # stop waiting for it and retry on the new head at once
-        watch = (chain["id"], chain["version"], trio.CancelScope())
-        self.in_flight.add(watch)
         try:
-            with watch[2]:
+            with self.in_flight.watching(chain["id"], chain["version"]) as watch:
                 await stub.write(
                     head["id"],
                     chain["id"],
@@ -92,15 +92,10 @@ class ChainWriter(StoragePart):
             if exc.code in TRANSIENT:
                 self.replicas.failed(routing, head["id"], exc)
             raise
-        finally:
-            self.in_flight.discard(watch)
-        if watch[2].cancelled_caught:
+        if watch.cancelled_caught:
             raise FsError(errno.ESTALE, f"chain {chain['id']} changed during a write: retry")
 
     def routing_changed(self, routing: Routing) -> None:
-        """Stop waiting on writes sent to chains that changed since (a
-        `RoutingCache` listener): they are retried on the new chain."""
-        for chain, version, scope in list(self.in_flight):
-            info = routing.chains.get(chain)
-            if info is None or info["version"] != version:
-                scope.cancel()
+        """A `RoutingCache` listener: writes to chains that changed stop
+        waiting and are retried on the new chain."""
+        self.in_flight.routing_changed(routing)

@@ -226,7 +226,10 @@ class FileSystem:
             # report pending writes first, so their mtime cannot overwrite an
             # explicit one later (cp -p sets times on the open file)
             await self._report_length(ino, st)
-        attr = await self.meta.call_at_most_once(
+        # every field is an absolute value, so applying it twice is harmless:
+        # retried through any transient failure (a truncate whose reply was
+        # late because a storage replica died meanwhile must not fail)
+        attr = await self.meta.call_idempotent(
             "setattr",
             lambda m: m.setattr(
                 ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime

@@ -14,7 +14,7 @@ import trio
 
 from shufflefs.cluster.cli_errors import connect, explain_connection_error, innermost
 from shufflefs.cluster.preflight import load_client
-from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
+from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo, mgmtd_addresses
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import MetaStub, SessionInfo
 from shufflefs.rpc.client import RpcClient, open_rpc_client
@@ -36,7 +36,7 @@ def with_mgmtd(args: argparse.Namespace, fn: Callable[[MgmtdStub, RpcClient], Aw
         async with open_rpc_client(
             secret, connect_timeout=CONNECT_TIMEOUT, call_timeout=CALL_TIMEOUT
         ) as rpc:
-            await connect(rpc, "mgmtd", config.mgmtd)
+            await connect_any(rpc, mgmtd_addresses(config.mgmtd))
             try:
                 return await fn(MgmtdStub(rpc, config.mgmtd), rpc)
             except FsError as exc:
@@ -48,6 +48,29 @@ def with_mgmtd(args: argparse.Namespace, fn: Callable[[MgmtdStub, RpcClient], Aw
         return trio.run(run)
     except BaseExceptionGroup as group:  # the rpc client's nursery wraps what fn raised
         raise innermost(group) from None
+
+
+async def connect_any(rpc: RpcClient, addresses: list[str]) -> None:
+    """Reach one mgmtd instance of the list (HA: any of them will do, the
+    stub finds the primary); the last failure if none answers."""
+    for i, address in enumerate(addresses):
+        try:
+            await connect(rpc, "mgmtd", address)
+            return
+        except FsError:
+            if i == len(addresses) - 1:
+                raise
+
+
+async def mgmtd_roles(mgmtd: MgmtdStub, rpc: RpcClient) -> list[dict[str, Any]]:
+    """Each configured mgmtd instance's role (`unreachable` if it does not answer)."""
+    out: list[dict[str, Any]] = []
+    for address in mgmtd.addresses:
+        try:
+            out.append(dict(await MgmtdStub(rpc, address, timeout=2.0).role()))
+        except FsError as exc:
+            out.append({"address": address, "role": "unreachable", "error": exc.message})
+    return out
 
 
 def human(n: int) -> str:
@@ -139,11 +162,17 @@ async def fetch_sessions(rpc: RpcClient, status: RoutingInfo) -> list[SessionInf
 def cli_status(args: argparse.Namespace) -> int:
     async def fetch(
         mgmtd: MgmtdStub, rpc: RpcClient
-    ) -> tuple[RoutingInfo, Capacity, list[SessionInfo] | str]:
+    ) -> tuple[RoutingInfo, Capacity, list[dict[str, Any]], list[SessionInfo] | str]:
         status = await mgmtd.status()
-        return status, await mgmtd.capacity(), await fetch_sessions(rpc, status)
+        capacity = await mgmtd.capacity()
+        roles = await mgmtd_roles(mgmtd, rpc)
+        return status, capacity, roles, await fetch_sessions(rpc, status)
 
-    status, capacity, sessions = with_mgmtd(args, fetch)
+    status, capacity, roles, sessions = with_mgmtd(args, fetch)
+    primary = next((r["address"] for r in roles if r["role"] == "primary"), None)
+    for n in status["nodes"]:
+        if n["kind"] == "mgmtd":  # the primary's entry (standbys are in "mgmtd")
+            n["role"] = "primary" if primary in (None, n["address"]) else "standby"  # type: ignore[typeddict-unknown-key]
     if args.json:
         mounts: list[dict[str, Any]] | None = None
         if not isinstance(sessions, str):
@@ -152,8 +181,15 @@ def cli_status(args: argparse.Namespace) -> int:
                 for s in sessions
                 if s["mount"] is not None
             ]
-        print(json.dumps({**status, "capacity": capacity, "mounts": mounts}, indent=2))
+        print(
+            json.dumps(
+                {**status, "capacity": capacity, "mgmtd": roles, "mounts": mounts}, indent=2
+            )
+        )
     else:
         render_status(status, capacity)
+        print("\nMGMTD", file=sys.stdout)
+        for r in roles:
+            print(f"  {r['address']:<22} {r['role']}", file=sys.stdout)
         render_mounts(sessions)
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shufflefs.cluster.node import check_addresses
@@ -30,6 +30,11 @@ class MgmtdConfig:
     stripe: int = 16
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    # The HA control plane: etcd endpoints (host:port of each member's client
+    # URL). Empty: the embedded default (state in data_dir's LMDB, one mgmtd).
+    etcd: list[str] = field(default_factory=list)
+    etcd_prefix: str = "/shufflefs"  # keys of this cluster in etcd
+    election_ttl: int = 3  # seconds of the primary's etcd lease
 
     @property
     def effective_min_replicas(self) -> int:
@@ -48,6 +53,10 @@ class MgmtdConfig:
             raise FsError(errno.EINVAL, f"{where}: stripe must be at least 1")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise FsError(errno.EINVAL, f"{where}: need 0 < heartbeat_interval < heartbeat_timeout")
+        for endpoint in self.etcd:
+            check_addresses(f"{where}: etcd", listen="0.0.0.0:0", advertise=endpoint)
+        if not 2 <= self.election_ttl <= 60:
+            raise FsError(errno.EINVAL, f"{where}: election_ttl must be 2..60 seconds")
 
 
 CONFIG_ENV = "SHUFFLEFS_CONFIG"

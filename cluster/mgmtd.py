@@ -3,7 +3,10 @@
 Serves the routing map (nodes, targets, chains and its version), takes
 registrations and heartbeats, marks silent nodes offline, and persists every
 change durably before acknowledging it, so a restarted mgmtd comes back with
-the same cluster.
+the same cluster. Where it persists, and whether this instance is the
+primary, is the coordination backend's (cluster/coordination.py): embedded
+(LMDB, always primary) or etcd (several instances, one elected primary; a
+standby answers only `role` and refuses the rest with `NOT_PRIMARY`).
 """
 
 from __future__ import annotations
@@ -13,22 +16,24 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from shufflefs.cluster.config import MgmtdConfig
+from shufflefs.cluster.coordination import Coordination, EmbeddedCoordination, open_coordination
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import (
     AssignResult,
     Capacity,
     ClusterConfig,
+    MgmtdRole,
     RegisterResult,
     RoutingInfo,
     TargetRegistration,
     TargetUsage,
 )
 from shufflefs.cluster.state import ClusterState
-from shufflefs.cluster.store import MgmtdStore
 from shufflefs.rpc.auth import load_secret
 from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
 from shufflefs.rpc.config import load_config
@@ -45,19 +50,45 @@ UNREACHABLE_PROBE_TIMEOUT = 2.0
 
 class MgmtdService:
     def __init__(
-        self, state: ClusterState, store: MgmtdStore, rpc: RpcClient | None = None
+        self,
+        state: ClusterState | None,
+        coordination: Coordination,
+        rpc: RpcClient | None = None,
+        address: str = "",
     ) -> None:
-        self.state = state
-        self.store = store
+        self._state = state  # None while a standby
+        self.coordination = coordination
         self.rpc = rpc
+        self.address = address
         self._persist_lock = trio.Lock()
 
+    def state(self) -> ClusterState:
+        """The cluster state, only while this instance is the primary: every
+        rpc method but `role` goes through here, so a standby refuses them all."""
+        if self._state is None or self.coordination.role != "primary":
+            raise self.coordination.not_primary()
+        return self._state
+
+    def take_over(self, state: ClusterState | None) -> None:
+        """Become the primary with *state* (None: step down to standby)."""
+        self._state = state
+
     async def persist(self) -> None:
-        """Commit the current state durably (off the event loop). The record
-        is taken inside the lock, so a later commit never loses to an earlier one."""
+        """Commit the current state durably. The record is taken inside the
+        lock, so a later commit never loses to an earlier one."""
         async with self._persist_lock:
-            record = self.state.to_record()
-            await trio.to_thread.run_sync(self.store.save, record)
+            record = self.state().to_record()
+            await self.coordination.save(record)
+
+    @rpc_method(inline=True)
+    async def role(self) -> MgmtdRole:
+        """Answered by a standby too: who is the primary."""
+        return MgmtdRole(
+            role=self.coordination.role,
+            address=self.address,
+            primary=self.coordination.primary,
+            backend="embedded" if isinstance(self.coordination, EmbeddedCoordination) else "etcd",
+        )
 
     @rpc_method
     async def register_node(
@@ -71,7 +102,7 @@ class MgmtdService:
         targets: list[TargetRegistration],
     ) -> RegisterResult:
         parse_address(address)
-        result = self.state.register(
+        result = self.state().register(
             cluster_id, kind, address, host, pid, node_id, targets, time.time()
         )
         await self.persist()
@@ -79,21 +110,21 @@ class MgmtdService:
 
     @rpc_method(inline=True)
     async def heartbeat(self, node_id: int, pid: int, targets: list[TargetUsage]) -> dict[str, int]:
-        return {"routing_version": self.state.heartbeat(node_id, pid, targets, time.time())}
+        return {"routing_version": self.state().heartbeat(node_id, pid, targets, time.time())}
 
     @rpc_method
     async def unregister_node(self, node_id: int) -> None:
-        self.state.unregister(node_id)
+        self.state().unregister(node_id)
         await self.persist()
 
     @rpc_method
     async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
-        self.state.sync_done(target_id, chain_id, chain_version)
+        self.state().sync_done(target_id, chain_id, chain_version)
         await self.persist()
 
     @rpc_method
     async def assign_target(self, target_id: int, chain_id: int | None) -> AssignResult:
-        result = self.state.assign_target(target_id, chain_id)
+        result = self.state().assign_target(target_id, chain_id)
         if result["chain"] is not None:
             await self.persist()
         return result
@@ -102,7 +133,7 @@ class MgmtdService:
     async def report_unreachable(self, reporter: int, node_id: int) -> bool:
         """Believe a peer's report only if we cannot reach the node either: a
         link broken between two storage nodes alone must not take one out."""
-        node = self.state.nodes.get(node_id)
+        node = self.state().nodes.get(node_id)
         if node is None or node.state != "online" or self.rpc is None:
             return False
         try:
@@ -111,29 +142,29 @@ class MgmtdService:
             return False
         except FsError as exc:
             why = f"unreachable from node {reporter} and from mgmtd ({exc.message})"
-        if self.state.mark_offline(node_id, why):
+        if self.state().mark_offline(node_id, why):
             await self.persist()
             return True
         return False
 
     @rpc_method(inline=True)
     async def get_routing(self, known_version: int) -> RoutingInfo | None:
-        if known_version == self.state.version:
+        if known_version == self.state().version:
             return None
-        return self.state.routing()
+        return self.state().routing()
 
     @rpc_method(inline=True)
     async def status(self) -> RoutingInfo:
-        return self.state.routing()
+        return self.state().routing()
 
     @rpc_method(inline=True)
     async def capacity(self) -> Capacity:
-        return self.state.capacity()
+        return self.state().capacity()
 
     async def watch_heartbeats(self) -> None:
-        while True:
+        while self._state is not None:
             await trio.sleep(EXPIRY_CHECK_INTERVAL)
-            if self.state.expire(time.time()):
+            if self.state().expire(time.time()):
                 await self.persist()
 
 
@@ -148,9 +179,8 @@ def cluster_config(config: MgmtdConfig) -> ClusterConfig:
     )
 
 
-def open_state(config: MgmtdConfig, store: MgmtdStore) -> ClusterState:
-    """Load the persisted cluster, or create a new one on first start."""
-    record = store.load()
+def open_state(config: MgmtdConfig, record: dict[str, Any] | None) -> ClusterState:
+    """The persisted cluster (*record*), or a new one on first start."""
     wanted = cluster_config(config)
     if record is None:
         state = ClusterState.new(wanted)
@@ -178,27 +208,57 @@ def open_state(config: MgmtdConfig, store: MgmtdStore) -> ClusterState:
     return state
 
 
+async def serve_terms(config: MgmtdConfig, service: MgmtdService) -> None:
+    """Each time this instance is elected: load the state (fresh: a previous
+    primary may have changed it), take it over, watch heartbeats; on losing
+    the election, back to standby."""
+    coordination = service.coordination
+    while True:
+        elected, deposed = coordination.elected, coordination.deposed
+        await elected.wait()
+        try:
+            state = open_state(config, await coordination.load())
+            # every node gets a whole heartbeat timeout from now to show it is alive
+            state.register_self(
+                service.address, config.host or hostname(), os.getpid(), time.time()
+            )
+            service.take_over(state)
+            await service.persist()
+        except FsError as exc:
+            log.warning("taking over as primary failed: %s", exc.message)
+            service.take_over(None)
+            await trio.sleep(0.5)
+            continue
+        log.info("mgmtd primary at %s, routing version %d", service.address, state.version)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.watch_heartbeats)
+            await deposed.wait()
+            nursery.cancel_scope.cancel()
+        service.take_over(None)
+        log.warning("mgmtd at %s is a standby now", service.address)
+
+
 async def serve(config: MgmtdConfig) -> None:
     secret = load_secret(Path(config.secret_file))
-    store = MgmtdStore(config.data_dir)
+    coordination = open_coordination(
+        config.data_dir, config.etcd, config.etcd_prefix, config.election_ttl
+    )
     try:
-        state = open_state(config, store)
         host, port = listen_address(config.listen)
         async with (
             open_rpc_client(secret, connect_timeout=1.0) as rpc,
             trio.open_nursery() as nursery,
         ):
-            service = MgmtdService(state, store, rpc)
+            service = MgmtdService(None, coordination, rpc)
             server = RpcServer(secret, [service], name="mgmtd")
             bound = await nursery.start(server.serve, host, port)
-            advertise = advertised_address(
+            service.address = advertised_address(
                 host, bound, advertise=config.advertise, host=config.host
             )
-            state.register_self(advertise, config.host or hostname(), os.getpid(), time.time())
-            await service.persist()
-            nursery.start_soon(service.watch_heartbeats)
+            nursery.start_soon(serve_terms, config, service)
+            await nursery.start(coordination.campaign, service.address)
     finally:
-        store.close()
+        coordination.close()
 
 
 def main(config_path: str) -> int:

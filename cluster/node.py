@@ -15,6 +15,7 @@ import errno
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shufflefs.cluster.protocol import mgmtd_addresses
 from shufflefs.rpc.client import parse_address
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json, write_json_durably
@@ -87,7 +88,7 @@ def check_addresses(
     *mgmtd*), checked up front with the config's name in the message."""
     for key, value, parse in (
         ("listen", listen, listen_address),
-        ("mgmtd", mgmtd, parse_address),
+        ("mgmtd", mgmtd, mgmtd_addresses),
         ("advertise", advertise, parse_address),
     ):
         if value is None:

@@ -12,9 +12,14 @@ which are built on it), never mgmtd's internals.
 
 from __future__ import annotations
 
+import errno
 from typing import Any, Literal, TypedDict
 
-from shufflefs.rpc.client import RpcClient
+import trio
+
+from shufflefs.rpc.client import RpcClient, parse_address
+from shufflefs.rpc.errors import CONNECTION_FAILURES, FsError
+from shufflefs.rpc.retry import Backoff
 
 NodeKind = Literal["mgmtd", "meta", "storage"]
 NodeState = Literal["online", "offline"]
@@ -90,6 +95,13 @@ class AssignResult(TypedDict):
     state: str  # its state now (syncing; waiting if nobody in the chain serves)
 
 
+class MgmtdRole(TypedDict):
+    role: str  # "primary" or "standby"
+    address: str  # this instance's
+    primary: str | None  # the primary's address, if known
+    backend: str  # "embedded" or "etcd"
+
+
 class RoutingInfo(TypedDict):
     version: int
     cluster_id: str
@@ -105,16 +117,60 @@ class Capacity(TypedDict):
     used: int
 
 
+# A standby mgmtd's answer to anything but `role`: ask the primary (named in
+# the message when known). The stub below does so by itself.
+NOT_PRIMARY = errno.EREMOTE
+
+
+def mgmtd_addresses(value: str) -> list[str]:
+    """The ``mgmtd`` setting of a config: one address, or several mgmtd
+    instances (HA) separated by commas. EINVAL if any is malformed."""
+    addresses = [a.strip() for a in value.split(",") if a.strip()]
+    if not addresses:
+        raise FsError(errno.EINVAL, "no mgmtd address given")
+    for a in addresses:
+        parse_address(a)
+    return addresses
+
+
 class MgmtdStub:
-    """Typed calls to mgmtd at one address."""
+    """Typed calls to mgmtd. *address* may list several mgmtd instances
+    (``a:1,b:2``): a call goes to the one that answered last, and moves on to
+    the others when it is unreachable or a standby (`NOT_PRIMARY`), until one
+    answers or the timeout has passed (a failover in progress)."""
 
     def __init__(self, rpc: RpcClient, address: str, timeout: float = 5.0) -> None:
         self.rpc = rpc
-        self.address = address
+        self.addresses = mgmtd_addresses(address) if "," in address else [address]
+        self.address = self.addresses[0]
         self.timeout = timeout
 
     async def _call(self, method: str, **args: Any) -> Any:
-        return await self.rpc.call(self.address, method, args, timeout=self.timeout)
+        deadline = trio.current_time() + self.timeout
+        backoff = Backoff(first=0.05, cap=0.5)
+        last = FsError(errno.EHOSTDOWN, "no mgmtd answered")
+        while True:
+            for address in [self.address] + [a for a in self.addresses if a != self.address]:
+                remaining = deadline - trio.current_time()
+                try:
+                    result = await self.rpc.call(address, method, args, timeout=max(0.1, remaining))
+                except FsError as exc:
+                    # a lone mgmtd that is down: say so at once (callers retry)
+                    alone = len(self.addresses) == 1 and exc.code in CONNECTION_FAILURES
+                    if alone or exc.code not in CONNECTION_FAILURES | {NOT_PRIMARY}:
+                        raise
+                    last = exc
+                    continue
+                self.address = address
+                return result
+            if trio.current_time() + backoff.delay > deadline:
+                raise last
+            await backoff.sleep()
+
+    async def role(self) -> MgmtdRole:
+        """This instance's role (answered by standbys too)."""
+        result: MgmtdRole = await self.rpc.call(self.address, "role", {}, timeout=self.timeout)
+        return result
 
     async def register_node(
         self,

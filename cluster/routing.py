@@ -8,9 +8,10 @@ the background, and refreshes at once when a caller learns the map is stale
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import trio
 
@@ -108,6 +109,36 @@ class Routing:
         if not metas:
             raise FsError(errno.EHOSTDOWN, "no metadata server is online")
         return metas[0]["address"]
+
+
+class ChainWatch:
+    """Calls waiting on a chain at one version, cancelled as soon as the chain
+    changes (`routing_changed` is a `RoutingCache` listener). A call stuck on
+    a replica that mgmtd took out (a silent head, an unreachable successor)
+    is then retried on the new chain at once instead of after its timeout.
+    Used by the client's chain writes, the storage daemons' forwards and the
+    metadata server's storage jobs."""
+
+    def __init__(self) -> None:
+        self._waiting: set[tuple[int, int, trio.CancelScope]] = set()
+
+    @contextlib.contextmanager
+    def watching(self, chain: int, version: int) -> Iterator[trio.CancelScope]:
+        """Run the body cancellable by a change of *chain* from *version*; the
+        caller checks the scope's `cancelled_caught` afterwards."""
+        entry = (chain, version, trio.CancelScope())
+        self._waiting.add(entry)
+        try:
+            with entry[2]:
+                yield entry[2]
+        finally:
+            self._waiting.discard(entry)
+
+    def routing_changed(self, routing: Routing) -> None:
+        for chain, version, scope in list(self._waiting):
+            info = routing.chains.get(chain)
+            if info is None or info["version"] != version:
+                scope.cancel()
 
 
 class RoutingCache:

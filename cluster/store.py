@@ -14,6 +14,7 @@ import lmdb
 import msgpack
 
 STATE_KEY = b"cluster_state"
+LEASES_KEY = b"leases"  # the embedded coordination's leases and their epochs
 
 
 class MgmtdStore:
@@ -30,6 +31,15 @@ class MgmtdStore:
         data = msgpack.packb(record, use_bin_type=True)
         with self.env.begin(write=True) as txn:
             txn.put(STATE_KEY, data)
+
+    def load_leases(self) -> dict[str, Any]:
+        with self.env.begin() as txn:
+            raw = txn.get(LEASES_KEY)
+        return {} if raw is None else msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+    def save_leases(self, record: dict[str, Any]) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(LEASES_KEY, msgpack.packb(record, use_bin_type=True))
 
     def close(self) -> None:
         self.env.close()

@@ -17,32 +17,36 @@ which may free unlinked files and so create GC jobs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import trio
 
-from shufflefs.cluster.routing import Routing
+from shufflefs.cluster.routing import ChainWatch, Routing, RoutingCache
 from shufflefs.metadata.protocol import Layout
 from shufflefs.metadata.records import ExpiredSession, GcJob, TruncateJob
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
 from shufflefs.rpc.client import RpcClient
-from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.retry import Backoff
-from shufflefs.storage.protocol import StorageStub
+from shufflefs.rpc.errors import CONNECTION_FAILURES, FsError
+from shufflefs.rpc.retry import Backoff, retrying
+from shufflefs.storage.protocol import FORWARD_TIMEOUT, StorageStub, chain_call_timeout
 
 log = logging.getLogger("shufflefs.metadata.gc")
 
 # (stub of the head's node, head target, chain, chain version) -> chunks changed
 ChainCall = Callable[[StorageStub, int, int, int], Awaitable[int]]
 PAGE = 256
-CHAIN_ATTEMPTS = 3  # tries per chain within one job attempt while the chain is changing
-# answers that mean "the chain is changing": refresh the routing map and try again at once
-_REROUTE = frozenset({errno.ESTALE, errno.ENXIO})
+# seconds one job attempt keeps retrying a chain that is changing (a replica
+# died and is being taken out): a truncate in the reply path rides through it
+CHAIN_RETRY_BUDGET = 30.0
+# a chain with no serving target: not retried within an attempt (the job
+# waits, with backoff, until a replica serves again); the reply path says EIO
+NO_SERVING_TARGET = errno.EIO
 J = TypeVar("J", GcJob, TruncateJob)
 
 
@@ -69,7 +73,8 @@ class StorageJobs:
         rpc: RpcClient,
         *,
         refresh_routing: Callable[[], Awaitable[object]] | None = None,
-        timeout: float = 5.0,
+        forward_timeout: float = FORWARD_TIMEOUT,
+        retry_budget: float = CHAIN_RETRY_BUDGET,
         base_delay: float = 0.5,
         max_delay: float = 30.0,
         idle_interval: float = 30.0,
@@ -80,7 +85,12 @@ class StorageJobs:
         self.routing = routing
         self.refresh_routing = refresh_routing
         self.rpc = rpc
-        self.timeout = timeout
+        self.forward_timeout = forward_timeout  # the storage daemons': see chain_call_timeout
+        self.retry_budget = retry_budget
+        self.chain_watch = ChainWatch()
+        self.report_unreachable: Callable[[int], Awaitable[bool]] | None = None
+        self._dead_heads: set[int] = set()  # nodes of heads that did not answer
+        self._cut_locks: dict[int, list[Any]] = {}  # ino -> [lock, tasks using it]
         self.base_delay = base_delay
         self.max_delay = max_delay
         self.idle_interval = idle_interval
@@ -160,38 +170,62 @@ class StorageJobs:
 
     # ---- truncation: a shrunk file's chunks ----------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def _cutting(self, ino: int) -> AsyncIterator[None]:
+        """One cut of *ino* at a time. A cut carried out late (one that kept
+        retrying while a replica died) must never land after the file's next
+        writes: so every cut re-reads its job under this lock and runs only if
+        the job is still pending, and a reply waits for any cut in flight."""
+        entry = self._cut_locks.setdefault(ino, [trio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._cut_locks[ino]
+
     async def truncate_now(self, ino: int) -> None:
         """Carry out *ino*'s pending truncation before a reply goes out; EIO if
         a storage daemon cannot be reached (the job stays and is retried)."""
-        while True:
-            job = self.store.truncate_job(ino)
-            if job is None:
-                return
-            try:
-                await self._cut(job)
-            except FsError as exc:
-                self._failed(("truncate", ino), f"truncate ino={ino} size={job['size']}", exc)
-                self.wake()
-                raise FsError(
-                    errno.EIO,
-                    f"inode {ino} has size {job['size']} but cutting its chunks on storage "
-                    f"failed ({exc.message}); it is retried in the background",
-                ) from None
-            if await self.writer(self.store.truncate_done, ino, job["seq"]):
-                self._backoff.pop(("truncate", ino), None)
-                return
-            # a newer shrink was recorded meanwhile: carry that one out too
+        async with self._cutting(ino):
+            while True:
+                try:
+                    done = await self._cut_pending(ino)
+                except FsError as exc:
+                    self.wake()
+                    raise FsError(
+                        errno.EIO,
+                        f"inode {ino} has a new size but cutting its chunks on storage "
+                        f"failed ({exc.message}); it is retried in the background",
+                    ) from None
+                if done is not False:
+                    return
+                # a newer shrink was recorded meanwhile: carry that one out too
 
-    async def _truncate(self, job: TruncateJob) -> None:
-        ino = job["ino"]
+    async def _truncate(self, listed: TruncateJob) -> None:
+        async with self._cutting(listed["ino"]):
+            try:
+                done = await self._cut_pending(listed["ino"])  # the listing may be old
+            except FsError:
+                return
+            if done is False:
+                self.wake()  # superseded by a newer job: the next pass runs it
+
+    async def _cut_pending(self, ino: int) -> bool | None:
+        """Under `_cutting`: carry out the job pending now. None if there is
+        none; else whether it was still the newest (and so is done)."""
+        job = self.store.truncate_job(ino)
+        if job is None:
+            return None
         try:
             await self._cut(job)
         except FsError as exc:
             self._failed(("truncate", ino), f"truncate ino={ino} size={job['size']}", exc)
-            return
+            raise
         self._backoff.pop(("truncate", ino), None)
-        if not await self.writer(self.store.truncate_done, ino, job["seq"]):
-            self.wake()  # superseded by a newer job: the next pass runs it
+        return bool(await self.writer(self.store.truncate_done, ino, job["seq"]))
 
     async def _cut(self, job: TruncateJob) -> None:
         ino, size, layout = job["ino"], job["size"], job["layout"]
@@ -209,30 +243,24 @@ class StorageJobs:
         """Run *call* once per chain of *layout*, at the chain's head, all
         chains in parallel. Returns (sum of the results, number of chains);
         raises if any chain failed. A chain without a serving target fails at
-        once (the job waits until one serves); a chain that is changing
-        (ESTALE: a replica died, the map is old) is tried again with a fresh
-        routing map."""
+        once (the job waits until one serves). A chain that is changing (a
+        replica died: the head answers ESTALE, or the head itself is gone) is
+        retried on the new chain, like a client's write: the dead head is
+        reported to mgmtd, which takes it out, and the routing map refreshed."""
         chains = list(dict.fromkeys(layout["chains"]))
         results: dict[int, int] = {}
         errors: dict[int, FsError] = {}
 
         async def one(chain: int) -> None:
-            backoff = Backoff()  # a moment for the new chain to settle
-            for attempt in range(CHAIN_ATTEMPTS):
-                try:
-                    results[chain] = await self._at_head(chain, call)
-                    errors.pop(chain, None)
-                    return
-                except FsError as exc:
-                    errors[chain] = exc
-                    if exc.code not in _REROUTE or attempt + 1 == CHAIN_ATTEMPTS:
-                        return
-                if self.refresh_routing is not None:
-                    try:
-                        await self.refresh_routing()
-                    except FsError as exc:
-                        log.debug("routing refresh failed: %s", exc.message)
-                await backoff.sleep()
+            try:
+                results[chain] = await retrying(
+                    f"storage call on chain {chain}",
+                    functools.partial(self._at_head, chain, call),
+                    budget=self.retry_budget,
+                    on_failure=self._reroute,
+                )
+            except FsError as exc:
+                errors[chain] = exc
 
         async with trio.open_nursery() as nursery:
             for chain in chains:
@@ -250,13 +278,46 @@ class StorageJobs:
         info = routing.chain(chain)
         serving = routing.serving_targets(chain)
         if not serving:
-            raise FsError(errno.EHOSTDOWN, f"chain {chain} has no serving target")
+            raise FsError(NO_SERVING_TARGET, f"chain {chain} has no serving target")
         head = serving[0]
         node = routing.node_of_target(head["id"])
         if node["state"] != "online":
-            raise FsError(errno.EHOSTDOWN, f"the head of chain {chain} is offline")
-        stub = StorageStub(self.rpc, node["address"], timeout=self.timeout)
-        return await call(stub, head["id"], chain, info["version"])
+            raise FsError(errno.ESTALE, f"the head of chain {chain} is offline")
+        # wait as long as the head may wait for the rest of its chain, and no
+        # longer than the chain stays as it is
+        timeout = chain_call_timeout(len(routing.write_targets(chain)), self.forward_timeout)
+        stub = StorageStub(self.rpc, node["address"], timeout=timeout)
+        try:
+            with self.chain_watch.watching(chain, info["version"]) as watch:
+                result = await call(stub, head["id"], chain, info["version"])
+        except FsError as exc:
+            if exc.code in CONNECTION_FAILURES:
+                self._dead_heads.add(node["id"])
+            raise
+        if watch.cancelled_caught:
+            raise FsError(errno.ESTALE, f"chain {chain} changed during a storage call: retry")
+        return result
+
+    async def _reroute(self, exc: FsError) -> None:
+        """Between tries of a chain call: tell mgmtd about heads that did not
+        answer (it checks for itself and takes them out at once, rather than
+        after the heartbeat timeout), then fetch the new routing map."""
+        dead, self._dead_heads = self._dead_heads, set()
+        if self.report_unreachable is not None:
+            for node in dead:
+                try:
+                    if await self.report_unreachable(node):
+                        log.warning("storage node %d reported unreachable; mgmtd took it out", node)
+                except FsError as report_exc:
+                    log.info("reporting node %d unreachable failed: %s", node, report_exc.message)
+        if self.refresh_routing is not None:
+            await self.refresh_routing()
+
+    def attach(self, cache: RoutingCache) -> None:
+        """Follow *cache*: calls to a chain that changes stop waiting, and dead
+        heads are reported to its mgmtd."""
+        cache.listeners.append(self.chain_watch.routing_changed)
+        self.report_unreachable = functools.partial(cache.mgmtd.report_unreachable, 0)
 
     def _failed(self, key: tuple[str, int], what: str, exc: FsError) -> None:
         """Retry the job later: base_delay after its first failure, doubling

@@ -52,6 +52,7 @@ from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import hostname, run_service, setup_logging
 from shufflefs.rpc.schema import rpc_method
 from shufflefs.rpc.server import RpcServer
+from shufflefs.storage.protocol import FORWARD_TIMEOUT
 
 log = logging.getLogger("shufflefs.metadata.server")
 
@@ -83,7 +84,7 @@ class MetaService:
         routing: Callable[[], Routing],
         rpc: RpcClient,
         *,
-        storage_timeout: float = 5.0,
+        storage_timeout: float = FORWARD_TIMEOUT,  # per replica, as the daemons forward
         reap_interval: float | None = None,
         refresh_routing: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
@@ -97,7 +98,7 @@ class MetaService:
             routing,
             rpc,
             refresh_routing=refresh_routing,
-            timeout=storage_timeout,
+            forward_timeout=storage_timeout,
         )
         if reap_interval is None:
             reap_interval = max(0.05, min(5.0, store.session_timeout / 4))
@@ -459,6 +460,7 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
         async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
             cache = RoutingCache(rpc, config.mgmtd)
             service = MetaService(store, lambda: cache.current, rpc, refresh_routing=cache.refresh)
+            service.jobs.attach(cache)
             server = RpcServer(secret, [service], name="meta")
             bound = await nursery.start(server.serve, host, port)
             address = advertised_address(host, bound, advertise=config.advertise, host=config.host)

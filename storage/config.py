@@ -10,6 +10,7 @@ from shufflefs.cluster.node import check_addresses
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.layout import check_block_size
+from shufflefs.storage.protocol import FORWARD_TIMEOUT
 
 
 @dataclass
@@ -28,7 +29,9 @@ class StorageConfig:
     block_size: int = 4096  # CRC block size of NEW targets (an existing one keeps its own)
     io_threads: int = 16  # disk operations in flight at once
     fd_cache: int = 1024  # open chunk files kept per target
-    forward_timeout: float = 10.0  # seconds per replica still ahead to wait for a forwarded update
+    forward_timeout: float = (
+        FORWARD_TIMEOUT  # seconds per replica still ahead to wait for a forwarded update
+    )
     scrub_interval: float = 0.0  # seconds between background scrubs of every target; 0: off
 
     def validate(self, where: str = "storage config") -> None:

@@ -20,18 +20,22 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from shufflefs.cluster.protocol import TargetInfo
-from shufflefs.cluster.routing import Routing
+from shufflefs.cluster.routing import ChainWatch, Routing
 from shufflefs.rpc import FsError
 from shufflefs.rpc.errors import CONNECTION_FAILURES
 from shufflefs.storage.chain import Place
 from shufflefs.storage.context import NodeContext
-from shufflefs.storage.protocol import NEED_FULL, StorageStub
+from shufflefs.storage.protocol import (
+    FORWARD_TIMEOUT,
+    NEED_FULL,
+    StorageStub,
+    chain_call_timeout,
+)
 from shufflefs.storage.staging import Staged
 from shufflefs.storage.store import ChunkStore
 
 log = logging.getLogger("shufflefs.storage.forwarding")
 
-FORWARD_TIMEOUT = 10.0  # per replica still ahead: the head of a 3-chain waits 20 s, its middle 10 s
 REPORT_TIMEOUT = 8.0  # telling mgmtd a successor is unreachable, and refreshing routing after
 
 
@@ -41,8 +45,8 @@ class Forwarding:
     def __init__(self, node: NodeContext, forward_timeout: float = FORWARD_TIMEOUT) -> None:
         self.node = node
         self.forward_timeout = forward_timeout
-        # forwards in flight: (chain, chain version, scope to cancel if it changes)
-        self.forwards: set[tuple[int, int, trio.CancelScope]] = set()
+        # forwards in flight, cancelled if their chain changes (`routing_changed`)
+        self.forwards = ChainWatch()
         self.full_resends = 0  # deltas a successor refused (NEED_FULL) and got whole
 
     # ---- where a call stands ---------------------------------------------
@@ -223,14 +227,15 @@ class Forwarding:
             address = place.routing.target_address(succ["id"])
         except FsError as exc:
             raise FsError(errno.ESTALE, exc.message) from None
-        stub = StorageStub(rpc, address, timeout=self.forward_timeout * place.remaining)
+        # our successor is the head of the rest of the chain
+        stub = StorageStub(
+            rpc, address, timeout=chain_call_timeout(place.remaining, self.forward_timeout)
+        )
         # If mgmtd changes the chain meanwhile (it took a silent successor out
         # after the heartbeat timeout), stop waiting for the timeout: the
         # client retries on the new chain at once.
-        watch = (place.chain, place.version, trio.CancelScope())
-        self.forwards.add(watch)
         try:
-            with watch[2]:
+            with self.forwards.watching(place.chain, place.version) as watch:
                 await call(stub)
         except FsError as exc:
             if exc.code not in CONNECTION_FAILURES:
@@ -241,9 +246,7 @@ class Forwarding:
                 f"replica target {succ['id']} on node {succ['node']} of chain {place.chain} is "
                 f"unreachable ({exc.message}); reported to mgmtd: retry once the chain changed",
             ) from None
-        finally:
-            self.forwards.discard(watch)
-        if watch[2].cancelled_caught:
+        if watch.cancelled_caught:
             raise FsError(
                 errno.ESTALE,
                 f"chain {place.chain} changed while forwarding to target {succ['id']}: retry",
@@ -251,10 +254,7 @@ class Forwarding:
 
     def routing_changed(self, routing: Routing) -> None:
         """Cancel forwards to chains that changed (a `RoutingCache` listener)."""
-        for chain, version, scope in list(self.forwards):
-            info = routing.chains.get(chain)
-            if info is None or info["version"] != version:
-                scope.cancel()
+        self.forwards.routing_changed(routing)
 
     async def _successor_unreachable(
         self, place: Place, succ: TargetInfo, address: str, exc: FsError

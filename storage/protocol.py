@@ -19,6 +19,10 @@ to the head of a chain; replicas forward them with `replicate` /
   ``base_version`` is not its committed version (it missed an update, or is
   being resynced and has not verified the chunk yet). The sender resends the
   whole new chunk with ``full=True``.
+
+How long a caller of a chain's head waits is fixed here, once, for every
+caller (the client's writes, the metadata server's truncates and removals)
+and for the daemons' own forwards: `chain_call_timeout`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,20 @@ from shufflefs.rpc.transport import Buffer
 # A replica's answer to an update built on a version it does not hold: send
 # the whole chunk instead ("invalid exchange").
 NEED_FULL = errno.EBADE
+
+# Seconds a replica waits for its successor, per replica still ahead of it:
+# the head of a 3-chain waits 20 s, its middle 10 s, so the nearest live hop
+# times out first and the failure is reported by the replica next to it.
+FORWARD_TIMEOUT = 10.0
+
+
+def chain_call_timeout(replicas: int, forward_timeout: float = FORWARD_TIMEOUT) -> float:
+    """How long the caller of a chain's head waits for its answer: one
+    forward timeout more than the head waits for the rest of the chain
+    (``forward_timeout`` x the *replicas* after it), so the head's ESTALE for an
+    unreachable replica always arrives before the caller gives up."""
+    return forward_timeout * max(1, replicas)
+
 
 CHUNK_ID = struct.Struct(">QI")
 CHUNK_ID_LEN = CHUNK_ID.size  # 12

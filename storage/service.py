@@ -30,9 +30,10 @@ from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.storage.capacity import CapacityFigures
 from shufflefs.storage.chain import Place
 from shufflefs.storage.context import NodeContext, RoutingSource
-from shufflefs.storage.forwarding import FORWARD_TIMEOUT, Forwarding
+from shufflefs.storage.forwarding import Forwarding
 from shufflefs.storage.layout import check_chunk_id, check_chunk_size
 from shufflefs.storage.protocol import (
+    FORWARD_TIMEOUT,
     MAX_READ_ITEMS,
     NEED_FULL,
     ChunkInfo,

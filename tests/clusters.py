@@ -42,6 +42,7 @@ from hosts import TestHosts, namespaces_available
 
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.coordination import EmbeddedCoordination
 from shufflefs.cluster.launcher import LocalCluster, default_replicas
 from shufflefs.cluster.mgmtd import MgmtdService
 from shufflefs.cluster.netns_cluster import format_on_hosts
@@ -49,7 +50,6 @@ from shufflefs.cluster.protocol import ClusterConfig, MgmtdStub, RoutingInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.cluster.startup import wait_services_ready
 from shufflefs.cluster.state import ClusterState
-from shufflefs.cluster.store import MgmtdStore
 from shufflefs.metadata.config import MetaConfig
 from shufflefs.metadata.server import serve as serve_meta
 from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client
@@ -147,8 +147,9 @@ class ChainCluster:
             heartbeat_timeout=60.0,  # nodes leave by a clean stop or a verified report only
         )
         self.state = ClusterState.new(config)
-        store = MgmtdStore(self.base / "mgmtd")
-        service = MgmtdService(self.state, store, self.rpc)
+        coordination = EmbeddedCoordination(self.base / "mgmtd")
+        coordination.elected.set()
+        service = MgmtdService(self.state, coordination, self.rpc)
         port = await self.nursery.start(
             RpcServer(SECRET, [service], name="mgmtd").serve, "127.0.0.1", 0
         )
@@ -506,6 +507,56 @@ def another_mount(cluster: ProcessCluster, mountpoint: Path) -> Iterator[Path]:
         yield mountpoint
     finally:
         shufflefs("umount", str(mountpoint))
+
+
+# ---- comparing replicas ------------------------------------------------------------
+
+
+def replica_states(cluster: ProcessCluster) -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
+    """For every chain, each member's chunks: id -> (version, length, CRCs)."""
+    routing = cluster.routing()
+    _, secret = load_client_config(cluster.client_config)
+    nodes = {n["id"]: n for n in routing["nodes"]}
+    targets = {t["id"]: t for t in routing["targets"]}
+
+    async def listing(stub: StorageStub, target: int) -> dict[bytes, tuple[int, int, bytes]]:
+        chunks: dict[bytes, tuple[int, int, bytes]] = {}
+        after: bytes | None = None
+        while True:
+            page = await stub.list_chunks(target, after, 1000)
+            for c in page["chunks"]:
+                info: ChunkInfo = c
+                chunks[info["chunk"]] = (info["version"], info["length"], info["crcs"])
+            if not page["more"] or not page["chunks"]:
+                return chunks
+            after = page["chunks"][-1]["chunk"]
+
+    async def collect() -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
+        out: dict[int, list[dict[bytes, tuple[int, int, bytes]]]] = {}
+        async with open_rpc_client(secret) as rpc:
+            for chain in routing["chains"]:
+                members = []
+                for t in chain["targets"]:
+                    address = nodes[targets[t]["node"]]["address"]
+                    members.append(await listing(StorageStub(rpc, address), t))
+                out[chain["id"]] = members
+        return out
+
+    return trio.run(collect)
+
+
+def assert_replicas_identical(cluster: ProcessCluster) -> int:
+    """Every chunk has the same version, length and CRCs on every replica."""
+    states = replica_states(cluster)
+    total = 0
+    for chain, members in states.items():
+        first = members[0]
+        for other in members[1:]:
+            assert other.keys() == first.keys(), f"chain {chain}: replicas hold different chunks"
+            for cid, state in first.items():
+                assert other[cid] == state, f"chain {chain}: chunk {cid.hex()} differs"
+        total += len(first)
+    return total
 
 
 # ---- fixtures (registered in conftest.py) ------------------------------------------

@@ -20,14 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
-from clusters import ProcessCluster
+from clusters import ProcessCluster, assert_replicas_identical
 from harness import flip, shufflefs
 from loadgen import content
-
-from shufflefs.cluster.config import load_client_config
-from shufflefs.rpc.client import open_rpc_client
-from shufflefs.storage.protocol import ChunkInfo, StorageStub
 
 WORKERS = str(Path(__file__).parent.parent / "loadgen.py")
 MiB = 1 << 20
@@ -94,53 +89,6 @@ def write_dataset(cluster: ProcessCluster, name: str, size: int, seed: int) -> P
     path = cluster.mountpoint / name
     path.write_bytes(content(seed, size))
     return path
-
-
-def replica_states(cluster: ProcessCluster) -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
-    """For every chain, each member's chunks: id -> (version, length, CRCs)."""
-    routing = cluster.routing()
-    _, secret = load_client_config(cluster.config)
-    nodes = {n["id"]: n for n in routing["nodes"]}
-    targets = {t["id"]: t for t in routing["targets"]}
-
-    async def listing(stub: StorageStub, target: int) -> dict[bytes, tuple[int, int, bytes]]:
-        chunks: dict[bytes, tuple[int, int, bytes]] = {}
-        after: bytes | None = None
-        while True:
-            page = await stub.list_chunks(target, after, 1000)
-            for c in page["chunks"]:
-                info: ChunkInfo = c
-                chunks[info["chunk"]] = (info["version"], info["length"], info["crcs"])
-            if not page["more"] or not page["chunks"]:
-                return chunks
-            after = page["chunks"][-1]["chunk"]
-
-    async def collect() -> dict[int, list[dict[bytes, tuple[int, int, bytes]]]]:
-        out: dict[int, list[dict[bytes, tuple[int, int, bytes]]]] = {}
-        async with open_rpc_client(secret) as rpc:
-            for chain in routing["chains"]:
-                members = []
-                for t in chain["targets"]:
-                    address = nodes[targets[t]["node"]]["address"]
-                    members.append(await listing(StorageStub(rpc, address), t))
-                out[chain["id"]] = members
-        return out
-
-    return trio.run(collect)
-
-
-def assert_replicas_identical(cluster: ProcessCluster) -> int:
-    """Every chunk has the same version, length and CRCs on every replica."""
-    states = replica_states(cluster)
-    total = 0
-    for chain, members in states.items():
-        first = members[0]
-        for other in members[1:]:
-            assert other.keys() == first.keys(), f"chain {chain}: replicas hold different chunks"
-            for cid, state in first.items():
-                assert other[cid] == state, f"chain {chain}: chunk {cid.hex()} differs"
-        total += len(first)
-    return total
 
 
 def test_kill9_storage_during_reads(fault_cluster: ProcessCluster, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+import trio
 from clusters import CS, ChainCluster, eventually
 
 from shufflefs.metadata.gc import StorageJobs
@@ -18,19 +19,23 @@ from shufflefs.metadata.writer import Writer
 from shufflefs.storage.protocol import chunk_id
 
 
+def storage_jobs(cluster: ChainCluster, ns: NamespaceStore) -> StorageJobs:
+    return StorageJobs(
+        ns,
+        Writer(ns.txns),
+        lambda: cluster.routing.current,
+        cluster.rpc,
+        refresh_routing=cluster.routing.refresh,
+        base_delay=0.0,  # every pass retries every job: the tests run the passes
+    )
+
+
 async def test_shrink_and_gc_reach_every_replica(cluster: ChainCluster, tmp_path: Path) -> None:
     [chain] = cluster.chain_ids()
     head, middle, tail = cluster.members(chain)
     ns = NamespaceStore(tmp_path / "ns", map_size=64 << 20, sync=False)
     try:
-        jobs = StorageJobs(
-            ns,
-            Writer(ns.txns),
-            lambda: cluster.routing.current,
-            cluster.rpc,
-            refresh_routing=cluster.routing.refresh,
-            base_delay=0.0,  # every pass retries every job: the test runs the passes
-        )
+        jobs = storage_jobs(cluster, ns)
         layout = {"chunk_size": CS, "chains": [chain]}
         ino = ns.mknod(ROOT_INODE, b"f", stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
         keep = ns.mknod(ROOT_INODE, b"g", stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
@@ -81,5 +86,60 @@ async def test_shrink_and_gc_reach_every_replica(cluster: ChainCluster, tmp_path
         await cluster.sync_maps()
         assert sorted(cluster.members(chain)) == sorted([head, middle, tail])
         assert await cluster.assert_identical(chain) == {}
+    finally:
+        ns.close()
+
+
+async def test_shrink_rides_through_a_crashed_head(cluster: ChainCluster, tmp_path: Path) -> None:
+    """The head dies without a word to mgmtd (its map still lists it): the
+    truncate in the reply path reports it, mgmtd takes it out, and the cut
+    is made on the new chain instead of answering EIO."""
+    [chain] = cluster.chain_ids()
+    head, middle, tail = cluster.members(chain)
+    ns = NamespaceStore(tmp_path / "ns", map_size=64 << 20, sync=False)
+    try:
+        jobs = storage_jobs(cluster, ns)
+        jobs.attach(cluster.routing)
+        layout = {"chunk_size": CS, "chains": [chain]}
+        ino = ns.mknod(ROOT_INODE, b"f", stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
+        for idx in range(3):
+            await cluster.write(chain, chunk_id(ino, idx), 0, bytes([idx + 1]) * CS)
+        ns.update_length(ino, 3 * CS)
+        await cluster.stop_node(cluster.node_of(head), clean=False)
+        assert cluster.members(chain)[0] == head  # nobody told mgmtd
+        ns.setattr(ino, size=100)
+        with trio.fail_after(20):
+            await jobs.truncate_now(ino)
+        assert ns.truncate_job(ino) is None
+        assert cluster.members(chain) == [middle, tail]
+        for target in (middle, tail):
+            state = await cluster.replica_state(target)
+            assert {c: v[:2] for c, v in state.items()} == {chunk_id(ino, 0): (2, 100)}
+    finally:
+        ns.close()
+
+
+async def test_a_late_cut_never_lands_after_new_writes(
+    cluster: ChainCluster, tmp_path: Path
+) -> None:
+    """A background pass that listed a truncate job before the reply path
+    carried it out must not cut again afterwards: the file has been written
+    past the cut since (the bytes would vanish)."""
+    [chain] = cluster.chain_ids()
+    ns = NamespaceStore(tmp_path / "ns", map_size=64 << 20, sync=False)
+    try:
+        jobs = storage_jobs(cluster, ns)
+        layout = {"chunk_size": CS, "chains": [chain]}
+        ino = ns.mknod(ROOT_INODE, b"f", stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
+        await cluster.write(chain, chunk_id(ino, 0), 0, b"a" * CS)
+        ns.update_length(ino, CS)
+        ns.setattr(ino, size=10)
+        listed = ns.truncate_jobs()  # what a background pass saw
+        await jobs.truncate_now(ino)
+        await cluster.write(chain, chunk_id(ino, 0), 10, b"b" * 100)  # written after the cut
+        await jobs._truncate(listed[0])
+        [target] = cluster.members(chain)[:1]
+        state = await cluster.replica_state(target)
+        assert state[chunk_id(ino, 0)][1] == 110
     finally:
         ns.close()
