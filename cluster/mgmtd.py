@@ -9,6 +9,7 @@ the same cluster.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import time
@@ -17,11 +18,13 @@ from pathlib import Path
 import trio
 
 from shufflefs.cluster.config import MgmtdConfig
+from shufflefs.cluster.meta_leases import MetaLeases
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import (
     AssignResult,
     Capacity,
     ClusterConfig,
+    LeaseReply,
     RegisterResult,
     RoutingInfo,
     TargetRegistration,
@@ -45,12 +48,18 @@ UNREACHABLE_PROBE_TIMEOUT = 2.0
 
 class MgmtdService:
     def __init__(
-        self, state: ClusterState, store: MgmtdStore, rpc: RpcClient | None = None
+        self,
+        state: ClusterState,
+        store: MgmtdStore,
+        rpc: RpcClient | None = None,
+        leases: MetaLeases | None = None,
     ) -> None:
         self.state = state
         self.store = store
         self.rpc = rpc
+        self.leases = leases or MetaLeases()
         self._persist_lock = trio.Lock()
+        self._lease_lock = trio.Lock()
 
     async def persist(self) -> None:
         """Commit the current state durably (off the event loop). The record
@@ -84,7 +93,38 @@ class MgmtdService:
     @rpc_method
     async def unregister_node(self, node_id: int) -> None:
         self.state.unregister(node_id)
+        self.leases.forget(node_id)
         await self.persist()
+
+    @rpc_method
+    async def meta_lease(
+        self, node_id: int, applied_seq: int, applied_epoch: int, group_size: int = 1
+    ) -> LeaseReply:
+        """A metadata server asks for (or renews) the primary's lease and
+        reports its log position (`cluster/meta_leases.py`)."""
+        node = self.state.nodes.get(node_id)
+        if node is None or node.kind != "meta":
+            raise FsError(errno.ENOENT, f"node {node_id} is not a registered metadata server")
+        members = {n.id for n in self.state.nodes.values() if n.kind == "meta"}
+        async with self._lease_lock:  # one at a time: a grant is saved before it is answered
+            reply, changed = await trio.to_thread.run_sync(
+                self.leases.request,
+                node_id,
+                applied_seq,
+                applied_epoch,
+                members,
+                group_size,
+                trio.current_time(),
+            )
+        if changed:
+            self.state.bump(f"metadata primary node {node_id} epoch {reply['epoch']}")
+            await self.persist()
+        return reply
+
+    def _routing(self) -> RoutingInfo:
+        info = self.state.routing()
+        self.leases.annotate(info["nodes"], trio.current_time())
+        return info
 
     @rpc_method
     async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
@@ -120,11 +160,11 @@ class MgmtdService:
     async def get_routing(self, known_version: int) -> RoutingInfo | None:
         if known_version == self.state.version:
             return None
-        return self.state.routing()
+        return self._routing()
 
     @rpc_method(inline=True)
     async def status(self) -> RoutingInfo:
-        return self.state.routing()
+        return self._routing()
 
     @rpc_method(inline=True)
     async def capacity(self) -> Capacity:
@@ -188,7 +228,8 @@ async def serve(config: MgmtdConfig) -> None:
             open_rpc_client(secret, connect_timeout=1.0) as rpc,
             trio.open_nursery() as nursery,
         ):
-            service = MgmtdService(state, store, rpc)
+            leases = MetaLeases.load(Path(config.data_dir), trio.current_time())
+            service = MgmtdService(state, store, rpc, leases)
             server = RpcServer(secret, [service], name="mgmtd")
             bound = await nursery.start(server.serve, host, port)
             advertise = advertised_address(

@@ -40,6 +40,8 @@ from shufflefs.metadata.protocol import (
     is_read_only_handle,
 )
 from shufflefs.metadata.readonly import FreeInProgress
+from shufflefs.metadata.replication import ReplicationService
+from shufflefs.metadata.replication_role import MetaRole
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
 from shufflefs.rpc.auth import load_secret
@@ -83,11 +85,17 @@ class MetaService:
         storage_timeout: float = 5.0,
         reap_interval: float | None = None,
         refresh_routing: Callable[[], Awaitable[object]] | None = None,
+        role: MetaRole | None = None,
     ) -> None:
         self.store = store
         self.routing = routing
         self.refresh_routing = refresh_routing
-        self.write = Writer(store.txns)
+        self.role = role
+        self.write = (
+            Writer(store.txns)
+            if role is None
+            else Writer(store.txns, gate=role.check_writable, durable=role.durable)
+        )
         self.jobs = StorageJobs(
             store,
             self.write,
@@ -104,11 +112,37 @@ class MetaService:
         self._rotor = itertools.count(random.randrange(1 << 16))
 
     async def run_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """The storage-job worker and the session reaper, until cancelled."""
+        """The storage-job worker and the session reaper, until cancelled;
+        with a role, only while this server is the primary."""
+        if self.role is not None:
+            await self.role.run(self._primary_duties, task_status=task_status)
+            return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.jobs.run)
             nursery.start_soon(self.reaper.run)
             task_status.started()
+
+    async def _primary_duties(self) -> None:
+        """A new primary (also a restarted one) gives every session a fresh
+        lease and starts the restart grace (the read-only handles were in
+        another process's memory), then carries out jobs and reaps."""
+        sessions = await self.write(self.store.restart_leases)
+        log.info("serving as primary: %d sessions get a fresh lease", sessions)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.jobs.run)
+            nursery.start_soon(self.reaper.run)
+
+    @rpc_method(inline=True)
+    async def meta_role(self) -> dict[str, Any]:
+        """This server's role, epoch and log position (status, tests)."""
+        position = self.store.txns.position()
+        primary = self.role is None or self.role.primary_now()
+        return {
+            "role": "primary" if primary else "follower",
+            "epoch": position.epoch,
+            "applied_seq": position.applied_seq,
+            "applied_epoch": position.applied_epoch,
+        }
 
     def new_layout(self) -> Layout:
         """The layout of a file created now: up to `stripe` writable chains
@@ -430,8 +464,8 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
         session_timeout=config.session_timeout,
     )
     try:
-        sessions = store.restart_leases()
         counts = store.counts()
+        sessions = counts["sessions"]
         log.info(
             "namespace opened path=%s inodes=%d sessions=%d handles=%d gc_jobs=%d truncate_jobs=%d",
             store.path,
@@ -443,8 +477,22 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
         )
         async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
             cache = RoutingCache(rpc, config.mgmtd)
-            service = MetaService(store, lambda: cache.current, rpc, refresh_routing=cache.refresh)
-            server = RpcServer(secret, [service], name="meta")
+            agent: NodeAgent | None = None
+            role = MetaRole(
+                store.txns,
+                rpc,
+                MgmtdStub(rpc, config.mgmtd),
+                group_size=config.group_size,
+                routing=lambda: cache.current,
+                node_id=lambda: agent.node_id if agent is not None else None,
+            )
+            service = MetaService(
+                store, lambda: cache.current, rpc, refresh_routing=cache.refresh, role=role
+            )
+            replication = ReplicationService(
+                store.txns, epoch_seen=role.epoch_seen, may_follow=role.may_follow
+            )
+            server = RpcServer(secret, [service, replication], name="meta")
             bound = await nursery.start(server.serve, host, port)
             address = advertised_address(host, bound, advertise=config.advertise, host=config.host)
 

@@ -50,6 +50,7 @@ from shufflefs.metadata.records import (
     root_inode,
     u64,
 )
+from shufflefs.metadata.replog import REPL_DBS
 from shufflefs.metadata.sessions import SessionOps
 from shufflefs.metadata.txn import Transactions, Tx
 from shufflefs.metadata.xattrs import XattrOps
@@ -78,15 +79,18 @@ class NamespaceStore(NameOps, FileOps, XattrOps, SessionOps, JobQueue):
             str(self.path),
             subdir=True,
             map_size=map_size,
-            max_dbs=len(ALL_DBS) + 2,
+            max_dbs=len(ALL_DBS) + len(REPL_DBS) + 2,
             sync=sync,
             metasync=sync,
             max_readers=256,
         )
-        self.dbs: dict[bytes, Any] = {name: self.env.open_db(name) for name in ALL_DBS}
+        self.dbs: dict[bytes, Any] = {
+            name: self.env.open_db(name) for name in (*ALL_DBS, *REPL_DBS)
+        }
         self.txns = Transactions(self.env, self.dbs)
         if self.txns.write(self._format):
             log.info("created a new namespace at %s", self.path)
+        self.txns.logging = True
 
     def close(self) -> None:
         self.env.close()
