@@ -32,6 +32,9 @@ class MetaConfig:
     # is counted from it, or from the registered ones if more). 1: this
     # server is its own primary, without a lease.
     group_size: int = 1
+    # Log entries kept for a follower that is out of touch; one that missed
+    # more copies a snapshot of the namespace instead.
+    log_keep: int = 100_000
 
     def validate(self, where: str) -> None:
         """What the types of the TOML file cannot say (*where*: the file, for

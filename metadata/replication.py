@@ -104,6 +104,16 @@ class Replicator:
         """How many members hold entry *seq* (this one included)."""
         return 1 + sum(1 for node, acked in self.acked.items() if acked >= seq)
 
+    def trim_point(self, keep: int) -> int:
+        """Up to where the log may go: what every follower has; a follower
+        that is not in touch holds back no more than the last *keep* entries
+        (it copies a snapshot when it is back)."""
+        last = self.txns.last_seq
+        peers = self.peers()
+        if peers and all(p in self.acked for p in peers):
+            return min(self.acked[p] for p in peers)
+        return min([last - keep, *self.acked.values()])
+
     def stop(self) -> None:
         """Stepped down: whoever waits for a majority is answered NOT_ACKNOWLEDGED."""
         self.active = False

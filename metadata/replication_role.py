@@ -37,6 +37,7 @@ PRIMARY = "primary"
 FOLLOWER = "follower"
 LEASE_SHARE = 0.75  # of the lease a primary uses, from the moment it asked
 DURABLE_TIMEOUT = 3.0  # a mutation not held by a majority by then is answered NOT_ACKNOWLEDGED
+TRIM_INTERVAL = 2.0
 NOT_PRIMARY = errno.ESTALE  # transient for clients: refresh the routing map, retry
 
 
@@ -51,8 +52,10 @@ class MetaRole:
         routing: Callable[[], Routing],
         node_id: Callable[[], int | None],
         resync: Callable[[str], Awaitable[None]] | None = None,
+        log_keep: int = 100_000,
     ) -> None:
         self.txns = txns
+        self.log_keep = log_keep
         self.rpc = rpc
         self.mgmtd = mgmtd
         self.configured_size = group_size
@@ -194,7 +197,19 @@ class MetaRole:
             async with trio.open_nursery() as nursery:
                 if replicator is not None:
                     nursery.start_soon(replicator.run)
+                nursery.start_soon(self._trim, replicator)
                 nursery.start_soon(duties)
+
+    async def _trim(self, replicator: Replicator | None) -> None:
+        """Drop the log entries no follower needs any more."""
+        while True:
+            await trio.sleep(TRIM_INTERVAL)
+            through = (
+                self.txns.last_seq if replicator is None else replicator.trim_point(self.log_keep)
+            )
+            if through > self.txns.position().trimmed_seq:
+                dropped = await trio.to_thread.run_sync(self.txns.trim_log, through)
+                log.debug("log trimmed through %d (%d entries)", through, dropped)
 
     def epoch_seen_by_follower(self, epoch: int) -> None:
         if self.role == PRIMARY and self.epoch == epoch:

@@ -50,7 +50,7 @@ from shufflefs.cluster.startup import wait_services_ready
 from shufflefs.cluster.state import ClusterState
 from shufflefs.cluster.store import MgmtdStore
 from shufflefs.metadata.config import MetaConfig
-from shufflefs.metadata.server import serve as serve_meta
+from shufflefs.metadata.process import serve as serve_meta
 from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client
 from shufflefs.rpc.retry import Backoff, retrying
 from shufflefs.storage.config import StorageConfig
@@ -369,6 +369,7 @@ class ProcessCluster:
         chunk_size: int = 1 << 20,
         hosts: TestHosts | None = None,
         mgmtd_settings: dict[str, Any] | None = None,
+        meta_servers: int = 1,
     ) -> None:
         self.local = LocalCluster(data_dir)
         self.mountpoint = mountpoint or self.local.dir.parent / "mnt"
@@ -383,6 +384,7 @@ class ProcessCluster:
                 storage_hosts=[hosts.address(i) for i in nodes] if hosts else None,
                 storage_netns=[hosts.netns(i) for i in nodes] if hosts else None,
                 mgmtd_settings=mgmtd_settings,
+                meta_servers=meta_servers,
             )
         self.layout = self.local.layout()
         self.mgmtd_address = f"{self.layout.host}:{self.layout.mgmtd_port}"
