@@ -20,6 +20,7 @@ from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.config import MetaConfig
 from shufflefs.metadata.replication import ReplicationService
 from shufflefs.metadata.replication_role import MetaRole
+from shufflefs.metadata.replication_snapshot import SnapshotReceiver, send_snapshot
 from shufflefs.metadata.server import MetaService
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc.auth import load_secret
@@ -80,12 +81,16 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
                 log_keep=config.log_keep,
                 routing=lambda: cache.current,
                 node_id=lambda: agent.node_id if agent is not None else None,
+                resync=lambda address, epoch: send_snapshot(store, rpc, address, epoch),
             )
             service = MetaService(
                 store, lambda: cache.current, rpc, refresh_routing=cache.refresh, role=role
             )
             replication = ReplicationService(
-                store.txns, epoch_seen=role.epoch_seen, may_follow=role.may_follow
+                store.txns,
+                epoch_seen=role.epoch_seen,
+                may_follow=role.may_follow,
+                snapshots=SnapshotReceiver(store),
             )
             server = RpcServer(secret, [service, replication], name="meta")
             bound = await nursery.start(server.serve, host, port)

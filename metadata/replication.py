@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from shufflefs.metadata.records import pack, unpack
+from shufflefs.metadata.replication_snapshot import SnapshotReceiver
 from shufflefs.metadata.replog import Position
 from shufflefs.metadata.txn import Transactions
 from shufflefs.rpc.client import RpcClient
@@ -83,7 +84,7 @@ class Replicator:
         group_size: Callable[[], int],
         epoch: int,
         deposed: Callable[[int], None],
-        resync: Callable[[str], Awaitable[None]] | None = None,
+        resync: Callable[[str, int], Awaitable[None]] | None = None,
     ) -> None:
         self.txns = txns
         self.rpc = rpc
@@ -195,7 +196,7 @@ class Replicator:
             self.acked.pop(node, None)
             if self.resync is None:
                 raise FsError(errno.EIO, "no snapshot source")
-            await self.resync(address)
+            await self.resync(address, self.epoch)
             return position_of(await self._append(address, -1, 0, None))
         if not entries:
             await self._committed.wait(IDLE_PROBE)
@@ -232,10 +233,12 @@ class ReplicationService:
         *,
         epoch_seen: Callable[[int], None],
         may_follow: Callable[[int], bool],
+        snapshots: SnapshotReceiver | None = None,
     ) -> None:
         self.txns = txns
         self.epoch_seen = epoch_seen
         self.may_follow = may_follow
+        self.snapshots = snapshots
         self._lock = trio.Lock()
         self.applied = _Signal()  # fired after each apply (read-your-writes waits on it)
 
@@ -247,18 +250,41 @@ class ReplicationService:
         they follow our log at *prev_seq*/*prev_epoch*; answer our position
         either way (a probe sends none). ESTALE for an epoch older than ours."""
         async with self._lock:
-            position = self.txns.position()
-            if epoch < position.epoch or not self.may_follow(epoch):
-                raise FsError(
-                    errno.ESTALE, f"{STALE_EPOCH} {epoch}: this server has seen {position.epoch}"
-                )
-            if epoch > position.epoch:
-                await trio.to_thread.run_sync(self.txns.raise_epoch, epoch)
-                position = self.txns.position()
-            self.epoch_seen(epoch)
+            position = await self._accept(epoch)
             follows = (prev_seq, prev_epoch) == (position.applied_seq, position.applied_epoch)
             if payload and follows:
                 entries = unpack(bytes(payload))
                 position = await trio.to_thread.run_sync(self.txns.apply_entries, entries, epoch)
                 self.applied.fire()
+            return position.wire()
+
+    async def _accept(self, epoch: int) -> Position:
+        """Refuse an older epoch; remember a newer one. Returns our position."""
+        position = self.txns.position()
+        if epoch < position.epoch or not self.may_follow(epoch):
+            raise FsError(
+                errno.ESTALE, f"{STALE_EPOCH} {epoch}: this server has seen {position.epoch}"
+            )
+        if epoch > position.epoch:
+            await trio.to_thread.run_sync(self.txns.raise_epoch, epoch)
+            position = self.txns.position()
+        self.epoch_seen(epoch)
+        return position
+
+    @rpc_method
+    async def repl_snapshot(
+        self, epoch: int, offset: int, done: bool, payload: bytearray | None = None
+    ) -> dict[str, int]:
+        """A piece of the primary's namespace (`replication_snapshot.py`);
+        after the last one it replaces ours. Answers our position."""
+        if self.snapshots is None:
+            raise FsError(errno.EOPNOTSUPP, "this server takes no snapshots")
+        async with self._lock:
+            await self._accept(epoch)
+            if await self.snapshots.piece(offset, bytes(payload or b""), done):
+                self.applied.fire()
+            position = self.txns.position()
+            if done and epoch > position.epoch:
+                await trio.to_thread.run_sync(self.txns.raise_epoch, epoch)
+                position = self.txns.position()
             return position.wire()

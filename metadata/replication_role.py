@@ -51,7 +51,7 @@ class MetaRole:
         group_size: int,
         routing: Callable[[], Routing],
         node_id: Callable[[], int | None],
-        resync: Callable[[str], Awaitable[None]] | None = None,
+        resync: Callable[[str, int], Awaitable[None]] | None = None,
         log_keep: int = 100_000,
     ) -> None:
         self.txns = txns

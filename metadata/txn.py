@@ -302,6 +302,12 @@ class Transactions:
             return self.last_seq
         return self.log.append(txn, self.epoch, ops)
 
+    def reopen(self, env: Any, dbs: dict[bytes, Any]) -> None:
+        """Work on a reopened environment (a snapshot was installed)."""
+        self.env, self.dbs = env, dbs
+        self.log = ReplicationLog(dbs)
+        self.last_seq = self.position().applied_seq
+
     def position(self) -> Position:
         with self.env.begin(write=False) as txn:
             return self.log.position(txn)

@@ -136,3 +136,54 @@ def test_primary_kill_during_a_storm_from_two_mounts(three: ProcessCluster, tmp_
         shufflefs("umount", str(second))
     c.down()
     assert_identical_namespaces(c)
+
+
+def namespace_ops(directory: Path, count: int, tag: str) -> None:
+    """*count* mutations through the mount (creates, and unlinks of half)."""
+    directory.mkdir(exist_ok=True)
+    for i in range(count // 2):
+        (directory / f"{tag}{i}").write_bytes(b"x")
+    for i in range(0, count // 2, 2):
+        (directory / f"{tag}{i}").unlink()
+
+
+def test_a_follower_catches_up_from_the_log_then_from_a_snapshot(tmp_path: Path) -> None:
+    c = ProcessCluster(
+        tmp_path / "data",
+        tmp_path / "mnt",
+        storage_nodes=1,
+        meta_servers=3,
+        mgmtd_settings=HEARTBEAT_FAST,
+    )
+    for d in METAS:  # a short log: a follower that misses more is sent a snapshot
+        with (c.data_dir / d / "meta.toml").open("a") as f:
+            f.write("log_keep = 1000\n")
+    try:
+        c.up()
+        lead = primary(c)
+        follower = next(name for name in METAS if name != lead)
+        work = c.mountpoint / "w"
+        namespace_ops(work, 100, "a")
+        c.kill(follower)
+        namespace_ops(work, 200, "b")  # fewer than log_keep: the log still has them
+        c.start(follower)
+        converged(c)
+        assert "sending a snapshot" not in c.log(lead)
+        c.kill(follower)
+        namespace_ops(work, 1500, "c")  # past log_keep: trimmed while it is away
+        time.sleep(3)  # a trim pass
+        c.start(follower)
+        converged(c)
+        assert "sending a snapshot" in c.log(lead)
+        assert "installed a snapshot" in c.log(follower)
+        namespace_ops(work, 20, "d")  # and it follows the log again
+        converged(c)
+        expected = sorted(
+            f"{t}{i}"
+            for t, n in (("a", 100), ("b", 200), ("c", 1500), ("d", 20))
+            for i in range(1, n // 2, 2)
+        )
+        assert sorted(p.name for p in work.iterdir()) == expected
+    finally:
+        c.down()
+    assert_identical_namespaces(c)

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from metaservice import Env
 
-from shufflefs.metadata.protocol import ROOT_INODE
-from shufflefs.metadata.records import ALL_DBS, DB_INFO, pack
+from shufflefs.metadata import request_ids
+from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.metadata.records import ALL_DBS, DB_INFO, DB_REQUESTS, pack
 from shufflefs.metadata.replication import (
     NOT_ACKNOWLEDGED,
     ReplicationService,
     Replicator,
 )
+from shufflefs.metadata.replication_snapshot import SnapshotReceiver, send_snapshot
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client
@@ -224,3 +228,62 @@ async def test_follower_refuses_an_older_epoch_and_deposes_its_sender(group: Any
         while not deposed:
             await trio.sleep(0.01)
     assert deposed == [4]
+
+
+async def test_a_retried_mutation_is_answered_not_applied_again(env: Env) -> None:
+    once = MetaStub(env.meta.rpc, env.meta.address, request=[7, 1])
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+    first = await once.create(ROOT_INODE, b"x", 0o644, flags, 0, 0, env.session)
+    again = await once.create(ROOT_INODE, b"x", 0o644, flags, 0, 0, env.session)
+    assert again == first  # not EEXIST: the same file, the same handle
+    with pytest.raises(FsError) as info:  # another request id is another create
+        await MetaStub(env.meta.rpc, env.meta.address, request=[7, 2]).create(
+            ROOT_INODE, b"x", 0o644, flags, 0, 0, env.session
+        )
+    assert info.value.code == errno.EEXIST
+    move = MetaStub(env.meta.rpc, env.meta.address, request=[7, 3])
+    await move.rename(ROOT_INODE, b"x", ROOT_INODE, b"y")
+    await move.rename(ROOT_INODE, b"x", ROOT_INODE, b"y")  # not ENOENT
+    gone = MetaStub(env.meta.rpc, env.meta.address, request=[7, 4])
+    await gone.unlink(ROOT_INODE, b"y")
+    await gone.unlink(ROOT_INODE, b"y")
+    await env.meta.release(first["attr"]["ino"], first["handle"], env.session)
+    with pytest.raises(FsError) as info:
+        await env.meta.lookup(ROOT_INODE, b"y")
+    assert info.value.code == errno.ENOENT
+    # a failed mutation stores nothing: its retry runs again
+    failing = MetaStub(env.meta.rpc, env.meta.address, request=[7, 5])
+    for _ in range(2):
+        with pytest.raises(FsError):
+            await failing.unlink(ROOT_INODE, b"nothing")
+    # results are kept KEEP seconds, then trimmed
+    assert env.store.txns.read(lambda tx: tx.entries(DB_REQUESTS)) == 3
+    assert request_ids.trim(env.store.txns, time.time() + request_ids.KEEP + 1) == 3
+    with pytest.raises(FsError) as info:
+        await MetaStub(env.meta.rpc, env.meta.address, request=[-1, 0]).unlink(ROOT_INODE, b"z")
+    assert info.value.code == errno.EINVAL
+
+
+async def test_a_snapshot_brings_a_diverged_follower_to_the_primary(tmp_path: Path) -> None:
+    primary, follower = open_ns(tmp_path / "a"), open_ns(tmp_path / "b")
+    try:
+        primary.txns.epoch, follower.txns.epoch = 2, 1
+        await mutate(primary, 20)
+        await mutate(follower, 5, prefix=b"never-acknowledged")  # a deposed primary's own
+        receiver = SnapshotReceiver(follower)
+        async with open_rpc_client(SECRET) as rpc, trio.open_nursery() as nursery:
+            service = ReplicationService(
+                follower.txns,
+                epoch_seen=lambda e: None,
+                may_follow=lambda e: True,
+                snapshots=receiver,
+            )
+            port = await nursery.start(RpcServer(SECRET, [service], name="f").serve, "127.0.0.1", 0)
+            await send_snapshot(primary, rpc, f"127.0.0.1:{port}", 2)
+            nursery.cancel_scope.cancel()
+        assert contents(follower) == contents(primary) and follower.fsck() == []
+        assert follower.txns.position() == primary.txns.position()
+        assert not (tmp_path / "namespace.recv").exists()
+    finally:
+        primary.close()
+        follower.close()
