@@ -76,9 +76,14 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
     )
     for n in status["nodes"]:
         ago = "now" if n["kind"] == "mgmtd" else f"{max(0.0, now - n['last_seen']):.1f}s ago"
+        role = (
+            f"  {n['role']} epoch {n.get('epoch', 0)} applied {n.get('applied_seq', 0)}"
+            if "role" in n
+            else ""
+        )
         print(
             f"  {n['id']:>4}  {n['kind']:<8} {n['state']:<8} {n['address']:<22} {n['host']:<16} "
-            f"{n['pid']:>7}  {ago}",
+            f"{n['pid']:>7}  {ago}{role}",
             file=out,
         )
     print("\nTARGETS", file=out)

@@ -60,6 +60,7 @@ from shufflefs.rpc.config import write_toml
 from shufflefs.rpc.errors import FsError
 
 NETNS_STORAGE_PORT = 9400
+NETNS_META_PORT = 9401
 DEFAULT_STORAGE_NODES = 3
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_HOST = "127.0.0.1"
@@ -83,10 +84,19 @@ class ClusterLayout:
     storage_netns: list[str] = field(default_factory=list)
     # metadata servers beyond the first (`--meta-servers N`): their ports
     meta_ports: list[int] = field(default_factory=list)
+    # Metadata servers on their own (test) hosts, like storage_hosts: each
+    # one's address and network namespace. Empty: every one on `host`.
+    meta_hosts: list[str] = field(default_factory=list)
+    meta_netns: list[str] = field(default_factory=list)
 
     @property
     def meta_servers(self) -> int:
         return 1 + len(self.meta_ports)
+
+    def meta_address(self, i: int) -> str:
+        """host:port of metadata server i (1-based)."""
+        host = self.meta_hosts[i - 1] if self.meta_hosts else self.host
+        return f"{host}:{[self.meta_port, *self.meta_ports][i - 1]}"
 
     def storage_address(self, i: int) -> str:
         """host:port of storage node i (0-based)."""
@@ -134,6 +144,8 @@ class LocalCluster:
         storage_netns: list[str] | None = None,
         mgmtd_settings: dict[str, Any] | None = None,
         meta_servers: int = 1,
+        meta_hosts: list[str] | None = None,
+        meta_netns: list[str] | None = None,
     ) -> ClusterLayout:
         """Write a new cluster's configs. *storage_hosts*/*storage_netns* put
         each storage node on its own address inside its own network namespace
@@ -150,11 +162,13 @@ class LocalCluster:
             raise UsageError(f"--replicas {replicas} needs at least {replicas} storage nodes")
         if meta_servers < 1:
             raise UsageError("--meta-servers must be at least 1")
-        ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes) + meta_servers - 1)
-        meta_ports, ports = (
-            ports[len(ports) - meta_servers + 1 :],
-            ports[: len(ports) - meta_servers + 1],
-        )
+        extra_metas = 0 if meta_hosts else meta_servers - 1
+        ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes) + extra_metas)
+        meta_ports, ports = ports[len(ports) - extra_metas :], ports[: len(ports) - extra_metas]
+        if meta_hosts:
+            if len(meta_hosts) != meta_servers or len(meta_netns or []) != meta_servers:
+                raise UsageError("need one host address and namespace per metadata server")
+            ports[1], meta_ports = NETNS_META_PORT, [NETNS_META_PORT] * (meta_servers - 1)
         if storage_hosts:
             if len(storage_hosts) != storage_nodes or len(storage_netns or []) != storage_nodes:
                 raise UsageError("need one host address and namespace per storage node")
@@ -171,6 +185,8 @@ class LocalCluster:
             list(storage_hosts or []),
             list(storage_netns or []),
             meta_ports,
+            list(meta_hosts or []),
+            list(meta_netns or []),
         )
         mgmtd = f"{host}:{layout.mgmtd_port}"
         common = {"secret_file": str(self.secret_file), "log_level": "INFO"}
@@ -188,11 +204,15 @@ class LocalCluster:
                 service_config_class("mgmtd"),
             ),
         }
-        for i, port in enumerate([layout.meta_port, *layout.meta_ports], start=1):
-            settings = {"group_size": layout.meta_servers} if layout.meta_servers > 1 else {}
+        for i in range(1, layout.meta_servers + 1):
+            settings: dict[str, Any] = (
+                {"group_size": layout.meta_servers} if layout.meta_servers > 1 else {}
+            )
+            if layout.meta_hosts:
+                settings["host"] = f"meta-host{i}"
             configs[self.meta_dir(i) / "meta.toml"] = (
                 {
-                    "listen": f"{host}:{port}",
+                    "listen": layout.meta_address(i),
                     "mgmtd": mgmtd,
                     "data_dir": str(self.meta_dir(i) / "db"),
                     "log_file": str(self.logs / f"{meta_name(i)}.log"),
@@ -278,7 +298,9 @@ class LocalCluster:
         layout = self.layout()
         out = [self._service("mgmtd", "mgmtd", self.dir / "mgmtd" / "mgmtd.toml")]
         for i in range(1, layout.meta_servers + 1):
-            out.append(self._service(meta_name(i), "meta", self.meta_dir(i) / "meta.toml"))
+            netns = layout.meta_netns[i - 1] if layout.meta_netns else None
+            config = self.meta_dir(i) / "meta.toml"
+            out.append(self._service(meta_name(i), "meta", config, netns))
         for i in range(1, len(layout.storage_ports) + 1):
             netns = layout.storage_netns[i - 1] if layout.storage_netns else None
             config = self.storage_dir(i) / "storage.toml"

@@ -370,21 +370,27 @@ class ProcessCluster:
         hosts: TestHosts | None = None,
         mgmtd_settings: dict[str, Any] | None = None,
         meta_servers: int = 1,
+        meta_hosts: TestHosts | None = None,
     ) -> None:
+        """*meta_hosts*: each metadata server on its own network-namespace
+        host (storage daemons and mgmtd on the bridge address)."""
         self.local = LocalCluster(data_dir)
         self.mountpoint = mountpoint or self.local.dir.parent / "mnt"
         self.hosts = hosts
         if not self.local.exists():
             nodes = range(1, storage_nodes + 1)
+            metas = range(1, meta_servers + 1)
             self.local.format(
                 storage_nodes,
                 default_replicas(storage_nodes, replicas),
                 chunk_size,
-                hosts.gateway if hosts else "127.0.0.1",
+                hosts.gateway if hosts else meta_hosts.gateway if meta_hosts else "127.0.0.1",
                 storage_hosts=[hosts.address(i) for i in nodes] if hosts else None,
                 storage_netns=[hosts.netns(i) for i in nodes] if hosts else None,
                 mgmtd_settings=mgmtd_settings,
                 meta_servers=meta_servers,
+                meta_hosts=[meta_hosts.address(i) for i in metas] if meta_hosts else None,
+                meta_netns=[meta_hosts.netns(i) for i in metas] if meta_hosts else None,
             )
         self.layout = self.local.layout()
         self.mgmtd_address = f"{self.layout.host}:{self.layout.mgmtd_port}"

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hosts as test_hosts
 import pytest
 from clusters import HEARTBEAT_FAST, ProcessCluster
 from harness import shufflefs
@@ -186,4 +187,89 @@ def test_a_follower_catches_up_from_the_log_then_from_a_snapshot(tmp_path: Path)
         assert sorted(p.name for p in work.iterdir()) == expected
     finally:
         c.down()
+    assert_identical_namespaces(c)
+
+
+SPLIT_BRAIN = """
+import sys, trio
+from shufflefs.metadata.protocol import MetaStub
+from shufflefs.rpc.client import open_rpc_client
+from shufflefs.rpc.errors import FsError
+
+async def main():
+    async with open_rpc_client(open(sys.argv[1], "rb").read().strip()) as rpc:
+        try:
+            await MetaStub(rpc, sys.argv[2], timeout=10).mkdir(1, b"split-brain", 0o755, 0, 0)
+        except FsError as exc:
+            print("refused", exc.code, exc.message)
+            return
+        print("ACKNOWLEDGED")
+
+trio.run(main)
+"""
+
+
+def test_the_cut_off_primary_acknowledges_nothing_and_rejoins(tmp_path: Path) -> None:
+    why_not = test_hosts.namespaces_available()
+    if why_not is not None:
+        pytest.skip(f"network namespaces unavailable: {why_not}")
+    hosts = test_hosts.TestHosts(3)
+    hosts.create()
+    c: ProcessCluster | None = None
+    try:
+        c = ProcessCluster(
+            tmp_path / "data",
+            tmp_path / "mnt",
+            storage_nodes=1,
+            meta_servers=3,
+            meta_hosts=hosts,
+            mgmtd_settings=HEARTBEAT_FAST,
+        )
+        c.up()
+        report = tmp_path / "storm.json"
+        storm = start_storm(c.mountpoint / "s", 25.0, report)
+        deadline = time.monotonic() + 60
+        while progress(report) < 50 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lead = primary(c)
+        index = METAS.index(lead) + 1
+        hosts.cut(index)
+        # a client on the isolated host itself: its primary must not acknowledge
+        probe = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                hosts.netns(index),
+                sys.executable,
+                "-c",
+                SPLIT_BRAIN,
+                str(c.data_dir / "secret"),
+                c.layout.meta_address(index),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert probe.stdout.startswith("refused"), probe.stdout + probe.stderr
+        assert storm.wait(timeout=120) == 0
+        result = json.loads(report.read_text())
+        assert result["errors"] == [] and result["ops"] > 100
+        assert sorted(p.name for p in (c.mountpoint / "s").iterdir()) == sorted(result["model"])
+        assert "primary no more" in c.log(lead)
+        hosts.restore(index)
+        c.wait_for(
+            "the old primary back as a follower",
+            lambda s: any(
+                n["pid"] == c.pid(lead) and n["state"] == "online" and n["role"] == "follower"
+                for n in s["nodes"]
+            ),
+        )
+        converged(c)
+        assert not (c.mountpoint / "split-brain").exists()
+        print(f"link cut: longest operation {result['stall']:.2f}s")
+    finally:
+        if c is not None:
+            c.down()
+        hosts.destroy()
     assert_identical_namespaces(c)
