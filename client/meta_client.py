@@ -3,13 +3,19 @@
 Two calls, named for their retry semantics: `call_idempotent` for what may
 be applied any number of times (lookups, getattr, readdir, but also a length
 update to a given size) is retried through every transient failure (a
-metadata server restarting); `call_at_most_once` for what must not apply
-twice (create, rename, unlink...) is retried only when the request provably
-never left (connection refused). Both use the one policy, `rpc.retry`.
+metadata server restarting, a failover to another primary);
+`call_at_most_once` for what must not apply twice (create, rename,
+unlink...) carries a request id that stays the same through its retries:
+the metadata servers store each mutation's result under it, in the same
+(replicated) transaction, so it too is retried through every transient
+failure and a retry is answered, not applied again
+(`metadata/request_ids.py`). Both use the one policy, `rpc.retry`.
 """
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -35,9 +41,11 @@ class MetaClient:
         self.routing = routing
         self.timeout = timeout
         self.retry_budget = retry_budget
+        self.nonce = random.getrandbits(63)  # this client's part of its request ids
+        self._requests = itertools.count(1)
 
-    def stub(self) -> MetaStub:
-        return MetaStub(self.rpc, self.routing.current.meta_address(), self.timeout)
+    def stub(self, request: list[int] | None = None) -> MetaStub:
+        return MetaStub(self.rpc, self.routing.current.meta_address(), self.timeout, request)
 
     async def _refresh(self, exc: FsError) -> None:
         await self.routing.refresh()
@@ -49,11 +57,12 @@ class MetaClient:
         )
 
     async def call_at_most_once(self, what: str, fn: Callable[[MetaStub], Awaitable[T]]) -> T:
-        """A call that must not be applied twice: retried only if never sent."""
+        """A call that must not be applied twice: one request id for all its
+        tries, so the servers apply it once however often it is sent."""
+        request = [self.nonce, next(self._requests)]
         return await retrying(
             what,
-            lambda: fn(self.stub()),
+            lambda: fn(self.stub(request)),
             budget=self.retry_budget,
             on_failure=self._refresh,
-            idempotent=False,
         )

@@ -102,9 +102,14 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
     )
     for n in status["nodes"]:
         ago = "now" if n["kind"] == "mgmtd" else f"{max(0.0, now - n['last_seen']):.1f}s ago"
+        role = (
+            f"  {n['role']} epoch {n.get('epoch', 0)} applied {n.get('applied_seq', 0)}"
+            if "role" in n
+            else ""
+        )
         print(
             f"  {n['id']:>4}  {n['kind']:<8} {n['state']:<8} {n['address']:<22} {n['host']:<16} "
-            f"{n['pid']:>7}  {ago}",
+            f"{n['pid']:>7}  {ago}{role}",
             file=out,
         )
     print("\nTARGETS", file=out)
@@ -172,7 +177,7 @@ def cli_status(args: argparse.Namespace) -> int:
     primary = next((r["address"] for r in roles if r["role"] == "primary"), None)
     for n in status["nodes"]:
         if n["kind"] == "mgmtd":  # the primary's entry (standbys are in "mgmtd")
-            n["role"] = "primary" if primary in (None, n["address"]) else "standby"  # type: ignore[typeddict-unknown-key]
+            n["role"] = "primary" if primary in (None, n["address"]) else "standby"
     if args.json:
         mounts: list[dict[str, Any]] | None = None
         if not isinstance(sessions, str):
@@ -182,9 +187,7 @@ def cli_status(args: argparse.Namespace) -> int:
                 if s["mount"] is not None
             ]
         print(
-            json.dumps(
-                {**status, "capacity": capacity, "mgmtd": roles, "mounts": mounts}, indent=2
-            )
+            json.dumps({**status, "capacity": capacity, "mgmtd": roles, "mounts": mounts}, indent=2)
         )
     else:
         render_status(status, capacity)

@@ -37,7 +37,7 @@ MAX_LOCAL_STORAGE_NODES = 64
 # subcommand -> (module, function taking the parsed args and returning an exit code)
 COMMANDS: dict[str, tuple[str, str]] = {
     "mgmtd": ("shufflefs.cluster.mgmtd", "cli_main"),
-    "meta": ("shufflefs.metadata.server", "cli_main"),
+    "meta": ("shufflefs.metadata.process", "cli_main"),
     "storage": ("shufflefs.storage.daemon", "cli_main"),
     "up": ("shufflefs.cluster.launcher", "cli_up"),
     "down": ("shufflefs.cluster.launcher", "cli_down"),
@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--host", help="address the services listen on (default: 127.0.0.1 for a new cluster)"
+    )
+    p.add_argument(
+        "--meta-servers",
+        type=positive_int,
+        help="metadata servers, fixed at format (default: 1; 3 for failover)",
     )
     p.add_argument("--no-mount", action="store_true", help="start the services only")
 

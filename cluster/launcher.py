@@ -60,6 +60,7 @@ from shufflefs.rpc.config import write_toml
 from shufflefs.rpc.errors import FsError
 
 NETNS_STORAGE_PORT = 9400
+NETNS_META_PORT = 9401
 DEFAULT_STORAGE_NODES = 3
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_HOST = "127.0.0.1"
@@ -81,6 +82,21 @@ class ClusterLayout:
     # network namespace it runs in. Empty: every node on `host`.
     storage_hosts: list[str] = field(default_factory=list)
     storage_netns: list[str] = field(default_factory=list)
+    # metadata servers beyond the first (`--meta-servers N`): their ports
+    meta_ports: list[int] = field(default_factory=list)
+    # Metadata servers on their own (test) hosts, like storage_hosts: each
+    # one's address and network namespace. Empty: every one on `host`.
+    meta_hosts: list[str] = field(default_factory=list)
+    meta_netns: list[str] = field(default_factory=list)
+
+    @property
+    def meta_servers(self) -> int:
+        return 1 + len(self.meta_ports)
+
+    def meta_address(self, i: int) -> str:
+        """host:port of metadata server i (1-based)."""
+        host = self.meta_hosts[i - 1] if self.meta_hosts else self.host
+        return f"{host}:{[self.meta_port, *self.meta_ports][i - 1]}"
 
     def storage_address(self, i: int) -> str:
         """host:port of storage node i (0-based)."""
@@ -107,6 +123,10 @@ class LocalCluster:
             )
         return load_checked(self.layout_file, ClusterLayout)
 
+    def meta_dir(self, i: int) -> Path:
+        """Metadata server i's folder (1-based: meta, meta2, meta3...)."""
+        return self.dir / meta_name(i)
+
     def storage_dir(self, i: int) -> Path:
         """Storage node i's folder (1-based, as in its name storageN)."""
         return self.dir / f"storage{i}"
@@ -123,6 +143,9 @@ class LocalCluster:
         storage_hosts: list[str] | None = None,
         storage_netns: list[str] | None = None,
         mgmtd_settings: dict[str, Any] | None = None,
+        meta_servers: int = 1,
+        meta_hosts: list[str] | None = None,
+        meta_netns: list[str] | None = None,
     ) -> ClusterLayout:
         """Write a new cluster's configs. *storage_hosts*/*storage_netns* put
         each storage node on its own address inside its own network namespace
@@ -137,7 +160,15 @@ class LocalCluster:
             raise UsageError("--replicas must be at least 1")
         if replicas > storage_nodes:
             raise UsageError(f"--replicas {replicas} needs at least {replicas} storage nodes")
-        ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes))
+        if meta_servers < 1:
+            raise UsageError("--meta-servers must be at least 1")
+        extra_metas = 0 if meta_hosts else meta_servers - 1
+        ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes) + extra_metas)
+        meta_ports, ports = ports[len(ports) - extra_metas :], ports[: len(ports) - extra_metas]
+        if meta_hosts:
+            if len(meta_hosts) != meta_servers or len(meta_netns or []) != meta_servers:
+                raise UsageError("need one host address and namespace per metadata server")
+            ports[1], meta_ports = NETNS_META_PORT, [NETNS_META_PORT] * (meta_servers - 1)
         if storage_hosts:
             if len(storage_hosts) != storage_nodes or len(storage_netns or []) != storage_nodes:
                 raise UsageError("need one host address and namespace per storage node")
@@ -153,6 +184,9 @@ class LocalCluster:
             chunk_size,
             list(storage_hosts or []),
             list(storage_netns or []),
+            meta_ports,
+            list(meta_hosts or []),
+            list(meta_netns or []),
         )
         mgmtd = f"{host}:{layout.mgmtd_port}"
         common = {"secret_file": str(self.secret_file), "log_level": "INFO"}
@@ -169,17 +203,24 @@ class LocalCluster:
                 },
                 service_config_class("mgmtd"),
             ),
-            self.dir / "meta" / "meta.toml": (
+        }
+        for i in range(1, layout.meta_servers + 1):
+            settings: dict[str, Any] = (
+                {"group_size": layout.meta_servers} if layout.meta_servers > 1 else {}
+            )
+            if layout.meta_hosts:
+                settings["host"] = f"meta-host{i}"
+            configs[self.meta_dir(i) / "meta.toml"] = (
                 {
-                    "listen": f"{host}:{layout.meta_port}",
+                    "listen": layout.meta_address(i),
                     "mgmtd": mgmtd,
-                    "data_dir": str(self.dir / "meta" / "db"),
-                    "log_file": str(self.logs / "meta.log"),
+                    "data_dir": str(self.meta_dir(i) / "db"),
+                    "log_file": str(self.logs / f"{meta_name(i)}.log"),
+                    **settings,
                     **common,
                 },
                 service_config_class("meta"),
-            ),
-        }
+            )
         for i in range(1, storage_nodes + 1):
             configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(layout, i)
         configs[self.client_config] = ({"mgmtd": mgmtd, "secret_file": "secret"}, ClientConfig)
@@ -256,7 +297,10 @@ class LocalCluster:
     def services(self) -> list[procs.ServiceProcess]:
         layout = self.layout()
         out = [self._service("mgmtd", "mgmtd", self.dir / "mgmtd" / "mgmtd.toml")]
-        out.append(self._service("meta", "meta", self.dir / "meta" / "meta.toml"))
+        for i in range(1, layout.meta_servers + 1):
+            netns = layout.meta_netns[i - 1] if layout.meta_netns else None
+            config = self.meta_dir(i) / "meta.toml"
+            out.append(self._service(meta_name(i), "meta", config, netns))
         for i in range(1, len(layout.storage_ports) + 1):
             netns = layout.storage_netns[i - 1] if layout.storage_netns else None
             config = self.storage_dir(i) / "storage.toml"
@@ -297,6 +341,11 @@ class LocalCluster:
             return Path((self.run / "mountpoint").read_text().strip())
         except OSError:
             return None
+
+
+def meta_name(i: int) -> str:
+    """The name of metadata server i (1-based): meta, meta2, meta3..."""
+    return "meta" if i == 1 else f"meta{i}"
 
 
 def default_replicas(storage_nodes: int, replicas: int | None) -> int:
@@ -357,6 +406,7 @@ def up(
     host: str | None = None,
     out: Any = sys.stdout,
     timeout: float = START_TIMEOUT,
+    meta_servers: int | None = None,
 ) -> LocalCluster:
     """Format (first time) or check (afterwards) the cluster in *data_dir*,
     start what is not running, wait until it is ready, and mount. Shape
@@ -366,7 +416,7 @@ def up(
     cluster = LocalCluster(data_dir)
     mount_at = check_mountpoint(mountpoint) if mountpoint is not None else None
     if cluster.exists():
-        added = reconcile_shape(cluster, storage_nodes, replicas, chunk_size, host)
+        added = reconcile_shape(cluster, storage_nodes, replicas, chunk_size, host, meta_servers)
         if added:
             names = ", ".join(added)
             print(f"added {names}; mgmtd places their targets (see `shufflefs status`)", file=out)
@@ -377,8 +427,11 @@ def up(
             default_replicas(nodes, replicas),
             chunk_size or DEFAULT_CHUNK_SIZE,
             host or DEFAULT_HOST,
+            meta_servers=meta_servers or 1,
         )
         print(f"formatted a new cluster in {cluster.dir}", file=out)
+        if not meta_servers or meta_servers == 1:
+            print("one metadata server: for failover, format with --meta-servers 3", file=out)
     cluster.check_configs()
     startup = Startup(cluster, out)
     try:
@@ -400,6 +453,7 @@ def reconcile_shape(
     replicas: int | None,
     chunk_size: int | None,
     host: str | None,
+    meta_servers: int | None = None,
 ) -> list[str]:
     """Make an existing cluster the shape asked for, or say why not and
     how. Returns the storage nodes added."""
@@ -422,6 +476,11 @@ def reconcile_shape(
             f"{d} makes new files with {current}-byte chunks; --chunk-size does not change "
             f"an existing cluster (set chunk_size in {mgmtd_toml}, then "
             f"`shufflefs down --data-dir {d}` and `shufflefs up --data-dir {d}`)"
+        )
+    if meta_servers is not None and meta_servers != layout.meta_servers:
+        raise UsageError(
+            f"{d} has {layout.meta_servers} metadata servers; --meta-servers is fixed at format "
+            "(use a new --data-dir)"
         )
     have = len(layout.storage_ports)
     if storage_nodes is not None and storage_nodes < have:
@@ -507,6 +566,7 @@ def cli_up(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         chunk_size=parse_size(args.chunk_size) if args.chunk_size is not None else None,
         host=args.host,
+        meta_servers=args.meta_servers,
     )
     print(f"cluster up; client config: {cluster.client_config}")
     found = find_client_config().absolute()

@@ -12,6 +12,7 @@ standby answers only `role` and refuses the rest with `NOT_PRIMARY`).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import time
@@ -22,11 +23,13 @@ import trio
 
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.coordination import Coordination, EmbeddedCoordination, open_coordination
+from shufflefs.cluster.meta_leases import MetaLeases
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import (
     AssignResult,
     Capacity,
     ClusterConfig,
+    LeaseReply,
     MgmtdRole,
     RegisterResult,
     RoutingInfo,
@@ -60,7 +63,9 @@ class MgmtdService:
         self.coordination = coordination
         self.rpc = rpc
         self.address = address
+        self.leases = MetaLeases()  # the metadata primary's lease policy
         self._persist_lock = trio.Lock()
+        self._lease_lock = trio.Lock()
 
     def state(self) -> ClusterState:
         """The cluster state, only while this instance is the primary: every
@@ -72,6 +77,7 @@ class MgmtdService:
     def take_over(self, state: ClusterState | None) -> None:
         """Become the primary with *state* (None: step down to standby)."""
         self._state = state
+        self.leases = MetaLeases()  # reports start afresh: nobody takes over on old ones
 
     async def persist(self) -> None:
         """Commit the current state durably. The record is taken inside the
@@ -115,7 +121,39 @@ class MgmtdService:
     @rpc_method
     async def unregister_node(self, node_id: int) -> None:
         self.state().unregister(node_id)
+        await self.leases.forget(self.coordination, node_id)
         await self.persist()
+
+    @rpc_method
+    async def meta_lease(
+        self, node_id: int, applied_seq: int, applied_epoch: int, group_size: int = 1
+    ) -> LeaseReply:
+        """A metadata server asks for (or renews) the primary's lease and
+        reports its log position (`cluster/meta_leases.py`)."""
+        state = self.state()
+        node = state.nodes.get(node_id)
+        if node is None or node.kind != "meta":
+            raise FsError(errno.ENOENT, f"node {node_id} is not a registered metadata server")
+        members = {n.id for n in state.nodes.values() if n.kind == "meta"}
+        async with self._lease_lock:  # one at a time: a grant is saved before it is answered
+            reply, changed = await self.leases.request(
+                self.coordination,
+                node_id,
+                applied_seq,
+                applied_epoch,
+                members,
+                group_size,
+                trio.current_time(),
+            )
+        if changed:
+            state.bump(f"metadata primary node {node_id} epoch {reply['epoch']}")
+            await self.persist()
+        return reply
+
+    def _routing(self) -> RoutingInfo:
+        info = self.state().routing()
+        self.leases.annotate(info["nodes"], trio.current_time())
+        return info
 
     @rpc_method
     async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
@@ -151,11 +189,11 @@ class MgmtdService:
     async def get_routing(self, known_version: int) -> RoutingInfo | None:
         if known_version == self.state().version:
             return None
-        return self.state().routing()
+        return self._routing()
 
     @rpc_method(inline=True)
     async def status(self) -> RoutingInfo:
-        return self.state().routing()
+        return self._routing()
 
     @rpc_method(inline=True)
     async def capacity(self) -> Capacity:

@@ -13,7 +13,7 @@ which are built on it), never mgmtd's internals.
 from __future__ import annotations
 
 import errno
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import trio
 
@@ -61,6 +61,20 @@ class NodeInfo(TypedDict):
     pid: int
     state: str  # NodeState
     last_seen: float  # unix time of the last heartbeat
+    # metadata servers only (cluster/meta_leases.py): primary or follower,
+    # the primary's epoch (a follower's: of its newest entry), log position
+    role: NotRequired[str]
+    epoch: NotRequired[int]
+    applied_seq: NotRequired[int]
+
+
+class LeaseReply(TypedDict):
+    """mgmtd's answer to a metadata server's lease request."""
+
+    granted: bool  # the caller holds the lease (for ttl seconds from its request)
+    holder: int | None  # node id of the metadata primary, if any
+    epoch: int
+    ttl: float
 
 
 class TargetInfo(TypedDict):
@@ -233,6 +247,20 @@ class MgmtdStub:
     async def get_routing(self, known_version: int = -1) -> RoutingInfo | None:
         """The routing map, or None if it is still at *known_version*."""
         result: RoutingInfo | None = await self._call("get_routing", known_version=known_version)
+        return result
+
+    async def meta_lease(
+        self, node_id: int, applied_seq: int, applied_epoch: int, group_size: int
+    ) -> LeaseReply:
+        """Ask for (or renew) the metadata primary's lease, reporting this
+        server's log position (cluster/meta_leases.py)."""
+        result: LeaseReply = await self._call(
+            "meta_lease",
+            node_id=node_id,
+            applied_seq=applied_seq,
+            applied_epoch=applied_epoch,
+            group_size=group_size,
+        )
         return result
 
     async def status(self) -> RoutingInfo:

@@ -104,11 +104,13 @@ class Routing:
         )
 
     def meta_address(self) -> str:
-        """Where namespace requests go."""
+        """Where namespace requests go: the metadata primary (the first
+        metadata server online, if the map names no primary)."""
         metas = self.nodes_of_kind("meta")
         if not metas:
             raise FsError(errno.EHOSTDOWN, "no metadata server is online")
-        return metas[0]["address"]
+        primaries = [n for n in metas if n.get("role") == "primary"]
+        return (primaries or metas)[0]["address"]
 
 
 class ChainWatch:

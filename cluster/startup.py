@@ -109,6 +109,8 @@ async def _not_ready(rpc: RpcClient, mgmtd: MgmtdStub, pids: dict[str, int]) -> 
         if pid not in online:
             return f"{name} (pid {pid}) to register with mgmtd"
     metas = [n for n in online.values() if n["kind"] == "meta"]
+    if len(metas) > 1 and not any(n.get("role") == "primary" for n in metas):
+        return "the metadata servers to elect a primary"
     if metas and await MetaStub(rpc, metas[0]["address"]).routing_version() < status["version"]:
         return f"meta to learn routing version {status['version']}"
     return None

@@ -28,6 +28,13 @@ class MetaConfig:
     sync: bool = True
     session_timeout: float = 60.0  # seconds a client session lives without renewal
     map_size: int = 64 << 30  # LMDB address-space reservation: the namespace's size limit
+    # How many metadata servers the group has (the majority a mutation needs
+    # is counted from it, or from the registered ones if more). 1: this
+    # server is its own primary, without a lease.
+    group_size: int = 1
+    # Log entries kept for a follower that is out of touch; one that missed
+    # more copies a snapshot of the namespace instead.
+    log_keep: int = 100_000
 
     def validate(self, where: str) -> None:
         """What the types of the TOML file cannot say (*where*: the file, for
@@ -38,4 +45,8 @@ class MetaConfig:
             )
         if self.map_size < 1 << 20:
             raise FsError(errno.EINVAL, f"{where}: map_size {self.map_size} is below 1 MiB")
+        if self.group_size < 1:
+            raise FsError(
+                errno.EINVAL, f"{where}: group_size must be at least 1: {self.group_size}"
+            )
         check_addresses(where, listen=self.listen, mgmtd=self.mgmtd, advertise=self.advertise)

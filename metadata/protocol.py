@@ -118,15 +118,50 @@ class FsStats(TypedDict):
     max_files: int
 
 
-class MetaStub:
-    """Typed calls to a metadata server at one address."""
+# the methods that change the namespace: they take a `request` id, the same
+# through every retry, so that a retried one is answered, not applied again
+MUTATIONS = frozenset(
+    {
+        "session_open",
+        "session_renew",
+        "session_close",
+        "setattr",
+        "update_length",
+        "mknod",
+        "mkdir",
+        "create",
+        "open",
+        "release",
+        "unlink",
+        "rmdir",
+        "rename",
+        "link",
+        "symlink",
+        "setxattr",
+        "removexattr",
+    }
+)
 
-    def __init__(self, rpc: RpcClient, address: str, timeout: float = 10.0) -> None:
+
+class MetaStub:
+    """Typed calls to a metadata server at one address. With *request*
+    (`[client nonce, counter]`), mutations carry it as their request id."""
+
+    def __init__(
+        self,
+        rpc: RpcClient,
+        address: str,
+        timeout: float = 10.0,
+        request: list[int] | None = None,
+    ) -> None:
         self.rpc = rpc
         self.address = address
         self.timeout = timeout
+        self.request = request
 
     async def _call(self, method: str, **args: Any) -> Any:
+        if self.request is not None and method in MUTATIONS:
+            args["request"] = self.request
         return await self.rpc.call(self.address, method, args, timeout=self.timeout)
 
     # ---- sessions (who holds files open) ----------------------------------

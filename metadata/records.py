@@ -37,6 +37,7 @@ DB_SESSION_HANDLES = b"session_handles"
 DB_GC = b"gc"
 DB_TRUNCATES = b"truncates"
 DB_COUNTERS = b"counters"
+DB_REQUESTS = b"requests"  # request id -> the result of its mutation (request_ids.py)
 ALL_DBS = (
     DB_INFO,
     DB_INODES,
@@ -48,6 +49,7 @@ ALL_DBS = (
     DB_GC,
     DB_TRUNCATES,
     DB_COUNTERS,
+    DB_REQUESTS,
 )
 
 # keys of `info`

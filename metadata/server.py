@@ -9,7 +9,6 @@ client never sees cut bytes again), chunk deletion in the background.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import functools
@@ -18,16 +17,12 @@ import logging
 import random
 import stat
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
-from shufflefs.cluster.agent import NodeAgent, unregister_node
-from shufflefs.cluster.node import NodeState, advertised_address, listen_address
-from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
-from shufflefs.cluster.routing import Routing, RoutingCache
-from shufflefs.metadata.config import MetaConfig
+from shufflefs.cluster.routing import Routing
+from shufflefs.metadata import request_ids
 from shufflefs.metadata.files import opens_for_writing
 from shufflefs.metadata.gc import SessionReaper, StorageJobs
 from shufflefs.metadata.protocol import (
@@ -43,22 +38,17 @@ from shufflefs.metadata.protocol import (
     is_read_only_handle,
 )
 from shufflefs.metadata.readonly import FreeInProgress
+from shufflefs.metadata.replication_role import MetaRole
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
-from shufflefs.rpc.auth import load_secret
-from shufflefs.rpc.client import RpcClient, open_rpc_client
-from shufflefs.rpc.config import load_config
+from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.runtime import hostname, run_service, setup_logging
 from shufflefs.rpc.schema import rpc_method
-from shufflefs.rpc.server import RpcServer
 from shufflefs.storage.protocol import FORWARD_TIMEOUT
 
 log = logging.getLogger("shufflefs.metadata.server")
 
 T = TypeVar("T")
-
-NAMESPACE_DIR = "namespace"
 
 
 def _kv(details: dict[str, Any]) -> str:
@@ -87,11 +77,17 @@ class MetaService:
         storage_timeout: float = FORWARD_TIMEOUT,  # per replica, as the daemons forward
         reap_interval: float | None = None,
         refresh_routing: Callable[[], Awaitable[object]] | None = None,
+        role: MetaRole | None = None,
     ) -> None:
         self.store = store
         self.routing = routing
         self.refresh_routing = refresh_routing
-        self.write = Writer(store.txns)
+        self.role = role
+        self.write = (
+            Writer(store.txns)
+            if role is None
+            else Writer(store.txns, gate=role.check_writable, durable=role.durable)
+        )
         self.jobs = StorageJobs(
             store,
             self.write,
@@ -108,11 +104,40 @@ class MetaService:
         self._rotor = itertools.count(random.randrange(1 << 16))
 
     async def run_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """The storage-job worker and the session reaper, until cancelled."""
+        """The storage-job worker and the session reaper, until cancelled;
+        with a role, only while this server is the primary."""
+        if self.role is not None:
+            await self.role.run(self._primary_duties, task_status=task_status)
+            return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.jobs.run)
             nursery.start_soon(self.reaper.run)
             task_status.started()
+
+    async def _primary_duties(self) -> None:
+        """A new primary (also a restarted one) gives every session a fresh
+        lease and starts the restart grace (the read-only handles were in
+        another process's memory), then carries out jobs and reaps."""
+        sessions = await self.write(self.store.restart_leases)
+        log.info("serving as primary: %d sessions get a fresh lease", sessions)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.jobs.run)
+            nursery.start_soon(self.reaper.run)
+            while True:
+                await trio.sleep(request_ids.TRIM_INTERVAL)
+                await self.write(request_ids.trim, self.store.txns)
+
+    @rpc_method(inline=True)
+    async def meta_role(self) -> dict[str, Any]:
+        """This server's role, epoch and log position (status, tests)."""
+        position = self.store.txns.position()
+        primary = self.role is None or self.role.primary_now()
+        return {
+            "role": "primary" if primary else "follower",
+            "epoch": position.epoch,
+            "applied_seq": position.applied_seq,
+            "applied_epoch": position.applied_epoch,
+        }
 
     def new_layout(self) -> Layout:
         """The layout of a file created now: up to `stripe` writable chains
@@ -147,12 +172,20 @@ class MetaService:
             with contextlib.suppress(FsError):
                 await self.refresh_routing()
 
-    async def _mutate(self, op: str, fn: Callable[..., T], **args: Any) -> T:
+    async def _mutate(
+        self, op: str, fn: Callable[..., T], request: list[int] | None = None, **args: Any
+    ) -> T:
+        """Run a mutation through the writer; with a *request* id, at most
+        once however often it is retried (`request_ids.py`)."""
+        call = fn if request is None else functools.partial(self._once, request, fn)
         try:
-            return await self.write(fn, **args)
+            return await self.write(call, **args)
         except FsError as exc:
             log.debug("%s failed %s: %s", op, _kv(args), exc.message)
             raise
+
+    def _once(self, request: list[int], fn: Callable[..., T], **args: Any) -> T:
+        return request_ids.run_once(self.store.txns, request, functools.partial(fn, **args))
 
     async def _settle_open(self, result: OpenResult, flags: int, session: int) -> OpenResult:
         """A writer must not get a file whose cut is still owed to storage:
@@ -174,10 +207,21 @@ class MetaService:
 
     @rpc_method
     async def session_open(
-        self, client: str, host: str, pid: int, mount: MountInfo | None = None
+        self,
+        client: str,
+        host: str,
+        pid: int,
+        mount: MountInfo | None = None,
+        request: list[int] | None = None,
     ) -> Session:
         result = await self._mutate(
-            "session_open", self.store.session_open, client=client, host=host, pid=pid, mount=mount
+            "session_open",
+            self.store.session_open,
+            request=request,
+            client=client,
+            host=host,
+            pid=pid,
+            mount=mount,
         )
         log.info(
             "session opened session=%d client=%s host=%s pid=%d",
@@ -189,10 +233,14 @@ class MetaService:
         return result
 
     @rpc_method
-    async def session_renew(self, session: int, open_ro: list[list[int]] | None = None) -> None:
+    async def session_renew(
+        self, session: int, open_ro: list[list[int]] | None = None, request: list[int] | None = None
+    ) -> None:
         """The first renewal after a restart also hands back the read-only
         handles the client holds (kept in memory only: `readonly.py`)."""
-        await self._mutate("session_renew", self.store.session_renew, session=session)
+        await self._mutate(
+            "session_renew", self.store.session_renew, request=request, session=session
+        )
         pairs = [(p[0], p[1]) for p in open_ro or [] if len(p) == 2]
         self.store.read_only.renewed(session, pairs)
         await self.reaper.sweep_if_due()
@@ -202,9 +250,9 @@ class MetaService:
         return self.store.sessions()
 
     @rpc_method
-    async def session_close(self, session: int) -> None:
+    async def session_close(self, session: int, request: list[int] | None = None) -> None:
         handles, freed = await self._mutate(
-            "session_close", self.store.session_close, session=session
+            "session_close", self.store.session_close, request=request, session=session
         )
         log.info("session closed session=%d handles=%d freed=%d", session, handles, freed)
         if freed:
@@ -234,10 +282,12 @@ class MetaService:
         size: int | None = None,
         atime: int | None = None,
         mtime: int | None = None,
+        request: list[int] | None = None,
     ) -> Attr:
         attr = await self._mutate(
             "setattr",
             self.store.setattr,
+            request=request,
             ino=ino,
             mode=mode,
             uid=uid,
@@ -251,22 +301,37 @@ class MetaService:
         return attr
 
     @rpc_method
-    async def update_length(self, ino: int, length: int, mtime: int | None = None) -> Attr:
+    async def update_length(
+        self, ino: int, length: int, mtime: int | None = None, request: list[int] | None = None
+    ) -> Attr:
         return await self._mutate(
-            "update_length", self.store.update_length, ino=ino, length=length, mtime=mtime
+            "update_length",
+            self.store.update_length,
+            request=request,
+            ino=ino,
+            length=length,
+            mtime=mtime,
         )
 
     # ---- creating and removing ------------------------------------------------
 
     @rpc_method
     async def mknod(
-        self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        rdev: int,
+        uid: int,
+        gid: int,
+        request: list[int] | None = None,
     ) -> Attr:
         if stat.S_ISREG(mode):
             await self._ensure_chains()
         return await self._mutate(
             "mknod",
             self.store.mknod,
+            request=request,
             parent=parent,
             name=name,
             mode=mode,
@@ -277,19 +342,43 @@ class MetaService:
         )
 
     @rpc_method
-    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+    async def mkdir(
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        uid: int,
+        gid: int,
+        request: list[int] | None = None,
+    ) -> Attr:
         return await self._mutate(
-            "mkdir", self.store.mkdir, parent=parent, name=name, mode=mode, uid=uid, gid=gid
+            "mkdir",
+            self.store.mkdir,
+            request=request,
+            parent=parent,
+            name=name,
+            mode=mode,
+            uid=uid,
+            gid=gid,
         )
 
     @rpc_method
     async def create(
-        self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int, session: int
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        flags: int,
+        uid: int,
+        gid: int,
+        session: int,
+        request: list[int] | None = None,
     ) -> OpenResult:
         await self._ensure_chains()
         result = await self._mutate(
             "create",
             self.store.create,
+            request=request,
             parent=parent,
             name=name,
             mode=mode,
@@ -302,10 +391,14 @@ class MetaService:
         return await self._settle_open(result, flags, session)
 
     @rpc_method
-    async def open(self, ino: int, flags: int, session: int) -> OpenResult:
+    async def open(
+        self, ino: int, flags: int, session: int, request: list[int] | None = None
+    ) -> OpenResult:
         if not opens_for_writing(flags):
             return await self._open_read_only(ino, flags, session)
-        result = await self._mutate("open", self.store.open, ino=ino, flags=flags, session=session)
+        result = await self._mutate(
+            "open", self.store.open, request=request, ino=ino, flags=flags, session=session
+        )
         return await self._settle_open(result, flags, session)
 
     async def _open_read_only(self, ino: int, flags: int, session: int) -> OpenResult:
@@ -322,36 +415,52 @@ class MetaService:
                 raise
 
     @rpc_method
-    async def release(self, ino: int, handle: int, session: int) -> None:
+    async def release(
+        self, ino: int, handle: int, session: int, request: list[int] | None = None
+    ) -> None:
         if is_read_only_handle(handle):
             orphan = self.store.release_read_only(handle, session)
             freed = orphan is not None and await self._mutate(
-                "release", self.store.free_orphan, ino=orphan
+                "release", self.store.free_orphan, request=request, ino=orphan
             )
         else:
             freed = await self._mutate(
-                "release", self.store.release, ino=ino, handle=handle, session=session
+                "release",
+                self.store.release,
+                request=request,
+                ino=ino,
+                handle=handle,
+                session=session,
             )
         if freed:
             log.debug("last handle closed ino=%d: freed", ino)
             self.jobs.wake()
 
     @rpc_method
-    async def unlink(self, parent: int, name: bytes) -> None:
-        if await self._mutate("unlink", self.store.unlink, parent=parent, name=name):
+    async def unlink(self, parent: int, name: bytes, request: list[int] | None = None) -> None:
+        if await self._mutate(
+            "unlink", self.store.unlink, request=request, parent=parent, name=name
+        ):
             self.jobs.wake()
 
     @rpc_method
-    async def rmdir(self, parent: int, name: bytes) -> None:
-        await self._mutate("rmdir", self.store.rmdir, parent=parent, name=name)
+    async def rmdir(self, parent: int, name: bytes, request: list[int] | None = None) -> None:
+        await self._mutate("rmdir", self.store.rmdir, request=request, parent=parent, name=name)
 
     @rpc_method
     async def rename(
-        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+        self,
+        parent: int,
+        name: bytes,
+        new_parent: int,
+        new_name: bytes,
+        flags: int = 0,
+        request: list[int] | None = None,
     ) -> None:
         freed = await self._mutate(
             "rename",
             self.store.rename,
+            request=request,
             parent=parent,
             name=name,
             new_parent=new_parent,
@@ -362,15 +471,37 @@ class MetaService:
             self.jobs.wake()
 
     @rpc_method
-    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
+    async def link(
+        self, ino: int, new_parent: int, new_name: bytes, request: list[int] | None = None
+    ) -> Attr:
         return await self._mutate(
-            "link", self.store.link, ino=ino, new_parent=new_parent, new_name=new_name
+            "link",
+            self.store.link,
+            request=request,
+            ino=ino,
+            new_parent=new_parent,
+            new_name=new_name,
         )
 
     @rpc_method
-    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+    async def symlink(
+        self,
+        parent: int,
+        name: bytes,
+        target: bytes,
+        uid: int,
+        gid: int,
+        request: list[int] | None = None,
+    ) -> Attr:
         return await self._mutate(
-            "symlink", self.store.symlink, parent=parent, name=name, target=target, uid=uid, gid=gid
+            "symlink",
+            self.store.symlink,
+            request=request,
+            parent=parent,
+            name=name,
+            target=target,
+            uid=uid,
+            gid=gid,
         )
 
     @rpc_method(inline=True)
@@ -404,9 +535,17 @@ class MetaService:
         return self.store.getxattr(ino, name)
 
     @rpc_method
-    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+    async def setxattr(
+        self, ino: int, name: bytes, value: bytes, flags: int = 0, request: list[int] | None = None
+    ) -> None:
         await self._mutate(
-            "setxattr", self.store.setxattr, ino=ino, name=name, value=value, flags=flags
+            "setxattr",
+            self.store.setxattr,
+            request=request,
+            ino=ino,
+            name=name,
+            value=value,
+            flags=flags,
         )
 
     @rpc_method(inline=True)
@@ -414,97 +553,7 @@ class MetaService:
         return self.store.listxattr(ino)
 
     @rpc_method
-    async def removexattr(self, ino: int, name: bytes) -> None:
-        await self._mutate("removexattr", self.store.removexattr, ino=ino, name=name)
-
-
-# ---- the process -------------------------------------------------------------------
-
-
-def _save_node_state(node: NodeState, data_dir: Path, result: RegisterResult) -> None:
-    """Keep the ids across restarts: the node rejoins as itself, and mgmtd
-    refuses it if the data dir belongs to another cluster."""
-    node.node_id, node.cluster_id = result["node_id"], result["cluster_id"]
-    node.save(data_dir)
-
-
-async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Run a metadata server until cancelled: open the namespace, serve rpc,
-    join the cluster, carry out storage jobs; on the way out, leave the
-    cluster cleanly and close the namespace. Reports the advertised address
-    through *task_status* once registered."""
-    config.validate("metadata server config")
-    secret = load_secret(Path(config.secret_file))
-    data_dir = Path(config.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    host, port = listen_address(config.listen)
-    node = NodeState.load(data_dir)
-    store = NamespaceStore(
-        data_dir / NAMESPACE_DIR,
-        map_size=config.map_size,
-        sync=config.sync,
-        session_timeout=config.session_timeout,
-    )
-    try:
-        sessions = store.restart_leases()
-        counts = store.counts()
-        log.info(
-            "namespace opened path=%s inodes=%d sessions=%d handles=%d gc_jobs=%d truncate_jobs=%d",
-            store.path,
-            counts["inodes"],
-            sessions,
-            counts["handles"],
-            counts["gc"],
-            counts["truncates"],
+    async def removexattr(self, ino: int, name: bytes, request: list[int] | None = None) -> None:
+        await self._mutate(
+            "removexattr", self.store.removexattr, request=request, ino=ino, name=name
         )
-        async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
-            cache = RoutingCache(rpc, config.mgmtd)
-            service = MetaService(store, lambda: cache.current, rpc, refresh_routing=cache.refresh)
-            service.jobs.attach(cache)
-            server = RpcServer(secret, [service], name="meta")
-            bound = await nursery.start(server.serve, host, port)
-            address = advertised_address(host, bound, advertise=config.advertise, host=config.host)
-
-            async def routing_changed(version: int) -> None:
-                await cache.refresh(min_version=version)
-
-            agent = NodeAgent(
-                MgmtdStub(rpc, config.mgmtd),
-                kind="meta",
-                address=address,
-                host=config.host or hostname(),
-                cluster_id=node.cluster_id,
-                node_id=node.node_id,
-                on_registered=functools.partial(_save_node_state, node, data_dir),
-                on_routing_version=routing_changed,
-            )
-            try:
-                await nursery.start(agent.run)
-                routing = await cache.start(nursery)
-                agent.interval = routing.config["heartbeat_interval"]
-                await nursery.start(service.run_background)
-                log.info(
-                    "metadata server ready address=%s node=%s cluster=%s",
-                    address,
-                    agent.node_id,
-                    agent.cluster_id,
-                )
-                task_status.started(address)
-                await trio.sleep_forever()
-            finally:
-                if agent.registered.is_set() and agent.node_id is not None:
-                    with trio.CancelScope(shield=True):
-                        await unregister_node(secret, config.mgmtd, agent.node_id)
-    finally:
-        store.close()
-
-
-def main(config_path: str) -> int:
-    config = load_config(config_path, MetaConfig)
-    setup_logging("meta", config.log_file, config.log_level)
-    return run_service("meta", functools.partial(serve, config))
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    """`shufflefs meta --config FILE`."""
-    return main(args.config)

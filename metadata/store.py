@@ -50,6 +50,7 @@ from shufflefs.metadata.records import (
     root_inode,
     u64,
 )
+from shufflefs.metadata.replog import REPL_DBS
 from shufflefs.metadata.sessions import SessionOps
 from shufflefs.metadata.txn import Transactions, Tx
 from shufflefs.metadata.xattrs import XattrOps
@@ -74,19 +75,32 @@ class NamespaceStore(NameOps, FileOps, XattrOps, SessionOps, JobQueue):
         self.path.mkdir(parents=True, exist_ok=True)
         self.session_timeout = session_timeout
         self.clock = clock  # wall clock: session leases outlive a restart
+        self.map_size, self.sync = map_size, sync
+        self.env: Any = None
+        self.open_env()
+        if self.txns.write(self._format):
+            log.info("created a new namespace at %s", self.path)
+        self.txns.logging = True
+
+    def open_env(self) -> None:
+        """Open the LMDB environment (again, after a snapshot replaced its
+        file: the same `Transactions` then works on the new one)."""
         self.env = lmdb.open(
             str(self.path),
             subdir=True,
-            map_size=map_size,
-            max_dbs=len(ALL_DBS) + 2,
-            sync=sync,
-            metasync=sync,
+            map_size=self.map_size,
+            max_dbs=len(ALL_DBS) + len(REPL_DBS) + 2,
+            sync=self.sync,
+            metasync=self.sync,
             max_readers=256,
         )
-        self.dbs: dict[bytes, Any] = {name: self.env.open_db(name) for name in ALL_DBS}
-        self.txns = Transactions(self.env, self.dbs)
-        if self.txns.write(self._format):
-            log.info("created a new namespace at %s", self.path)
+        self.dbs: dict[bytes, Any] = {
+            name: self.env.open_db(name) for name in (*ALL_DBS, *REPL_DBS)
+        }
+        if getattr(self, "txns", None) is None:
+            self.txns = Transactions(self.env, self.dbs)
+        else:
+            self.txns.reopen(self.env, self.dbs)
 
     def close(self) -> None:
         self.env.close()

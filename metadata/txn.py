@@ -42,6 +42,7 @@ from shufflefs.metadata.records import (
     u64,
     unpack,
 )
+from shufflefs.metadata.replog import Op, Position, ReplicationLog
 from shufflefs.rpc.errors import FsError
 
 T = TypeVar("T")
@@ -65,6 +66,7 @@ class Tx:
         self._raw: dict[int, bytes | None] = {}
         self.ended: list[Callable[[bool], None]] = []
         self.changed: dict[int, int] = {}  # ino -> its change counter, raised by `flush`
+        self.ops: list[Op] = []  # every put/delete, in order: the replication log's entry
 
     def after(self, fn: Callable[[bool], None]) -> None:
         """Call *fn(committed)* once this transaction has committed or aborted
@@ -79,10 +81,14 @@ class Tx:
 
     def put(self, db: bytes, key: bytes, value: bytes) -> None:
         self.txn.put(key, value, db=self.dbs[db])
+        self.ops.append([db, key, value])
 
     def delete(self, db: bytes, key: bytes) -> bool:
         """Returns whether the key was there."""
-        return bool(self.txn.delete(key, db=self.dbs[db]))
+        there = bool(self.txn.delete(key, db=self.dbs[db]))
+        if there:
+            self.ops.append([db, key, None])
+        return there
 
     def has_prefix(self, db: bytes, prefix: bytes) -> bool:
         cur = self.txn.cursor(db=self.dbs[db])
@@ -217,6 +223,7 @@ class _Group:
     def __init__(self) -> None:
         self.txn: Any = None
         self.ended: list[Callable[[bool], None]] = []
+        self.ops: list[Op] = []  # of the mutations that succeeded, in order
 
 
 class Transactions:
@@ -235,6 +242,14 @@ class Transactions:
         self.env = env
         self.dbs = dbs
         self.read_only = ReadOnlyHandles()
+        self.log = ReplicationLog(dbs)
+        # Every committed write transaction that changed something becomes a
+        # log entry of this epoch (off until the store has formatted itself:
+        # each server formats its own `info`); `last_seq` is the newest.
+        self.logging = False
+        self.epoch = 0
+        with env.begin(write=False) as txn:
+            self.last_seq = self.log.position(txn).applied_seq
         # LMDB write transactions begun and committed (a group is one): read-only
         # work must move neither
         self.write_count = 0
@@ -258,8 +273,10 @@ class Transactions:
                 except Exception as exc:
                     results.append((False, exc))
             if group.txn is not None:
+                seq = self._log_entry(group.txn, group.ops)
                 group.txn.commit()
                 self.commit_count += 1
+                self.last_seq = seq
             committed = True
             return results
         except lmdb.MapFullError:
@@ -296,7 +313,46 @@ class Transactions:
             raise
         assert tx is not None
         group.ended.extend(tx.ended)  # they follow the group's commit
+        group.ops.extend(tx.ops)
         return result
+
+    def _log_entry(self, txn: Any, ops: list[Op]) -> int:
+        """Record *ops* as the next log entry in *txn* (before its commit);
+        returns the newest seq."""
+        if not self.logging or not ops:
+            return self.last_seq
+        return self.log.append(txn, self.epoch, ops)
+
+    def reopen(self, env: Any, dbs: dict[bytes, Any]) -> None:
+        """Work on a reopened environment (a snapshot was installed)."""
+        self.env, self.dbs = env, dbs
+        self.log = ReplicationLog(dbs)
+        self.last_seq = self.position().applied_seq
+
+    def position(self) -> Position:
+        with self.env.begin(write=False) as txn:
+            return self.log.position(txn)
+
+    def apply_entries(self, entries: list[list[Any]], epoch: int) -> Position:
+        """On a follower: apply log entries `[seq, epoch, ops]` (each the
+        next one) and remember *epoch* as seen, in one durable commit."""
+        self.write_count += 1
+        with self.env.begin(write=True) as txn:
+            self.log.raise_epoch(txn, epoch)
+            for seq, entry_epoch, ops in entries:
+                self.log.apply(txn, seq, entry_epoch, ops)
+            position = self.log.position(txn)
+        self.commit_count += 1
+        self.last_seq = position.applied_seq
+        return position
+
+    def raise_epoch(self, epoch: int) -> None:
+        with self.env.begin(write=True) as txn:
+            self.log.raise_epoch(txn, epoch)
+
+    def trim_log(self, through: int) -> int:
+        with self.env.begin(write=True) as txn:
+            return self.log.trim(txn, through)
 
     def write(self, body: Callable[[Tx], T]) -> T:
         """Run *body* in one write transaction: all of it commits, or nothing.
@@ -313,8 +369,10 @@ class Transactions:
                 result = body(tx)
                 tx.flush()
                 result = tx.stamped(result)
+                seq = self._log_entry(txn, tx.ops)
             committed = True
             self.commit_count += 1
+            self.last_seq = seq
             return result
         except lmdb.MapFullError:
             raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None

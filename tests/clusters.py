@@ -45,13 +45,12 @@ from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.coordination import EmbeddedCoordination
 from shufflefs.cluster.launcher import LocalCluster, default_replicas
 from shufflefs.cluster.mgmtd import MgmtdService
-from shufflefs.cluster.netns_cluster import format_on_hosts
 from shufflefs.cluster.protocol import ClusterConfig, MgmtdStub, RoutingInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
 from shufflefs.cluster.startup import wait_services_ready
 from shufflefs.cluster.state import ClusterState
 from shufflefs.metadata.config import MetaConfig
-from shufflefs.metadata.server import serve as serve_meta
+from shufflefs.metadata.process import serve as serve_meta
 from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client
 from shufflefs.rpc.retry import Backoff, retrying
 from shufflefs.storage.config import StorageConfig
@@ -371,20 +370,29 @@ class ProcessCluster:
         chunk_size: int = 1 << 20,
         hosts: TestHosts | None = None,
         mgmtd_settings: dict[str, Any] | None = None,
+        meta_servers: int = 1,
+        meta_hosts: TestHosts | None = None,
     ) -> None:
+        """*meta_hosts*: each metadata server on its own network-namespace
+        host (storage daemons and mgmtd on the bridge address)."""
         self.local = LocalCluster(data_dir)
         self.mountpoint = mountpoint or self.local.dir.parent / "mnt"
         self.hosts = hosts
         if not self.local.exists():
-            replicas = default_replicas(storage_nodes, replicas)
-            if hosts is None:
-                self.local.format(
-                    storage_nodes, replicas, chunk_size, "127.0.0.1", mgmtd_settings=mgmtd_settings
-                )
-            else:
-                format_on_hosts(
-                    self.local, hosts, storage_nodes, replicas, chunk_size, mgmtd_settings
-                )
+            nodes = range(1, storage_nodes + 1)
+            metas = range(1, meta_servers + 1)
+            self.local.format(
+                storage_nodes,
+                default_replicas(storage_nodes, replicas),
+                chunk_size,
+                hosts.gateway if hosts else meta_hosts.gateway if meta_hosts else "127.0.0.1",
+                storage_hosts=[hosts.address(i) for i in nodes] if hosts else None,
+                storage_netns=[hosts.netns(i) for i in nodes] if hosts else None,
+                mgmtd_settings=mgmtd_settings,
+                meta_servers=meta_servers,
+                meta_hosts=[meta_hosts.address(i) for i in metas] if meta_hosts else None,
+                meta_netns=[meta_hosts.netns(i) for i in metas] if meta_hosts else None,
+            )
         self.layout = self.local.layout()
         self.mgmtd_address = f"{self.layout.host}:{self.layout.mgmtd_port}"
 

@@ -1,6 +1,6 @@
 """The client core against a real cluster in this process: the `cluster`
 fixture's mgmtd and three storage daemons (tests/chains.py), plus, for
-`FileSystem`, the real metadata server (`metadata.server.serve`) registered
+`FileSystem`, the real metadata server (`metadata.process.serve`) registered
 with that mgmtd. No FUSE, no subprocess."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from clusters import ChainCluster
 from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.config import MetaConfig
-from shufflefs.metadata.server import serve
+from shufflefs.metadata.process import serve
 
 
 async def start_meta(cluster: ChainCluster, data_dir: Path) -> None:

@@ -130,6 +130,8 @@ def shape_cases(path: str) -> list[Case]:
         case(path, "--replicas", *fresh("rx"), "--replicas", "two"),
         case(path, "--chunk-size", *fresh("cx"), "--chunk-size", "lots"),
         case(path, "--chunk-size", *fresh("cneg"), "--chunk-size=-4K"),
+        case(path, "--meta-servers", *fresh("mx"), "--meta-servers", "x"),
+        case(path, "--meta-servers", *fresh("m0"), "--meta-servers", "0"),
     ]
     return [
         *(parsing if path == "up" else []),
@@ -525,6 +527,7 @@ CLUSTER_UP: list[Case] = [
     case("up", "--mountpoint", "--data-dir", "{UP}", "--mountpoint", "/proc"),
     case("up", "--mountpoint", "--data-dir", "{UP}", "--mountpoint", "{W}/afile"),
     case("up", "--host", "--data-dir", "{UP}", "--host", "127.0.0.2"),
+    case("up", "--meta-servers", "--data-dir", "{UP}", "--meta-servers", "3"),
     case("format", "--data-dir", "--data-dir", "{UP}"),
     case("down", "--data-dir", "--data-dir", "{UP}/mgmtd"),
 ]

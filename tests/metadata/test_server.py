@@ -22,6 +22,7 @@ from metaservice import CHAINS, Env, FakeStorage, routing_info
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import RoutingInfo, TargetRegistration, TargetUsage
 from shufflefs.metadata.config import MetaConfig
+from shufflefs.metadata.process import main, serve
 from shufflefs.metadata.protocol import (
     RENAME_EXCHANGE,
     ROOT_INODE,
@@ -29,7 +30,6 @@ from shufflefs.metadata.protocol import (
     XATTR_CREATE,
     MetaStub,
 )
-from shufflefs.metadata.server import main, serve
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client, rpc_method
 from shufflefs.rpc.auth import generate_secret, load_secret

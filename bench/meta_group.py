@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""A metadata group of N servers (`shufflefs up --meta-servers N`, real
+processes, durable commits): create latency at C concurrent clients, then
+the failover stall: kill -9 of the primary until a create (retried through
+`MetaClient`, as the mount does) succeeds again.
+
+    .venv/bin/python bench/meta_group.py --meta-servers 1 3 --clients 1 8 --seconds 3
+
+The cluster lives under --dir (default: a new directory in /var/tmp, on
+disk, so each commit's fsync costs what it costs) and is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from shufflefs.client.meta_client import MetaClient
+from shufflefs.cluster import launcher
+from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.protocol import MgmtdStub
+from shufflefs.cluster.routing import RoutingCache
+from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.rpc import open_rpc_client
+from shufflefs.rpc.retry import retrying
+
+FLAGS = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+
+
+async def measure(data_dir: Path, clients: int, seconds: float, kill: bool) -> dict[str, Any]:
+    config, secret = load_client_config(data_dir / "client.toml")
+    mgmtd_address = config.mgmtd
+    async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
+        cache = RoutingCache(rpc, mgmtd_address, poll_interval=0.2)
+        await cache.start(nursery)
+        address = cache.current.meta_address()
+        latencies: list[float] = []
+        deadline = trio.current_time() + seconds
+
+        async def client(i: int) -> None:
+            async with open_rpc_client(secret) as own:
+                meta = MetaStub(own, address)
+                # right after `up` the primary may be a moment from taking writes
+                opened = await retrying(
+                    "session_open", lambda: meta.session_open(f"b{i}", "localhost", i), budget=10
+                )
+                session = opened["session"]
+                d = (await meta.mkdir(ROOT_INODE, b"c%d-%d" % (clients, i), 0o755, 0, 0))["ino"]
+                n = 0
+                while trio.current_time() < deadline:
+                    t0 = time.perf_counter()
+                    await meta.create(d, b"f%08d" % n, 0o644, FLAGS, 0, 0, session)
+                    latencies.append(time.perf_counter() - t0)
+                    n += 1
+
+        async with trio.open_nursery() as inner:
+            for i in range(clients):
+                inner.start_soon(client, i)
+        row: dict[str, Any] = {
+            "clients": clients,
+            "creates_per_s": round(len(latencies) / seconds, 1),
+            "latency_ms_median": round(statistics.median(latencies) * 1000, 2),
+            "latency_ms_p99": round(sorted(latencies)[int(len(latencies) * 0.99)] * 1000, 2),
+        }
+        if kill:
+            status = await MgmtdStub(rpc, mgmtd_address).status()
+            pid = next(n["pid"] for n in status["nodes"] if n["address"] == address)
+            meta = MetaClient(rpc, cache)
+            session = await meta.call_at_most_once("s", lambda m: m.session_open("b", "h", 1))
+            t0 = time.perf_counter()
+            os.kill(pid, signal.SIGKILL)
+            await meta.call_at_most_once(
+                "create",
+                lambda m: m.create(
+                    ROOT_INODE, b"after-kill", 0o644, FLAGS, 0, 0, session["session"]
+                ),
+            )
+            row["failover_stall_s"] = round(time.perf_counter() - t0, 2)
+        nursery.cancel_scope.cancel()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--meta-servers", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--dir", type=Path, default=None)
+    args = parser.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="meta-group-", dir=args.dir or "/var/tmp"))
+    try:
+        for n in args.meta_servers:
+            data_dir = base / f"g{n}"
+            with open(os.devnull, "w") as quiet:
+                launcher.up(data_dir, None, storage_nodes=1, meta_servers=n, out=quiet)
+            try:
+                for i, c in enumerate(args.clients):
+                    last = i == len(args.clients) - 1 and n > 1
+                    row = trio.run(measure, data_dir, c, args.seconds, last)
+                    print(json.dumps({"meta_servers": n, **row}))
+            finally:
+                with open(os.devnull, "w") as quiet:
+                    launcher.down(data_dir, out=quiet)
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(base)
+
+
+if __name__ == "__main__":
+    main()
