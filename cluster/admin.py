@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import trio
 
 from shufflefs.cluster.cli_errors import connect, explain_connection_error, innermost
+from shufflefs.cluster.metrics_registry import MetricsEndpoint, endpoints
 from shufflefs.cluster.preflight import load_client
 from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
 from shufflefs.rpc.client import RpcClient, open_rpc_client
@@ -101,13 +102,34 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
         print(f"  {c['id']:>4}  {c['version']:>7}  {members}", file=out)
 
 
-def cli_status(args: argparse.Namespace) -> int:
-    async def fetch(mgmtd: MgmtdStub, rpc: RpcClient) -> tuple[RoutingInfo, Capacity]:
-        return await mgmtd.status(), await mgmtd.capacity()
+def with_metrics(status: RoutingInfo, endpoints: list[MetricsEndpoint]) -> dict[str, Any]:
+    """``status --json``: each node with its ``metrics`` URL (None when it
+    serves none), ``web`` (mgmtd's status page, None when off) and the
+    mounts' and clients' endpoints under ``clients``."""
+    by_node = {e["node"]: e["url"] for e in endpoints if e["node"] is not None}
+    nodes = [{**n, "metrics": by_node.get(n["id"])} for n in status["nodes"]]
+    mgmtd_url = next((by_node.get(n["id"]) for n in status["nodes"] if n["kind"] == "mgmtd"), None)
+    web = mgmtd_url.removesuffix("/metrics") + "/" if mgmtd_url else None
+    clients = [
+        {"kind": e["kind"], "name": e["name"], "metrics": e["url"]}
+        for e in endpoints
+        if e["node"] is None
+    ]
+    return {**status, "nodes": nodes, "web": web, "clients": clients}
 
-    status, capacity = with_mgmtd(args, fetch)
+
+def cli_status(args: argparse.Namespace) -> int:
+    async def fetch(
+        mgmtd: MgmtdStub, rpc: RpcClient
+    ) -> tuple[RoutingInfo, Capacity, list[MetricsEndpoint]]:
+        return await mgmtd.status(), await mgmtd.capacity(), await endpoints(rpc, mgmtd.address)
+
+    status, capacity, found = with_mgmtd(args, fetch)
     if args.json:
-        print(json.dumps({**status, "capacity": capacity}, indent=2))
+        print(json.dumps({**with_metrics(status, found), "capacity": capacity}, indent=2))
     else:
         render_status(status, capacity)
+        web = with_metrics(status, found)["web"]
+        if web:
+            print(f"\nstatus page {web}")
     return 0

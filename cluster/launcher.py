@@ -137,13 +137,15 @@ class LocalCluster:
             raise UsageError("--replicas must be at least 1")
         if replicas > storage_nodes:
             raise UsageError(f"--replicas {replicas} needs at least {replicas} storage nodes")
-        ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes))
+        rpc_ports = 2 + (0 if storage_hosts else storage_nodes)
+        ports = free_ports(host, rpc_ports + 2 + storage_nodes)
+        metrics = iter(ports[rpc_ports:])  # mgmtd's, meta's, each storage node's
         if storage_hosts:
             if len(storage_hosts) != storage_nodes or len(storage_netns or []) != storage_nodes:
                 raise UsageError("need one host address and namespace per storage node")
             storage_ports = [NETNS_STORAGE_PORT] * storage_nodes  # each host has its own ports
         else:
-            storage_ports = ports[2:]
+            storage_ports = ports[2:rpc_ports]
         layout = ClusterLayout(
             host,
             ports[0],
@@ -164,6 +166,7 @@ class LocalCluster:
                     "log_file": str(self.logs / "mgmtd.log"),
                     "replicas": replicas,
                     "chunk_size": chunk_size,
+                    "metrics": f"{host}:{next(metrics)}",
                     **common,
                     **(mgmtd_settings or {}),
                 },
@@ -175,14 +178,18 @@ class LocalCluster:
                     "mgmtd": mgmtd,
                     "data_dir": str(self.dir / "meta" / "db"),
                     "log_file": str(self.logs / "meta.log"),
+                    "metrics": f"{host}:{next(metrics)}",
                     **common,
                 },
                 service_config_class("meta"),
             ),
         }
         for i in range(1, storage_nodes + 1):
-            configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(layout, i)
-        configs[self.client_config] = ({"mgmtd": mgmtd, "secret_file": "secret"}, ClientConfig)
+            configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(
+                layout, i, next(metrics)
+            )
+        client = {"mgmtd": mgmtd, "secret_file": "secret", "mount_metrics": f"{host}:0"}
+        configs[self.client_config] = (client, ClientConfig)
         configs[self.layout_file] = (layout.__dict__, ClusterLayout)
         self.check_new_configs(configs)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -191,10 +198,17 @@ class LocalCluster:
             write_toml(path, data)
         return layout
 
-    def _storage_settings(self, layout: ClusterLayout, i: int) -> tuple[dict[str, Any], type[Any]]:
-        """storage{i}/storage.toml of *layout*."""
+    def _storage_settings(
+        self, layout: ClusterLayout, i: int, metrics_port: int
+    ) -> tuple[dict[str, Any], type[Any]]:
+        """storage{i}/storage.toml of *layout*, its metrics at *metrics_port*
+        (on its own test host: the port after its rpc port)."""
         node = self.storage_dir(i)
         own_host = {"host": f"host{i}"} if layout.storage_hosts else {}
+        if layout.storage_hosts:
+            metrics = f"{layout.storage_hosts[i - 1]}:{NETNS_STORAGE_PORT + 1}"
+        else:
+            metrics = f"{layout.host}:{metrics_port}"
         data = {
             "listen": layout.storage_address(i - 1),
             "mgmtd": f"{layout.host}:{layout.mgmtd_port}",
@@ -203,6 +217,7 @@ class LocalCluster:
             "log_file": str(self.logs / f"storage{i}.log"),
             "secret_file": str(self.secret_file),
             "log_level": "INFO",
+            "metrics": metrics,
             **own_host,
         }
         return data, service_config_class("storage")
@@ -217,9 +232,13 @@ class LocalCluster:
                 f"{self.dir}: its storage nodes run on their own test hosts; "
                 "up cannot add nodes to it"
             )
-        layout.storage_ports = [*layout.storage_ports, *free_ports(layout.host, count - have)]
+        ports = free_ports(layout.host, 2 * (count - have))  # rpc, then metrics
+        layout.storage_ports = [*layout.storage_ports, *ports[: count - have]]
+        metrics = ports[count - have :]
         configs = {
-            self.storage_dir(i) / "storage.toml": self._storage_settings(layout, i)
+            self.storage_dir(i) / "storage.toml": self._storage_settings(
+                layout, i, metrics[i - have - 1]
+            )
             for i in range(have + 1, count + 1)
         }
         configs[self.layout_file] = (layout.__dict__, ClusterLayout)

@@ -17,6 +17,7 @@ from pathlib import Path
 import trio
 
 from shufflefs.cluster.config import MgmtdConfig
+from shufflefs.cluster.metrics_registry import MetricsDirectory
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import (
     AssignResult,
@@ -29,6 +30,7 @@ from shufflefs.cluster.protocol import (
 )
 from shufflefs.cluster.state import ClusterState
 from shufflefs.cluster.store import MgmtdStore
+from shufflefs.cluster.web import start_web
 from shufflefs.rpc.auth import load_secret
 from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
 from shufflefs.rpc.config import load_config
@@ -189,13 +191,24 @@ async def serve(config: MgmtdConfig) -> None:
             trio.open_nursery() as nursery,
         ):
             service = MgmtdService(state, store, rpc)
-            server = RpcServer(secret, [service], name="mgmtd")
+            directory = MetricsDirectory()
+            server = RpcServer(secret, [service, directory], name="mgmtd")
             bound = await nursery.start(server.serve, host, port)
             advertise = advertised_address(
                 host, bound, advertise=config.advertise, host=config.host
             )
-            state.register_self(advertise, config.host or hostname(), os.getpid(), time.time())
+            me = state.register_self(advertise, config.host or hostname(), os.getpid(), time.time())
             await service.persist()
+            await start_web(
+                nursery,
+                config.metrics,
+                routing=state.routing,
+                capacity=state.capacity,
+                directory=directory,
+                rpc=rpc,
+                mgmtd=advertise,
+                node=me,
+            )
             nursery.start_soon(service.watch_heartbeats)
     finally:
         store.close()

@@ -23,6 +23,8 @@ from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import ClientConfig, find_client_config, load_client_config
 from shufflefs.cluster.launcher import unmount, wait_mounted
+from shufflefs.cluster.metrics_client import start_client_metrics
+from shufflefs.cluster.node import listen_address
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.fuse.ops import MountOptions, ShuffleOps
@@ -51,6 +53,9 @@ def parse_options(items: list[str]) -> tuple[MountOptions, set[str]]:
                 options.entry_timeout = float(value)
             elif key == "max_tasks":
                 options.max_tasks = int(value)
+            elif key == "metrics":
+                listen_address(value)
+                options.metrics = value
             elif key == "no_local_reads":
                 options.local_reads = False
             elif key in ("ro", "rw", "debug"):
@@ -73,6 +78,9 @@ async def run_mount(
         routing = RoutingCache(rpc, config.mgmtd)
         fs = FileSystem(rpc, routing, ClientOptions(local_reads=options.local_reads))
         await fs.start(nursery)
+        await start_client_metrics(
+            nursery, fs, options.metrics or config.mount_metrics, rpc=rpc, mgmtd=config.mgmtd
+        )
         ops = ShuffleOps(fs, options)
         opts = set(pyfuse3.default_options) | fuse_opts
         opts |= {"fsname=shufflefs", "subtype=shufflefs"}

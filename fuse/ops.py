@@ -58,6 +58,7 @@ class MountOptions:
     entry_timeout: float = 1.0
     max_tasks: int = 64
     local_reads: bool = True
+    metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
 
 
 def fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:

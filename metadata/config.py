@@ -28,6 +28,7 @@ class MetaConfig:
     sync: bool = True
     session_timeout: float = 60.0  # seconds a client session lives without renewal
     map_size: int = 64 << 30  # LMDB address-space reservation: the namespace's size limit
+    metrics: str | None = None  # host:port of the Prometheus endpoint (default: none)
 
     def validate(self, where: str) -> None:
         """What the types of the TOML file cannot say (*where*: the file, for
@@ -38,4 +39,10 @@ class MetaConfig:
             )
         if self.map_size < 1 << 20:
             raise FsError(errno.EINVAL, f"{where}: map_size {self.map_size} is below 1 MiB")
-        check_addresses(where, listen=self.listen, mgmtd=self.mgmtd, advertise=self.advertise)
+        check_addresses(
+            where,
+            listen=self.listen,
+            mgmtd=self.mgmtd,
+            advertise=self.advertise,
+            metrics=self.metrics,
+        )

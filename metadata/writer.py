@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from shufflefs.cluster.metrics_catalog import COMMIT_BATCH
 from shufflefs.metadata.txn import Transactions
 
 T = TypeVar("T")
@@ -68,6 +69,7 @@ class Writer:
         del self._queue[:MAX_GROUP]
         for item in batch:
             item.taken = True
+        COMMIT_BATCH.observe(len(batch))
         try:
             outcomes = await trio.to_thread.run_sync(self.txns.group, [i.call for i in batch])
         except Exception as exc:  # the group could not even begin: all of it failed
