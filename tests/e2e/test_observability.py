@@ -1,16 +1,17 @@
-"""Prometheus endpoints of a real cluster: every service and the mount serve
-them, `status --json` names them, and the counters move with real reads."""
+"""Prometheus endpoints and the status page of a real cluster: every service
+and the mount serve metrics, `status --json` names them, the counters move
+with real reads, and the page in headless Chromium follows a node's death."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import re
+import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from clusters import ProcessCluster, wait_until
+from opsworld import chromium, samples, screenshot, total
 
 from shufflefs.client import Client
 from shufflefs.client.fs import ClientOptions
@@ -19,41 +20,14 @@ from shufflefs.cluster.metrics_scrape import fetch
 FILE_SIZE = 3 << 20
 
 
-@pytest.fixture(scope="module")
-def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessCluster]:
-    base = tmp_path_factory.mktemp("metrics")
-    c = ProcessCluster(base / "data", base / "mnt", mgmtd_settings=HEARTBEAT_FAST)
-    c.up()
-    try:
-        c.all_serving()
-        yield c
-    finally:
-        c.down()
-
-
-def samples(url: str) -> dict[str, list[Any]]:
-    """Every sample at *url*, by family name (parsed as Prometheus parses it)."""
-    out: dict[str, list[Any]] = {}
-    for family in text_string_to_metric_families(fetch(url)):
-        out.setdefault(family.name, []).extend(family.samples)
-    return out
-
-
-def total(url: str, family: str, **labels: str) -> float:
-    return sum(
-        s.value
-        for s in samples(url).get(family, [])
-        if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 def mount_url(status: dict[str, Any]) -> str:
     mounts = [c for c in status["clients"] if c["kind"] == "mount"]
     assert len(mounts) == 1, status["clients"]
     return str(mounts[0]["metrics"])
 
 
-def test_status_names_every_endpoint_and_each_parses(ops: ProcessCluster) -> None:
+def test_status_names_every_endpoint_and_each_parses(ops_cluster: ProcessCluster) -> None:
+    ops = ops_cluster
     status = ops.status()
     assert status["web"] and status["web"].endswith("/")
     page = fetch(status["web"])
@@ -81,7 +55,8 @@ def test_status_names_every_endpoint_and_each_parses(ops: ProcessCluster) -> Non
     assert "shufflefs_storage_target_free_bytes" in samples(storage_url)
 
 
-def test_reads_move_the_counters(ops: ProcessCluster) -> None:
+def test_reads_move_the_counters(ops_cluster: ProcessCluster) -> None:
+    ops = ops_cluster
     status = ops.status()
     mount = mount_url(status)
     meta = next(n["metrics"] for n in status["nodes"] if n["kind"] == "meta")
@@ -131,3 +106,35 @@ def test_reads_move_the_counters(ops: ProcessCluster) -> None:
         if s.name.endswith("_count") and s.value > 0
     ]
     assert latency, "no latency histogram observed"
+
+
+def page_states(web: str) -> dict[str, str]:
+    """node id -> the state the page shows, from Chromium's rendered DOM."""
+    dom = chromium(web, "--dump-dom")
+    return dict(re.findall(r'<tr data-node="(\d+)" data-state="(\w+)"', dom))
+
+
+def test_status_page_shows_a_storage_node_going_offline(
+    ops_cluster: ProcessCluster, tmp_path: Path
+) -> None:
+    ops = ops_cluster
+    status = ops.status()
+    web = status["web"]
+    assert page_states(web) == {str(n["id"]): "online" for n in status["nodes"]}
+    shot = tmp_path / "page.png"
+    screenshot(web, shot)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    victim = str(ops.storage_node_of("storage3"))
+    ops.kill("storage3")
+    try:
+        deadline = time.monotonic() + 30.0
+        shown = page_states(web)
+        while shown.get(victim) != "offline" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            shown = page_states(web)
+        assert shown.get(victim) == "offline", shown
+        assert all(state == "online" for node, state in shown.items() if node != victim)
+    finally:
+        ops.start("storage3")
+        ops.all_serving()
+    assert page_states(web)[victim] == "online"
