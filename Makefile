@@ -10,8 +10,9 @@ DATA_DIR ?= .shufflefs
 MOUNTPOINT ?= mnt
 # Debian packages: fuse3 (fusermount3, /dev/fuse tools), libfuse3-dev + pkg-config + a compiler
 # (pyfuse3 builds from source), python3-venv, iproute2 (network-namespace test hosts),
-# fio (bench/), kmod (modprobe fuse), psmisc (fuser, for diagnosing busy mounts).
-SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv iproute2 fio kmod psmisc etcd-server
+# fio (bench/), kmod (modprobe fuse), psmisc (fuser, for diagnosing busy mounts), etcd-server
+# (the HA control plane and its tests), chromium (headless: the status-page test).
+SYSTEM_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv iproute2 fio kmod psmisc etcd-server chromium
 
 .PHONY: demo test lint sysdeps venv down clean
 

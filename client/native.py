@@ -32,6 +32,7 @@ from shufflefs.client.blocking_read import BlockingReader
 from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile, current_umask
 from shufflefs.client.layout import Extent
 from shufflefs.cluster.config import find_client_config, load_client_config
+from shufflefs.cluster.metrics_client import counted_reads, start_client_metrics
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.client import open_rpc_client
@@ -98,13 +99,24 @@ class Client:
     """A connection to one shufflefs cluster."""
 
     def __init__(
-        self, config: str | os.PathLike[str] | None = None, options: ClientOptions | None = None
+        self,
+        config: str | os.PathLike[str] | None = None,
+        options: ClientOptions | None = None,
+        *,
+        metrics: str | None = None,
     ) -> None:
+        """*metrics*: serve Prometheus metrics of this client's reads and
+        writes at host:port (port 0: any free one; off by default). A forked
+        child serves its own on the same host, at any free port."""
         self.config_path = find_client_config(config)
         self.options = options or ClientOptions()
+        self.metrics = metrics
+        self.metrics_url: str | None = None
         self._pid = -1
         self._start_locks: dict[int, threading.Lock] = {}
         self._start()
+        if metrics:
+            vars(self)["read_extents"] = counted_reads(self.read_extents)
         # at exit, before the interpreter stops daemon threads (and with them the
         # loop): close while the loop can still report lengths and end the session
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -123,6 +135,15 @@ class Client:
                 async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
                     fs = FileSystem(rpc, RoutingCache(rpc, config.mgmtd), self.options)
                     await fs.start(nursery)
+                    self.metrics_url = await start_client_metrics(
+                        nursery,
+                        fs,
+                        self._metrics_address(),
+                        rpc=rpc,
+                        mgmtd=config.mgmtd,
+                        kind="client",
+                        reads=False,  # counted in read_extents, which may not reach read_into
+                    )
                     self.fs = fs
                     self._reader = BlockingReader(fs.storage, secret)
                     self._stop = trio.Event()
@@ -145,6 +166,11 @@ class Client:
         if failure:
             exc = failure[0]
             raise os_error(exc) if isinstance(exc, FsError) else exc
+
+    def _metrics_address(self) -> str | None:
+        if self.metrics is None or self._pid in (-1, os.getpid()):
+            return self.metrics
+        return f"{self.metrics.rpartition(':')[0]}:0"  # a forked child: the parent has the port
 
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         self._after_fork()

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import trio
 
 from shufflefs.cluster.cli_errors import connect, explain_connection_error, innermost
+from shufflefs.cluster.metrics_registry import MetricsEndpoint, endpoints
 from shufflefs.cluster.preflight import load_client
 from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo, mgmtd_addresses
 from shufflefs.cluster.routing import Routing
@@ -164,20 +165,40 @@ async def fetch_sessions(rpc: RpcClient, status: RoutingInfo) -> list[SessionInf
         return exc.message
 
 
+def with_metrics(status: RoutingInfo, endpoints: list[MetricsEndpoint]) -> dict[str, Any]:
+    """``status --json``: each node with its ``metrics`` URL (None when it
+    serves none), ``web`` (mgmtd's status page, None when off) and the
+    mounts' and clients' endpoints under ``clients``."""
+    by_node = {e["node"]: e["url"] for e in endpoints if e["node"] is not None}
+    nodes = [{**n, "metrics": by_node.get(n["id"])} for n in status["nodes"]]
+    mgmtd_url = next((by_node.get(n["id"]) for n in status["nodes"] if n["kind"] == "mgmtd"), None)
+    web = mgmtd_url.removesuffix("/metrics") + "/" if mgmtd_url else None
+    clients = [
+        {"kind": e["kind"], "name": e["name"], "metrics": e["url"]}
+        for e in endpoints
+        if e["node"] is None
+    ]
+    return {**status, "nodes": nodes, "web": web, "clients": clients}
+
+
 def cli_status(args: argparse.Namespace) -> int:
     async def fetch(
         mgmtd: MgmtdStub, rpc: RpcClient
-    ) -> tuple[RoutingInfo, Capacity, list[dict[str, Any]], list[SessionInfo] | str]:
+    ) -> tuple[
+        RoutingInfo, Capacity, list[dict[str, Any]], list[SessionInfo] | str, list[MetricsEndpoint]
+    ]:
         status = await mgmtd.status()
         capacity = await mgmtd.capacity()
         roles = await mgmtd_roles(mgmtd, rpc)
-        return status, capacity, roles, await fetch_sessions(rpc, status)
+        sessions = await fetch_sessions(rpc, status)
+        return status, capacity, roles, sessions, await endpoints(rpc, mgmtd.address)
 
-    status, capacity, roles, sessions = with_mgmtd(args, fetch)
+    status, capacity, roles, sessions, found = with_mgmtd(args, fetch)
     primary = next((r["address"] for r in roles if r["role"] == "primary"), None)
     for n in status["nodes"]:
         if n["kind"] == "mgmtd":  # the primary's entry (standbys are in "mgmtd")
             n["role"] = "primary" if primary in (None, n["address"]) else "standby"
+    document = with_metrics(status, found)
     if args.json:
         mounts: list[dict[str, Any]] | None = None
         if not isinstance(sessions, str):
@@ -186,13 +207,14 @@ def cli_status(args: argparse.Namespace) -> int:
                 for s in sessions
                 if s["mount"] is not None
             ]
-        print(
-            json.dumps({**status, "capacity": capacity, "mgmtd": roles, "mounts": mounts}, indent=2)
-        )
+        document.update(capacity=capacity, mgmtd=roles, mounts=mounts)
+        print(json.dumps(document, indent=2))
     else:
         render_status(status, capacity)
         print("\nMGMTD", file=sys.stdout)
         for r in roles:
             print(f"  {r['address']:<22} {r['role']}", file=sys.stdout)
         render_mounts(sessions)
+        if document["web"]:
+            print(f"\nstatus page {document['web']}")
     return 0

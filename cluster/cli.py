@@ -49,6 +49,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "umount": ("shufflefs.fuse.mount", "cli_umount"),
     "sample": ("shufflefs.client.data.explain", "cli_sample"),
     "bench": ("shufflefs.client.bench", "cli_bench"),
+    "df": ("shufflefs.cluster.cli_df", "cli_df"),
+    "info": ("shufflefs.cluster.cli_info", "cli_info"),
+    "warmup": ("shufflefs.cluster.cli_warmup", "cli_warmup"),
+    "top": ("shufflefs.cluster.cli_top", "cli_top"),
 }
 
 
@@ -151,7 +155,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sample_parser(sub)
     add_bench_parser(sub)
+    add_ops_parsers(sub)
     return parser
+
+
+def add_ops_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("df", help="capacity, used and free space per target, per node, in total")
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "info",
+        help="a file's inode, layout, chains and where each chunk's replicas are",
+        description="PATH is a path on a shufflefs mount of this machine or inside the cluster "
+        "(/dir/file). For a file: its layout and, for the first --chunks chunks, every replica "
+        "with its target's state and what that storage daemon holds.",
+    )
+    p.add_argument("path", help="a path on a mount, or inside the cluster")
+    p.add_argument(
+        "--chunks", type=positive_int, default=16, help="chunks to list with their replicas"
+    )
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "warmup",
+        help="read files once so the storage hosts' page caches hold them",
+        description="Reads every file under the PATHs (paths on a mount or inside the "
+        "cluster; directories are walked) once, whole; a progress bar on a terminal.",
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
+    p.add_argument(
+        "--concurrency", type=positive_int, default=8, help="4 MiB reads in flight at once"
+    )
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the totals")
+
+    p = sub.add_parser(
+        "top",
+        help="live IOPS, throughput and latency per node and per mount (from the metrics)",
+    )
+    p.add_argument("--interval", type=positive_float, default=1.0, help="seconds between refreshes")
+    p.add_argument(
+        "--count", type=positive_int, help="stop after this many refreshes (default: never)"
+    )
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object per refresh")
 
 
 def add_sample_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -35,13 +35,15 @@ class MgmtdConfig:
     etcd: list[str] = field(default_factory=list)
     etcd_prefix: str = "/shufflefs"  # keys of this cluster in etcd
     election_ttl: int = 3  # seconds of the primary's etcd lease
+    # host:port of the status page and Prometheus endpoint (default: none)
+    metrics: str | None = None
 
     @property
     def effective_min_replicas(self) -> int:
         return self.min_replicas if self.min_replicas is not None else min(2, self.replicas)
 
     def validate(self, where: str) -> None:
-        check_addresses(where, listen=self.listen, advertise=self.advertise)
+        check_addresses(where, listen=self.listen, advertise=self.advertise, metrics=self.metrics)
         cs = self.chunk_size
         if cs < 4096 or cs > 64 << 20 or cs & (cs - 1):
             raise FsError(errno.EINVAL, f"{where}: chunk_size must be a power of two, 4K..64M")
@@ -82,6 +84,8 @@ class ClientConfig:
     secret_file: str  # relative paths are relative to this file's folder
     log_file: str | None = None
     log_level: str = "INFO"
+    # host:port of the mount's Prometheus endpoint (port 0: any free port; default: none)
+    mount_metrics: str | None = None
 
 
 def load_client_config(path: str | Path) -> tuple[ClientConfig, bytes]:

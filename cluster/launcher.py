@@ -163,7 +163,11 @@ class LocalCluster:
         if meta_servers < 1:
             raise UsageError("--meta-servers must be at least 1")
         extra_metas = 0 if meta_hosts else meta_servers - 1
-        ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes) + extra_metas)
+        rpc_ports = 2 + (0 if storage_hosts else storage_nodes) + extra_metas
+        # then the metrics ports: mgmtd's, each metadata server's, each storage node's
+        ports = free_ports(host, rpc_ports + 1 + meta_servers + storage_nodes)
+        metrics = iter(ports[rpc_ports:])
+        ports = ports[:rpc_ports]
         meta_ports, ports = ports[len(ports) - extra_metas :], ports[: len(ports) - extra_metas]
         if meta_hosts:
             if len(meta_hosts) != meta_servers or len(meta_netns or []) != meta_servers:
@@ -198,6 +202,7 @@ class LocalCluster:
                     "log_file": str(self.logs / "mgmtd.log"),
                     "replicas": replicas,
                     "chunk_size": chunk_size,
+                    "metrics": f"{host}:{next(metrics)}",
                     **common,
                     **(mgmtd_settings or {}),
                 },
@@ -208,8 +213,10 @@ class LocalCluster:
             settings: dict[str, Any] = (
                 {"group_size": layout.meta_servers} if layout.meta_servers > 1 else {}
             )
+            meta_metrics = f"{host}:{next(metrics)}"
             if layout.meta_hosts:
                 settings["host"] = f"meta-host{i}"
+                meta_metrics = f"{layout.meta_hosts[i - 1]}:{NETNS_META_PORT + 1}"
             configs[self.meta_dir(i) / "meta.toml"] = (
                 {
                     "listen": layout.meta_address(i),
@@ -217,13 +224,17 @@ class LocalCluster:
                     "data_dir": str(self.meta_dir(i) / "db"),
                     "log_file": str(self.logs / f"{meta_name(i)}.log"),
                     **settings,
+                    "metrics": meta_metrics,
                     **common,
                 },
                 service_config_class("meta"),
             )
         for i in range(1, storage_nodes + 1):
-            configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(layout, i)
-        configs[self.client_config] = ({"mgmtd": mgmtd, "secret_file": "secret"}, ClientConfig)
+            configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(
+                layout, i, next(metrics)
+            )
+        client = {"mgmtd": mgmtd, "secret_file": "secret", "mount_metrics": f"{host}:0"}
+        configs[self.client_config] = (client, ClientConfig)
         configs[self.layout_file] = (layout.__dict__, ClusterLayout)
         self.check_new_configs(configs)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -232,10 +243,17 @@ class LocalCluster:
             write_toml(path, data)
         return layout
 
-    def _storage_settings(self, layout: ClusterLayout, i: int) -> tuple[dict[str, Any], type[Any]]:
-        """storage{i}/storage.toml of *layout*."""
+    def _storage_settings(
+        self, layout: ClusterLayout, i: int, metrics_port: int
+    ) -> tuple[dict[str, Any], type[Any]]:
+        """storage{i}/storage.toml of *layout*, its metrics at *metrics_port*
+        (on its own test host: the port after its rpc port)."""
         node = self.storage_dir(i)
         own_host = {"host": f"host{i}"} if layout.storage_hosts else {}
+        if layout.storage_hosts:
+            metrics = f"{layout.storage_hosts[i - 1]}:{NETNS_STORAGE_PORT + 1}"
+        else:
+            metrics = f"{layout.host}:{metrics_port}"
         data = {
             "listen": layout.storage_address(i - 1),
             "mgmtd": f"{layout.host}:{layout.mgmtd_port}",
@@ -244,6 +262,7 @@ class LocalCluster:
             "log_file": str(self.logs / f"storage{i}.log"),
             "secret_file": str(self.secret_file),
             "log_level": "INFO",
+            "metrics": metrics,
             **own_host,
         }
         return data, service_config_class("storage")
@@ -258,9 +277,13 @@ class LocalCluster:
                 f"{self.dir}: its storage nodes run on their own test hosts; "
                 "up cannot add nodes to it"
             )
-        layout.storage_ports = [*layout.storage_ports, *free_ports(layout.host, count - have)]
+        ports = free_ports(layout.host, 2 * (count - have))  # rpc, then metrics
+        layout.storage_ports = [*layout.storage_ports, *ports[: count - have]]
+        metrics = ports[count - have :]
         configs = {
-            self.storage_dir(i) / "storage.toml": self._storage_settings(layout, i)
+            self.storage_dir(i) / "storage.toml": self._storage_settings(
+                layout, i, metrics[i - have - 1]
+            )
             for i in range(have + 1, count + 1)
         }
         configs[self.layout_file] = (layout.__dict__, ClusterLayout)

@@ -24,6 +24,7 @@ import trio
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.coordination import Coordination, EmbeddedCoordination, open_coordination
 from shufflefs.cluster.meta_leases import MetaLeases
+from shufflefs.cluster.metrics_registry import MetricsDirectory
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import (
     AssignResult,
@@ -37,6 +38,7 @@ from shufflefs.cluster.protocol import (
     TargetUsage,
 )
 from shufflefs.cluster.state import ClusterState
+from shufflefs.cluster.web import start_web
 from shufflefs.rpc.auth import load_secret
 from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
 from shufflefs.rpc.config import load_config
@@ -64,6 +66,7 @@ class MgmtdService:
         self.rpc = rpc
         self.address = address
         self.leases = MetaLeases()  # the metadata primary's lease policy
+        self.node_id: int | None = None  # mgmtd's own node entry, once primary
         self._persist_lock = trio.Lock()
         self._lease_lock = trio.Lock()
 
@@ -150,7 +153,8 @@ class MgmtdService:
             await self.persist()
         return reply
 
-    def _routing(self) -> RoutingInfo:
+    def routing_info(self) -> RoutingInfo:
+        """The routing map with the metadata servers' roles (NOT_PRIMARY on a standby)."""
         info = self.state().routing()
         self.leases.annotate(info["nodes"], trio.current_time())
         return info
@@ -189,11 +193,11 @@ class MgmtdService:
     async def get_routing(self, known_version: int) -> RoutingInfo | None:
         if known_version == self.state().version:
             return None
-        return self._routing()
+        return self.routing_info()
 
     @rpc_method(inline=True)
     async def status(self) -> RoutingInfo:
-        return self._routing()
+        return self.routing_info()
 
     @rpc_method(inline=True)
     async def capacity(self) -> Capacity:
@@ -257,7 +261,7 @@ async def serve_terms(config: MgmtdConfig, service: MgmtdService) -> None:
         try:
             state = open_state(config, await coordination.load())
             # every node gets a whole heartbeat timeout from now to show it is alive
-            state.register_self(
+            service.node_id = state.register_self(
                 service.address, config.host or hostname(), os.getpid(), time.time()
             )
             service.take_over(state)
@@ -288,13 +292,24 @@ async def serve(config: MgmtdConfig) -> None:
             trio.open_nursery() as nursery,
         ):
             service = MgmtdService(None, coordination, rpc)
-            server = RpcServer(secret, [service], name="mgmtd")
+            directory = MetricsDirectory()
+            server = RpcServer(secret, [service, directory], name="mgmtd")
             bound = await nursery.start(server.serve, host, port)
             service.address = advertised_address(
                 host, bound, advertise=config.advertise, host=config.host
             )
             nursery.start_soon(serve_terms, config, service)
             await nursery.start(coordination.campaign, service.address)
+            await start_web(
+                nursery,
+                config.metrics,
+                routing=service.routing_info,
+                capacity=lambda: service.state().capacity(),
+                directory=directory,
+                rpc=rpc,
+                mgmtd=service.address,
+                node=lambda: service.node_id,
+            )
     finally:
         coordination.close()
 

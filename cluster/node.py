@@ -82,14 +82,21 @@ def advertised_address(
 
 
 def check_addresses(
-    where: str, *, listen: str, advertise: str | None, mgmtd: str | None = None
+    where: str,
+    *,
+    listen: str,
+    advertise: str | None,
+    mgmtd: str | None = None,
+    metrics: str | None = None,
 ) -> None:
     """The address settings every server config has (mgmtd itself has no
-    *mgmtd*), checked up front with the config's name in the message."""
+    *mgmtd*; *metrics* is the optional Prometheus endpoint), checked up front
+    with the config's name in the message."""
     for key, value, parse in (
         ("listen", listen, listen_address),
         ("mgmtd", mgmtd, mgmtd_addresses),
         ("advertise", advertise, parse_address),
+        ("metrics", metrics, listen_address),
     ):
         if value is None:
             continue

@@ -23,6 +23,7 @@ from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import ClientConfig, find_client_config, load_client_config
 from shufflefs.cluster.launcher import unmount, wait_mounted
+from shufflefs.cluster.metrics_client import start_client_metrics
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.fuse.mount_options import MountOptions, parse_options
@@ -52,6 +53,9 @@ async def run_mount(
         )
         fs = FileSystem(rpc, routing, client_options)
         await fs.start(nursery)
+        await start_client_metrics(
+            nursery, fs, options.metrics or config.mount_metrics, rpc=rpc, mgmtd=config.mgmtd
+        )
         ops = ShuffleOps(fs, options)
         await ops.prefetch.start(nursery)
         opts = set(pyfuse3.default_options) | options.fuse_options()

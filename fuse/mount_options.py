@@ -23,6 +23,7 @@ import errno
 import math
 from dataclasses import dataclass
 
+from shufflefs.cluster.node import listen_address
 from shufflefs.cluster.preflight import parse_size
 from shufflefs.fuse.prefetch import DEFAULT_MEMORY
 from shufflefs.metadata.protocol import MountInfo
@@ -37,7 +38,7 @@ MAX_TASKS = 1024
 
 TIMEOUTS = ("attr_timeout", "entry_timeout", "negative_timeout")
 FLAGS = ("ro", "rw", "no_local_reads", "debug")
-VALUED = (*TIMEOUTS, "handle_linger", "max_tasks", "prefetch_memory", "cache")
+VALUED = (*TIMEOUTS, "handle_linger", "max_tasks", "prefetch_memory", "metrics", "cache")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class MountOptions:
     max_tasks: int = 64
     local_reads: bool = True
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
+    metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
     debug: bool = False
 
     def fuse_options(self) -> set[str]:
@@ -113,6 +115,14 @@ def parse_options(items: list[str]) -> MountOptions:
     )
     if "max_tasks" in given:
         options.max_tasks = _count(given["max_tasks"])
+    if "metrics" in given:
+        try:
+            listen_address(given["metrics"])
+        except (FsError, ValueError):
+            raise FsError(
+                errno.EINVAL, f"mount option 'metrics={given['metrics']}': HOST:PORT expected"
+            ) from None
+        options.metrics = given["metrics"]
     if "prefetch_memory" in given:
         options.prefetch_memory = _size(given["prefetch_memory"])
     return options
@@ -123,6 +133,8 @@ def _usage(key: str) -> str:
         return "takes no value"
     if key == "cache":
         return "needs a value: cache=immutable"
+    if key == "metrics":
+        return "needs a value: metrics=HOST:PORT"
     if key == "prefetch_memory":
         return "needs a value: prefetch_memory=SIZE (0 turns hints off)"
     if key == "max_tasks":

@@ -35,6 +35,7 @@ class MetaConfig:
     # Log entries kept for a follower that is out of touch; one that missed
     # more copies a snapshot of the namespace instead.
     log_keep: int = 100_000
+    metrics: str | None = None  # host:port of the Prometheus endpoint (default: none)
 
     def validate(self, where: str) -> None:
         """What the types of the TOML file cannot say (*where*: the file, for
@@ -49,4 +50,10 @@ class MetaConfig:
             raise FsError(
                 errno.EINVAL, f"{where}: group_size must be at least 1: {self.group_size}"
             )
-        check_addresses(where, listen=self.listen, mgmtd=self.mgmtd, advertise=self.advertise)
+        check_addresses(
+            where,
+            listen=self.listen,
+            mgmtd=self.mgmtd,
+            advertise=self.advertise,
+            metrics=self.metrics,
+        )

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from shufflefs.cluster.metrics_catalog import COMMIT_BATCH
 from shufflefs.metadata.txn import Transactions
 from shufflefs.rpc.errors import FsError
 
@@ -91,6 +92,7 @@ class Writer:
         for item in batch:
             item.taken = True
         before = self.txns.last_seq
+        COMMIT_BATCH.observe(len(batch))
         try:
             if self.gate is not None:
                 self.gate()

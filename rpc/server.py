@@ -25,6 +25,7 @@ import trio
 from shufflefs.rpc import framing
 from shufflefs.rpc.auth import server_handshake
 from shufflefs.rpc.errors import FsError, as_fs_error
+from shufflefs.rpc.metrics import MethodMetrics, ServerMetrics
 from shufflefs.rpc.schema import CallContext, MethodSpec, Reply, collect_methods, rpc_method
 from shufflefs.rpc.transport import ConnectionClosed, FrameStream, raw_socket
 
@@ -68,6 +69,7 @@ class RpcServer:
         self.methods: dict[str, MethodSpec] = collect_methods(self.builtin, *services)
         self.connections = 0
         self.port: int | None = None
+        self.metrics = ServerMetrics(name)
 
     async def serve(
         self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
@@ -171,22 +173,32 @@ class RpcServer:
     ) -> bool:
         """The synchronous fast path of a call, inline; True if it answered."""
         assert spec.fast is not None
+        started = time.perf_counter()
+        metrics = self.metrics.method(spec.name)
         try:
             kwargs = spec.bind(args, payload, CallContext(peer, spec.name, call_id))
             result = spec.fast(**kwargs)
         except FsError as exc:
-            await self._send_error(stream, call_id, exc)
+            await self._send_error(stream, call_id, exc, metrics, payload, started)
             return True
         except Exception as exc:
             log.exception("%s %s (fast path) from %s failed", self.name, spec.name, peer)
-            await self._send_error(stream, call_id, as_fs_error(exc))
+            await self._send_error(stream, call_id, as_fs_error(exc), metrics, payload, started)
             return True
         if result is None:
             return False
-        await self._send_result(stream, call_id, result)
+        await self._send_result(stream, call_id, result, metrics, payload, started)
         return True
 
-    async def _send_result(self, stream: FrameStream, call_id: int, result: Any) -> None:
+    async def _send_result(
+        self,
+        stream: FrameStream,
+        call_id: int,
+        result: Any,
+        metrics: MethodMetrics,
+        payload: bytearray | None,
+        started: float,
+    ) -> None:
         if isinstance(result, Reply):
             body, out_payload = framing.reply_body(call_id, result.result), result.payload
         else:
@@ -196,7 +208,9 @@ class RpcServer:
         except ConnectionClosed:
             pass
         except FsError as exc:  # an oversize reply: tell the caller instead
-            await self._send_error(stream, call_id, exc)
+            await self._send_error(stream, call_id, exc, metrics, payload, started)
+            return
+        _record(metrics, payload, started, out_payload)
 
     async def _run_call(
         self,
@@ -208,6 +222,8 @@ class RpcServer:
         peer: str,
         inflight: trio.Semaphore | None,
     ) -> None:
+        started = time.perf_counter()
+        metrics = self.metrics.method(spec.name)
         try:
             try:
                 kwargs = spec.bind(args, payload, CallContext(peer, spec.name, call_id))
@@ -215,17 +231,51 @@ class RpcServer:
             except FsError as exc:
                 if exc.code in (errno.EINVAL, errno.EIO):
                     log.info("%s %s from %s: %s", self.name, spec.name, peer, exc.message)
-                await self._send_error(stream, call_id, exc)
+                await self._send_error(stream, call_id, exc, metrics, payload, started)
                 return
             except Exception as exc:
                 log.exception("%s %s from %s failed", self.name, spec.name, peer)
-                await self._send_error(stream, call_id, as_fs_error(exc))
+                await self._send_error(stream, call_id, as_fs_error(exc), metrics, payload, started)
                 return
-            await self._send_result(stream, call_id, result)
+            await self._send_result(stream, call_id, result, metrics, payload, started)
         finally:
             if inflight is not None:
                 inflight.release()
 
-    async def _send_error(self, stream: FrameStream, call_id: int, error: FsError) -> None:
+    async def _send_error(
+        self,
+        stream: FrameStream,
+        call_id: int,
+        error: FsError,
+        metrics: MethodMetrics | None = None,
+        payload: bytearray | None = None,
+        started: float = 0.0,
+    ) -> None:
         with contextlib.suppress(FsError):
             await stream.send_frame(framing.error_body(call_id, error))
+        if metrics is not None:
+            metrics.error(error.code)
+            _record(metrics, payload, started, None)
+
+
+def _record(
+    metrics: MethodMetrics,
+    payload: bytearray | None,
+    started: float,
+    sent: Any,
+) -> None:
+    """One answered call: its count, latency and bulk bytes each way."""
+    metrics.requests.inc()
+    metrics.latency.observe(time.perf_counter() - started)
+    if payload:
+        metrics.received.inc(len(payload))
+    if sent is not None:
+        size = (
+            len(sent)
+            if isinstance(sent, (bytes, bytearray))
+            else memoryview(sent).nbytes
+            if isinstance(sent, memoryview)
+            else sum(memoryview(p).nbytes for p in sent)
+        )
+        if size:
+            metrics.sent.inc(size)

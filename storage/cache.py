@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Final, Generic, TypeVar
 
+from shufflefs.cluster.metrics_catalog import FD_HIT, FD_MISS, RECORD_HIT, RECORD_MISS
+
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -100,7 +102,8 @@ class RecordCache(Generic[K, V]):
             value = self._data.get(key)
             if value is not None:
                 self._data.move_to_end(key)
-            return value
+        (RECORD_MISS if value is None else RECORD_HIT).inc()
+        return value
 
     def fill(self, key: K, value: V | Missing, epoch: int) -> None:
         """Insert what a reader loaded, unless an update happened since *epoch*."""
@@ -182,7 +185,8 @@ class FdCache(Generic[K]):
             if handle is not None:
                 self._data.move_to_end(key)
                 handle.refs += 1
-            return handle
+        (FD_MISS if handle is None else FD_HIT).inc()
+        return handle
 
     def put(self, key: K, fd: int, epoch: int) -> FdHandle:
         """Take ownership of *fd* (opened by the caller after it noted *epoch*)

@@ -33,11 +33,18 @@ class StorageConfig:
         FORWARD_TIMEOUT  # seconds per replica still ahead to wait for a forwarded update
     )
     scrub_interval: float = 0.0  # seconds between background scrubs of every target; 0: off
+    metrics: str | None = None  # host:port of the Prometheus endpoint (default: none)
 
     def validate(self, where: str = "storage config") -> None:
         """Reject settings that would fail later in a less clear way (called
         by `load_config`: the daemon relies on it and checks nothing again)."""
-        check_addresses(where, listen=self.listen, mgmtd=self.mgmtd, advertise=self.advertise)
+        check_addresses(
+            where,
+            listen=self.listen,
+            mgmtd=self.mgmtd,
+            advertise=self.advertise,
+            metrics=self.metrics,
+        )
         if not self.targets:
             raise FsError(errno.EINVAL, f"{where}: 'targets' must list at least one directory")
         paths = [os.path.realpath(t) for t in self.targets]

@@ -21,6 +21,8 @@ from pathlib import Path
 import trio
 
 from shufflefs.cluster.agent import NodeAgent, unregister_node
+from shufflefs.cluster.metrics import start_metrics
+from shufflefs.cluster.metrics_collectors import storage_gauges
 from shufflefs.cluster.node import NodeState, advertised_address, listen_address
 from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
 from shufflefs.cluster.routing import RoutingCache
@@ -185,6 +187,15 @@ class StorageDaemon:
                 service.on_targets_changed = targets_changed
                 nursery.start_soon(service.capacity.run)
                 await nursery.start(service.run_background)
+                await start_metrics(
+                    nursery,
+                    config.metrics,
+                    kind="storage",
+                    rpc=rpc,
+                    mgmtd=config.mgmtd,
+                    node_id=lambda: agent.node_id,
+                    collectors=[storage_gauges(service)],
+                )
                 log.info(
                     "storage node=%s serving address=%s targets=%s",
                     agent.node_id,

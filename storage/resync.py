@@ -18,6 +18,7 @@ import logging
 
 import trio
 
+from shufflefs.cluster.metrics_catalog import RESYNC_BYTES, RESYNC_CHUNKS
 from shufflefs.cluster.protocol import ChainInfo
 from shufflefs.cluster.routing import Routing
 from shufflefs.rpc import FsError
@@ -262,6 +263,8 @@ class ResyncWorker:
                     sync.touch(cid)
                     stats.chunks_copied += 1
                     stats.bytes_copied += len(data)
+                    RESYNC_CHUNKS.inc()
+                    RESYNC_BYTES.inc(len(data))
                 sync.trusted.add(cid)
                 return
         raise FsError(errno.EAGAIN, f"chunk {cid.hex()} kept changing during resync")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from shufflefs.cluster.metrics_catalog import SCRUB_CHUNKS, SCRUB_FOUND
 from shufflefs.cluster.protocol import TargetInfo
 from shufflefs.rpc import FsError
 from shufflefs.storage.chain import chain_of, same_info
@@ -125,6 +126,9 @@ class ScrubWorker:
         head = self._head(target)
         if head is not None:
             await self._compare(target, head, after, bound, counts)
+        SCRUB_CHUNKS.inc(counts.checked)
+        for kind in ("corrupt", "divergent", "repaired", "unrecoverable"):
+            SCRUB_FOUND.labels(kind).inc(getattr(counts, kind))
         if counts.corrupt or counts.divergent:
             log.warning(
                 "scrub target=%d checked=%d corrupt=%d divergent=%d repaired=%d unrecoverable=%d",

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import pytest
 from clusters import cluster, fault_cluster, mnt, mounted, native, process_cluster
+from opsworld import ops_cluster
 
-__all__ = ["cluster", "fault_cluster", "mnt", "mounted", "native", "process_cluster"]
+__all__ = ["cluster", "fault_cluster", "mnt", "mounted", "native", "ops_cluster", "process_cluster"]
 
 TESTS = Path(__file__).parent
 E2E_FOLDERS = (TESTS / "e2e", TESTS / "faults")
 # Fixtures that start service processes or mount (directly or through another).
-PROCESS_FIXTURES = frozenset({"mounted", "mnt", "native", "process_cluster", "fault_cluster"})
+PROCESS_FIXTURES = frozenset(
+    {"mounted", "mnt", "native", "process_cluster", "fault_cluster", "ops_cluster"}
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

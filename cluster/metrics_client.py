@@ -1,0 +1,111 @@
+"""Metrics of a mount or native client: its reads and writes, served when asked.
+
+A client's reads and writes are counted where every one of them passes:
+`FileSystem.read_into` and `FileSystem.write` for a mount (FUSE reads go
+through `read_into`), the native client's `read_extents` (its blocking fast
+path and the async fallback alike). The counting wrapper shadows the method
+on that one instance, so a client without metrics pays nothing and the
+client code needs no hooks of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from shufflefs.cluster.metrics import start_metrics
+from shufflefs.cluster.metrics_catalog import (
+    CLIENT_BYTES,
+    CLIENT_ERRORS,
+    CLIENT_LATENCY,
+    CLIENT_OPS,
+)
+from shufflefs.rpc.client import RpcClient
+
+T = TypeVar("T")
+
+
+class _Op:
+    def __init__(self, op: str) -> None:
+        self.ops = CLIENT_OPS.labels(op)
+        self.bytes = CLIENT_BYTES.labels(op)
+        self.errors = CLIENT_ERRORS.labels(op)
+        self.latency = CLIENT_LATENCY.labels(op)
+
+    def done(self, started: float, nbytes: int) -> None:
+        self.ops.inc()
+        self.bytes.inc(nbytes)
+        self.latency.observe(time.perf_counter() - started)
+
+
+def _extent_bytes(extents: Sequence[Any]) -> int:
+    return sum(e[3] for e in extents)
+
+
+def counted_reads(read: Callable[..., T]) -> Callable[..., T]:
+    """``read(extents, out)`` (sync) counted as one read of the extents' bytes."""
+    op = _Op("read")
+
+    @functools.wraps(read)
+    def wrapper(extents: Sequence[Any], out: memoryview) -> T:
+        started = time.perf_counter()
+        try:
+            result = read(extents, out)
+        except BaseException:
+            op.errors.inc()
+            raise
+        op.done(started, _extent_bytes(extents))
+        return result
+
+    return wrapper
+
+
+def _counted_async(
+    name: str, fn: Callable[..., Awaitable[T]], size: Callable[[tuple[Any, ...], T], int]
+) -> Callable[..., Awaitable[T]]:
+    op = _Op(name)
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> T:
+        started = time.perf_counter()
+        try:
+            result = await fn(*args)
+        except BaseException:
+            op.errors.inc()
+            raise
+        op.done(started, size(args, result))
+        return result
+
+    return wrapper
+
+
+def instrument(fs: Any, *, reads: bool = True) -> None:
+    """Count *fs*'s writes and (with *reads*) its `read_into` calls."""
+    attrs = vars(fs)  # an instance attribute shadows the class's method
+    attrs["write"] = _counted_async("write", fs.write, lambda args, n: int(n))
+    if reads:
+        attrs["read_into"] = _counted_async(
+            "read", fs.read_into, lambda args, _: _extent_bytes(args[0])
+        )
+
+
+async def start_client_metrics(
+    nursery: trio.Nursery,
+    fs: Any,
+    address: str | None,
+    *,
+    rpc: RpcClient,
+    mgmtd: str,
+    kind: str = "mount",
+    reads: bool = True,
+) -> str | None:
+    """A client's one call: count its I/O and serve it at *address*,
+    announced to mgmtd under the client's name (nothing without *address*)."""
+    if not address:
+        return None
+    instrument(fs, reads=reads)
+    return await start_metrics(nursery, address, kind=kind, rpc=rpc, mgmtd=mgmtd, name=fs.name)
