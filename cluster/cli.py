@@ -33,6 +33,7 @@ from shufflefs.rpc import framing
 DEFAULT_MOUNTPOINT = "mnt"
 CONFIG_HELP = "client config (default: $SHUFFLEFS_CONFIG, else ./.shufflefs/client.toml)"
 MAX_LOCAL_STORAGE_NODES = 64
+MAX_TARGETS_PER_NODE = 64
 
 # subcommand -> (module, function taking the parsed args and returning an exit code)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chunk-size", type=size, default="1M", help="chunk size of new files")
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
+    p.add_argument(
+        "--targets-per-node",
+        type=int_in(1, MAX_TARGETS_PER_NODE),
+        default=1,
+        help="target directories per storage node (a disk each on a real node)",
+    )
 
     p = sub.add_parser(
         "up",
@@ -113,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--host", help="address the services listen on (default: 127.0.0.1 for a new cluster)"
+    )
+    p.add_argument(
+        "--targets-per-node",
+        type=int_in(1, MAX_TARGETS_PER_NODE),
+        help="target directories per storage node, fixed at format (default: 1); chains "
+        "spread over them so a dead node is recovered from many others",
     )
     p.add_argument("--no-mount", action="store_true", help="start the services only")
 

@@ -30,6 +30,9 @@ class MgmtdConfig:
     stripe: int = 16
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
+    # the first chain table waits for this many storage nodes to register
+    # (0: builds as soon as `replicas` nodes are there); `format` sets it
+    initial_nodes: int = 0
 
     @property
     def effective_min_replicas(self) -> int:
@@ -48,6 +51,8 @@ class MgmtdConfig:
             raise FsError(errno.EINVAL, f"{where}: stripe must be at least 1")
         if not 0 < self.heartbeat_interval < self.heartbeat_timeout:
             raise FsError(errno.EINVAL, f"{where}: need 0 < heartbeat_interval < heartbeat_timeout")
+        if self.initial_nodes < 0:
+            raise FsError(errno.EINVAL, f"{where}: initial_nodes must be >= 0")
 
 
 CONFIG_ENV = "SHUFFLEFS_CONFIG"

@@ -81,6 +81,7 @@ class ClusterLayout:
     # network namespace it runs in. Empty: every node on `host`.
     storage_hosts: list[str] = field(default_factory=list)
     storage_netns: list[str] = field(default_factory=list)
+    targets_per_node: int = 1  # target directories per storage node (a disk each on a real node)
 
     def storage_address(self, i: int) -> str:
         """host:port of storage node i (0-based)."""
@@ -123,6 +124,7 @@ class LocalCluster:
         storage_hosts: list[str] | None = None,
         storage_netns: list[str] | None = None,
         mgmtd_settings: dict[str, Any] | None = None,
+        targets_per_node: int = 1,
     ) -> ClusterLayout:
         """Write a new cluster's configs. *storage_hosts*/*storage_netns* put
         each storage node on its own address inside its own network namespace
@@ -135,6 +137,8 @@ class LocalCluster:
             raise UsageError("--storage-nodes must be at least 1")
         if replicas < 1:
             raise UsageError("--replicas must be at least 1")
+        if targets_per_node < 1:
+            raise UsageError("--targets-per-node must be at least 1")
         if replicas > storage_nodes:
             raise UsageError(f"--replicas {replicas} needs at least {replicas} storage nodes")
         ports = free_ports(host, 2 + (0 if storage_hosts else storage_nodes))
@@ -153,6 +157,7 @@ class LocalCluster:
             chunk_size,
             list(storage_hosts or []),
             list(storage_netns or []),
+            targets_per_node,
         )
         mgmtd = f"{host}:{layout.mgmtd_port}"
         common = {"secret_file": str(self.secret_file), "log_level": "INFO"}
@@ -164,6 +169,7 @@ class LocalCluster:
                     "log_file": str(self.logs / "mgmtd.log"),
                     "replicas": replicas,
                     "chunk_size": chunk_size,
+                    "initial_nodes": storage_nodes,
                     **common,
                     **(mgmtd_settings or {}),
                 },
@@ -199,7 +205,7 @@ class LocalCluster:
             "listen": layout.storage_address(i - 1),
             "mgmtd": f"{layout.host}:{layout.mgmtd_port}",
             "data_dir": str(node / "node"),
-            "targets": [str(node / "target1")],
+            "targets": [str(node / f"target{k}") for k in range(1, layout.targets_per_node + 1)],
             "log_file": str(self.logs / f"storage{i}.log"),
             "secret_file": str(self.secret_file),
             "log_level": "INFO",
@@ -357,6 +363,7 @@ def up(
     host: str | None = None,
     out: Any = sys.stdout,
     timeout: float = START_TIMEOUT,
+    targets_per_node: int | None = None,
 ) -> LocalCluster:
     """Format (first time) or check (afterwards) the cluster in *data_dir*,
     start what is not running, wait until it is ready, and mount. Shape
@@ -366,7 +373,9 @@ def up(
     cluster = LocalCluster(data_dir)
     mount_at = check_mountpoint(mountpoint) if mountpoint is not None else None
     if cluster.exists():
-        added = reconcile_shape(cluster, storage_nodes, replicas, chunk_size, host)
+        added = reconcile_shape(
+            cluster, storage_nodes, replicas, chunk_size, host, targets_per_node
+        )
         if added:
             names = ", ".join(added)
             print(f"added {names}; mgmtd places their targets (see `shufflefs status`)", file=out)
@@ -377,6 +386,7 @@ def up(
             default_replicas(nodes, replicas),
             chunk_size or DEFAULT_CHUNK_SIZE,
             host or DEFAULT_HOST,
+            targets_per_node=targets_per_node or 1,
         )
         print(f"formatted a new cluster in {cluster.dir}", file=out)
     cluster.check_configs()
@@ -400,11 +410,17 @@ def reconcile_shape(
     replicas: int | None,
     chunk_size: int | None,
     host: str | None,
+    targets_per_node: int | None = None,
 ) -> list[str]:
     """Make an existing cluster the shape asked for, or say why not and
     how. Returns the storage nodes added."""
     layout = cluster.layout()
     d = cluster.dir
+    if targets_per_node is not None and targets_per_node != layout.targets_per_node:
+        raise UsageError(
+            f"{d} was formatted with {layout.targets_per_node} targets per node; add targets "
+            "to a node with `shufflefs target add` (or use a new --data-dir)"
+        )
     if replicas is not None and replicas != layout.replicas:
         raise UsageError(
             f"{d} was formatted with {layout.replicas} replicas; the replica count is fixed "
@@ -491,6 +507,7 @@ def cli_format(args: argparse.Namespace) -> int:
         default_replicas(args.storage_nodes, args.replicas),
         parse_size(args.chunk_size),
         args.host,
+        targets_per_node=args.targets_per_node,
     )
     print(
         f"formatted a new cluster in {cluster.dir}: mgmtd at {layout.host}:{layout.mgmtd_port}, "
@@ -507,6 +524,7 @@ def cli_up(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         chunk_size=parse_size(args.chunk_size) if args.chunk_size is not None else None,
         host=args.host,
+        targets_per_node=args.targets_per_node,
     )
     print(f"cluster up; client config: {cluster.client_config}")
     found = find_client_config().absolute()

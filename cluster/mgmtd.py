@@ -145,6 +145,7 @@ def cluster_config(config: MgmtdConfig) -> ClusterConfig:
         min_replicas=config.effective_min_replicas,
         heartbeat_interval=config.heartbeat_interval,
         heartbeat_timeout=config.heartbeat_timeout,
+        initial_nodes=config.initial_nodes,
     )
 
 

@@ -12,7 +12,7 @@ which are built on it), never mgmtd's internals.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from shufflefs.rpc.client import RpcClient
 
@@ -82,6 +82,8 @@ class ClusterConfig(TypedDict):
     min_replicas: int  # writes are refused (EROFS) on a chain with fewer serving targets
     heartbeat_interval: float  # seconds between heartbeats
     heartbeat_timeout: float  # a node silent this long is offline
+    # the first chain table waits for this many storage nodes (0: for `replicas`)
+    initial_nodes: NotRequired[int]
 
 
 class AssignResult(TypedDict):

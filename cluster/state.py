@@ -14,6 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shufflefs.cluster.placement import plan_chains
 from shufflefs.cluster.protocol import (
     AssignResult,
     Capacity,
@@ -375,27 +376,27 @@ class ClusterState:
 
     def build_chains(self) -> list[int]:
         """Put targets that are in no chain into new chains of `replicas`
-        targets on distinct nodes, taking first from the nodes with the most
-        unplaced targets (so chains spread evenly)."""
+        targets on distinct nodes, spread so that every pair of nodes shares
+        about as many chains as any other (`placement.plan_chains`). The
+        first table waits for `initial_nodes` storage nodes, so a cluster
+        whose nodes register one by one is not built from the first few."""
+        storage = [n for n in self.nodes.values() if n.kind == "storage" and n.state == "online"]
+        if not self.chains and len(storage) < self.config.get("initial_nodes", 0):
+            return []
         placed = {t for c in self.chains.values() for t in c.targets}
-        free = [t for t in self.targets.values() if t.id not in placed and t.state == SERVING]
-        replicas = self.config["replicas"]
+        free: dict[int, list[int]] = {}
+        for t in sorted(self.targets.values(), key=lambda t: t.id):
+            if t.id not in placed and t.state == SERVING:
+                free.setdefault(t.node, []).append(t.id)
+        existing = [[self.targets[t].node for t in c.targets] for c in self.chains.values()]
         made: list[int] = []
-        while True:
-            by_node: dict[int, list[Target]] = {}
-            for t in free:
-                by_node.setdefault(t.node, []).append(t)
-            if len(by_node) < replicas:
-                return made
-            order = sorted(by_node, key=lambda n: (-len(by_node[n]), n))[:replicas]
-            members = [by_node[n][0] for n in order]
-            chain = Chain(self.next_chain, 1, [t.id for t in members])
+        for members in plan_chains(free, self.config["replicas"], existing):
+            chain = Chain(self.next_chain, 1, members)
             self.next_chain += 1
             self.chains[chain.id] = chain
             made.append(chain.id)
             log.info("new chain %d: targets %s", chain.id, chain.targets)
-            for t in members:
-                free.remove(t)
+        return made
 
     def heartbeat(self, node_id: int, pid: int, usage: list[TargetUsage], now: float) -> int:
         node = self.nodes.get(node_id)

@@ -369,6 +369,7 @@ class ProcessCluster:
         chunk_size: int = 1 << 20,
         hosts: TestHosts | None = None,
         mgmtd_settings: dict[str, Any] | None = None,
+        targets_per_node: int = 1,
     ) -> None:
         self.local = LocalCluster(data_dir)
         self.mountpoint = mountpoint or self.local.dir.parent / "mnt"
@@ -383,6 +384,7 @@ class ProcessCluster:
                 storage_hosts=[hosts.address(i) for i in nodes] if hosts else None,
                 storage_netns=[hosts.netns(i) for i in nodes] if hosts else None,
                 mgmtd_settings=mgmtd_settings,
+                targets_per_node=targets_per_node,
             )
         self.layout = self.local.layout()
         self.mgmtd_address = f"{self.layout.host}:{self.layout.mgmtd_port}"
