@@ -16,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from shufflefs.cluster import drain
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import (
@@ -89,6 +90,24 @@ class MgmtdService:
     @rpc_method
     async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
         self.state.sync_done(target_id, chain_id, chain_version)
+        drain.step(self.state)  # a replacement serving: a drained member may leave
+        await self.persist()
+
+    @rpc_method
+    async def drain_node(self, node_id: int) -> list[int]:
+        chains = drain.start(self.state, node_id)
+        drain.step(self.state)
+        await self.persist()
+        return chains
+
+    @rpc_method
+    async def remove_node(self, node_id: int) -> None:
+        drain.remove_node(self.state, node_id)
+        await self.persist()
+
+    @rpc_method
+    async def remove_target(self, target_id: int) -> None:
+        drain.remove_target(self.state, target_id)
         await self.persist()
 
     @rpc_method
@@ -133,7 +152,8 @@ class MgmtdService:
     async def watch_heartbeats(self) -> None:
         while True:
             await trio.sleep(EXPIRY_CHECK_INTERVAL)
-            if self.state.expire(time.time()):
+            expired = self.state.expire(time.time())
+            if drain.step(self.state) or expired:  # drains resume after any restart
                 await self.persist()
 
 

@@ -56,6 +56,7 @@ class NodeInfo(TypedDict):
     pid: int
     state: str  # NodeState
     last_seen: float  # unix time of the last heartbeat
+    draining: NotRequired[bool]  # being drained (`shufflefs node drain`); in no chain: drained
 
 
 class TargetInfo(TypedDict):
@@ -165,6 +166,20 @@ class MgmtdStub:
         the node offline if it cannot reach it either. Returns whether it did."""
         result = await self._call("report_unreachable", reporter=reporter, node_id=node_id)
         return bool(result)
+
+    async def drain_node(self, node_id: int) -> list[int]:
+        """Start draining storage node *node_id* (`cluster/drain.py`): the
+        chains it leaves. EBUSY if one of them has nowhere to move to."""
+        chains: list[int] = await self._call("drain_node", node_id=node_id)
+        return chains
+
+    async def remove_node(self, node_id: int) -> None:
+        """Forget a drained (or never placed) storage node; EBUSY while it holds replicas."""
+        await self._call("remove_node", node_id=node_id)
+
+    async def remove_target(self, target_id: int) -> None:
+        """Forget a target in no chain; EBUSY while it is a member of one."""
+        await self._call("remove_target", target_id=target_id)
 
     async def assign_target(self, target_id: int, chain_id: int | None = None) -> AssignResult:
         """Put a spare target into chain *chain_id* (or the chain whose

@@ -91,6 +91,8 @@ class ClusterState:
     nodes: dict[int, Node] = field(default_factory=dict)
     targets: dict[int, Target] = field(default_factory=dict)
     chains: dict[int, Chain] = field(default_factory=dict)
+    draining_nodes: set[int] = field(default_factory=set)  # `cluster/drain.py`
+    removed_nodes: set[int] = field(default_factory=set)  # never let back in under their id
 
     @classmethod
     def new(cls, config: ClusterConfig) -> ClusterState:
@@ -109,6 +111,8 @@ class ClusterState:
             "nodes": [asdict(n) for n in self.nodes.values()],
             "targets": [asdict(t) for t in self.targets.values()],
             "chains": [asdict(c) for c in self.chains.values()],
+            "draining_nodes": sorted(self.draining_nodes),
+            "removed_nodes": sorted(self.removed_nodes),
         }
 
     @classmethod
@@ -129,6 +133,8 @@ class ClusterState:
             state.targets[t["id"]] = Target(**t)
         for c in rec["chains"]:
             state.chains[c["id"]] = Chain(**c)
+        state.draining_nodes = set(rec.get("draining_nodes", []))
+        state.removed_nodes = set(rec.get("removed_nodes", []))
         return state
 
     # ---- changes ------------------------------------------------------------
@@ -176,6 +182,12 @@ class ClusterState:
             raise FsError(errno.EINVAL, f"cannot register a node of kind {kind!r}")
         if kind != "storage" and targets:
             raise FsError(errno.EINVAL, "only storage nodes have targets")
+        if node_id is not None and node_id in self.removed_nodes:
+            raise FsError(
+                errno.EPERM,
+                f"node {node_id} was removed from this cluster (`shufflefs node remove`); "
+                "wipe its data dir to join as a new node",
+            )
         if node_id is not None and node_id in self.nodes:
             node = self.nodes[node_id]
             if node.kind != kind:
@@ -248,13 +260,16 @@ class ClusterState:
         else:
             target.state = WAITING
         log.info("target %d rejoins chain %d as %s", target.id, chain.id, target.state)
-        self._chain_changed(chain)
+        self.chain_changed(chain)
+
+    def draining(self, node_id: int) -> bool:
+        return node_id in self.draining_nodes
 
     def _state(self, target_id: int) -> str:
         target = self.targets.get(target_id)
         return target.state if target is not None else OFFLINE
 
-    def _chain_changed(self, chain: Chain) -> None:
+    def chain_changed(self, chain: Chain) -> None:
         """Re-derive a chain after a member changed state: waiting members
         start syncing once someone serves, members are ordered serving,
         syncing, waiting, offline (a returning target joins at the tail), and
@@ -282,7 +297,7 @@ class ClusterState:
         if target.state != SYNCING:
             raise FsError(errno.EINVAL, f"target {target_id} is {target.state}, not syncing")
         target.state = SERVING
-        self._chain_changed(chain)
+        self.chain_changed(chain)
         self.bump(f"target {target_id} synced: serving in chain {chain_id}")
 
     def assign_target(self, target_id: int, chain_id: int | None) -> AssignResult:
@@ -307,6 +322,8 @@ class ClusterState:
         node = self.nodes.get(target.node)
         if node is None or node.state != "online" or target.state == OFFLINE:
             raise FsError(errno.EHOSTDOWN, f"target {target_id} is on an offline node")
+        if self.draining(node.id):
+            raise FsError(errno.EBUSY, f"target {target_id} is on node {node.id}, being drained")
         if chain_id is None:
             chain = self._chain_to_refill(target)
             if chain is None:
@@ -334,7 +351,7 @@ class ClusterState:
         chain.targets.append(target_id)
         serving = any(self._state(t) == SERVING for t in chain.targets if t != target_id)
         target.state = SYNCING if serving else WAITING
-        self._chain_changed(chain)
+        self.chain_changed(chain)
         self.bump(f"target {target_id} joins chain {chain.id} as {target.state}")
         return {"chain": chain.id, "replaced": replaced, "state": target.state}
 
@@ -386,7 +403,7 @@ class ClusterState:
         placed = {t for c in self.chains.values() for t in c.targets}
         free: dict[int, list[int]] = {}
         for t in sorted(self.targets.values(), key=lambda t: t.id):
-            if t.id not in placed and t.state == SERVING:
+            if t.id not in placed and t.state == SERVING and not self.draining(t.node):
                 free.setdefault(t.node, []).append(t.id)
         existing = [[self.targets[t].node for t in c.targets] for c in self.chains.values()]
         made: list[int] = []
@@ -460,7 +477,7 @@ class ClusterState:
             if was_serving and not any(self._state(t) == SERVING for t in chain.targets):
                 chain.last_serving = target.id
                 log.error("chain %d has no serving target left (last: %d)", chain.id, target.id)
-            self._chain_changed(chain)
+            self.chain_changed(chain)
 
     # ---- views --------------------------------------------------------------
 
@@ -479,8 +496,7 @@ class ClusterState:
             ],
         }
 
-    @staticmethod
-    def _node_info(n: Node) -> NodeInfo:
+    def _node_info(self, n: Node) -> NodeInfo:
         return NodeInfo(
             id=n.id,
             kind=n.kind,
@@ -489,6 +505,7 @@ class ClusterState:
             pid=n.pid,
             state=n.state,
             last_seen=n.last_seen,
+            draining=n.id in self.draining_nodes,
         )
 
     @staticmethod

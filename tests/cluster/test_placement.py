@@ -1,17 +1,21 @@
-"""The chain table builder: chains on distinct nodes, every pair of nodes
-sharing about the same number of chains, mgmtd waiting for its nodes."""
+"""The chain table builder (chains on distinct nodes, every pair of nodes
+sharing about the same number of chains, mgmtd waiting for its nodes), and
+draining and removing nodes and targets in mgmtd's state machine."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shufflefs.cluster import drain
 from shufflefs.cluster.placement import pair_counts, plan_chains
 from shufflefs.cluster.protocol import ClusterConfig
-from shufflefs.cluster.state import ClusterState
+from shufflefs.cluster.state import SERVING, SYNCING, ClusterState
+from shufflefs.rpc.errors import FsError
 
 
 def free_targets(nodes: int, per_node: int) -> dict[int, list[int]]:
@@ -118,3 +122,68 @@ def test_without_initial_nodes_the_first_replicas_nodes_build_it() -> None:
     for node in range(1, 4):
         register(state, node, 2)
     assert len(state.chains) == 2
+
+
+def four_nodes() -> ClusterState:
+    """4 storage nodes of one target each, 3 replicas: one chain and a spare."""
+    state = cluster(initial_nodes=4)
+    for node in range(1, 5):
+        register(state, node, 1)
+    assert len(state.chains) == 1
+    return state
+
+
+def members(state: ClusterState) -> list[int]:
+    (chain,) = state.chains.values()
+    return [state.targets[t].node for t in chain.targets]
+
+
+def test_drain_moves_the_replica_to_the_spare_then_leaves() -> None:
+    state = four_nodes()
+    victim = members(state)[0]
+    (spare_node,) = set(state.nodes) - set(members(state))
+    (chain,) = state.chains.values()
+    assert drain.start(state, victim) == [chain.id]
+    assert drain.step(state)
+    spare = next(t for t in state.targets.values() if t.node == spare_node)
+    assert chain.targets[-1] == spare.id and spare.state == SYNCING
+    assert victim in members(state)  # still serving while the copy runs
+    assert not drain.step(state)  # one copy at a time: nothing more until it is done
+    state.sync_done(spare.id, chain.id, chain.version)
+    assert spare.state == SERVING
+    assert drain.step(state)
+    assert victim not in members(state) and len(members(state)) == 3
+    with pytest.raises(FsError) as busy:
+        drain.remove_target(state, chain.targets[0])
+    assert busy.value.code == errno.EBUSY
+    drain.remove_node(state, victim)
+    assert victim not in state.nodes and all(t.node != victim for t in state.targets.values())
+    assert state.build_chains() == []  # nothing left over to build from
+
+
+def test_refusals_change_nothing() -> None:
+    state = four_nodes()
+    first, second, _ = members(state)
+    drain.start(state, first)
+    drain.step(state)
+    before = state.to_record()
+    for call, code in (
+        (lambda: drain.start(state, second), errno.EBUSY),  # the spare is taken
+        (lambda: drain.start(state, 99), errno.ENOENT),
+        (lambda: drain.remove_node(state, second), errno.EBUSY),
+        (lambda: drain.remove_node(state, 99), errno.ENOENT),
+        (lambda: drain.remove_target(state, 99), errno.ENOENT),
+    ):
+        with pytest.raises(FsError) as exc:
+            call()
+        assert exc.value.code == code
+    assert state.to_record() == before
+
+
+def test_a_drain_survives_a_restart_of_mgmtd() -> None:
+    state = four_nodes()
+    victim = members(state)[0]
+    drain.start(state, victim)
+    again = ClusterState.from_record(state.to_record(), 0.0)
+    assert again.draining(victim)
+    assert drain.step(again)  # picks up where it was
