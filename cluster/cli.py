@@ -33,6 +33,7 @@ from shufflefs.rpc import framing
 DEFAULT_MOUNTPOINT = "mnt"
 CONFIG_HELP = "client config (default: $SHUFFLEFS_CONFIG, else ./.shufflefs/client.toml)"
 MAX_LOCAL_STORAGE_NODES = 64
+MAX_TARGETS_PER_NODE = 64
 
 # subcommand -> (module, function taking the parsed args and returning an exit code)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("shufflefs.cluster.admin", "cli_status"),
     "scrub": ("shufflefs.cluster.scrub", "cli_scrub"),
     "target": ("shufflefs.cluster.targets", "cli_target"),
+    "node": ("shufflefs.cluster.nodes", "cli_node"),
     "mount": ("shufflefs.fuse.mount", "cli_mount"),
     "umount": ("shufflefs.fuse.mount", "cli_umount"),
     "sample": ("shufflefs.client.data.explain", "cli_sample"),
@@ -92,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chunk-size", type=size, default="1M", help="chunk size of new files")
     p.add_argument("--host", default="127.0.0.1", help="address the services listen on")
+    p.add_argument(
+        "--targets-per-node",
+        type=int_in(1, MAX_TARGETS_PER_NODE),
+        default=1,
+        help="target directories per storage node (a disk each on a real node)",
+    )
 
     p = sub.add_parser(
         "up",
@@ -122,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--meta-servers",
         type=positive_int,
         help="metadata servers, fixed at format (default: 1; 3 for failover)",
+    )
+    p.add_argument(
+        "--targets-per-node",
+        type=int_in(1, MAX_TARGETS_PER_NODE),
+        help="target directories per storage node, fixed at format (default: 1); chains "
+        "spread over them so a dead node is recovered from many others",
     )
     p.add_argument("--no-mount", action="store_true", help="start the services only")
 
@@ -235,6 +249,40 @@ def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentP
         type=positive_int,
         help="the chain to join (default: the one whose member is offline longest)",
     )
+    a.add_argument("--config", help=config_help)
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a = actions.add_parser(
+        "remove",
+        help="forget a target that is in no chain (a spare, or one drained)",
+        description="Refused while the target is a member of a chain: drain its node first.",
+    )
+    a.add_argument("id", type=positive_int, help="target id (see `status`)")
+    a.add_argument("--config", help=config_help)
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("node", help="storage nodes (`shufflefs node drain|remove ID`)")
+    actions = p.add_subparsers(dest="node_command", metavar="ACTION", required=True)
+    a = actions.add_parser(
+        "drain",
+        help="move every replica off a storage node while it keeps serving",
+        description="mgmtd puts a spare target of another node into each chain of the node, "
+        "resync copies the chain to it, then the node's target leaves the chain; one chain at "
+        "a time. Refused when a chain has no spare target to move to. Resumes by itself "
+        "after restarts.",
+    )
+    a.add_argument("id", type=positive_int, help="storage node id (see `status`)")
+    a.add_argument("--wait", action="store_true", help="wait until the node is in no chain")
+    a.add_argument(
+        "--timeout", type=positive_float, default=3600.0, help="seconds --wait waits at most"
+    )
+    a.add_argument("--config", help=config_help)
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a = actions.add_parser(
+        "remove",
+        help="take a drained storage node out of the cluster",
+        description="Refused while the node still holds replicas: drain it first.",
+    )
+    a.add_argument("id", type=positive_int, help="storage node id (see `status`)")
     a.add_argument("--config", help=config_help)
     a.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -37,6 +37,9 @@ class MgmtdConfig:
     election_ttl: int = 3  # seconds of the primary's etcd lease
     # host:port of the status page and Prometheus endpoint (default: none)
     metrics: str | None = None
+    # the first chain table waits for this many storage nodes to register
+    # (0: builds as soon as `replicas` nodes are there); `format` sets it
+    initial_nodes: int = 0
 
     @property
     def effective_min_replicas(self) -> int:
@@ -59,6 +62,8 @@ class MgmtdConfig:
             check_addresses(f"{where}: etcd", listen="0.0.0.0:0", advertise=endpoint)
         if not 2 <= self.election_ttl <= 60:
             raise FsError(errno.EINVAL, f"{where}: election_ttl must be 2..60 seconds")
+        if self.initial_nodes < 0:
+            raise FsError(errno.EINVAL, f"{where}: initial_nodes must be >= 0")
 
 
 CONFIG_ENV = "SHUFFLEFS_CONFIG"

@@ -98,6 +98,8 @@ class ClusterLayout:
         host = self.meta_hosts[i - 1] if self.meta_hosts else self.host
         return f"{host}:{[self.meta_port, *self.meta_ports][i - 1]}"
 
+    targets_per_node: int = 1  # target directories per storage node (a disk each on a real node)
+
     def storage_address(self, i: int) -> str:
         """host:port of storage node i (0-based)."""
         host = self.storage_hosts[i] if self.storage_hosts else self.host
@@ -146,6 +148,7 @@ class LocalCluster:
         meta_servers: int = 1,
         meta_hosts: list[str] | None = None,
         meta_netns: list[str] | None = None,
+        targets_per_node: int = 1,
     ) -> ClusterLayout:
         """Write a new cluster's configs. *storage_hosts*/*storage_netns* put
         each storage node on its own address inside its own network namespace
@@ -158,6 +161,8 @@ class LocalCluster:
             raise UsageError("--storage-nodes must be at least 1")
         if replicas < 1:
             raise UsageError("--replicas must be at least 1")
+        if targets_per_node < 1:
+            raise UsageError("--targets-per-node must be at least 1")
         if replicas > storage_nodes:
             raise UsageError(f"--replicas {replicas} needs at least {replicas} storage nodes")
         if meta_servers < 1:
@@ -191,6 +196,7 @@ class LocalCluster:
             meta_ports,
             list(meta_hosts or []),
             list(meta_netns or []),
+            targets_per_node,
         )
         mgmtd = f"{host}:{layout.mgmtd_port}"
         common = {"secret_file": str(self.secret_file), "log_level": "INFO"}
@@ -203,6 +209,7 @@ class LocalCluster:
                     "replicas": replicas,
                     "chunk_size": chunk_size,
                     "metrics": f"{host}:{next(metrics)}",
+                    "initial_nodes": storage_nodes,
                     **common,
                     **(mgmtd_settings or {}),
                 },
@@ -258,7 +265,7 @@ class LocalCluster:
             "listen": layout.storage_address(i - 1),
             "mgmtd": f"{layout.host}:{layout.mgmtd_port}",
             "data_dir": str(node / "node"),
-            "targets": [str(node / "target1")],
+            "targets": [str(node / f"target{k}") for k in range(1, layout.targets_per_node + 1)],
             "log_file": str(self.logs / f"storage{i}.log"),
             "secret_file": str(self.secret_file),
             "log_level": "INFO",
@@ -430,6 +437,7 @@ def up(
     out: Any = sys.stdout,
     timeout: float = START_TIMEOUT,
     meta_servers: int | None = None,
+    targets_per_node: int | None = None,
 ) -> LocalCluster:
     """Format (first time) or check (afterwards) the cluster in *data_dir*,
     start what is not running, wait until it is ready, and mount. Shape
@@ -439,7 +447,9 @@ def up(
     cluster = LocalCluster(data_dir)
     mount_at = check_mountpoint(mountpoint) if mountpoint is not None else None
     if cluster.exists():
-        added = reconcile_shape(cluster, storage_nodes, replicas, chunk_size, host, meta_servers)
+        added = reconcile_shape(
+            cluster, storage_nodes, replicas, chunk_size, host, meta_servers, targets_per_node
+        )
         if added:
             names = ", ".join(added)
             print(f"added {names}; mgmtd places their targets (see `shufflefs status`)", file=out)
@@ -451,6 +461,7 @@ def up(
             chunk_size or DEFAULT_CHUNK_SIZE,
             host or DEFAULT_HOST,
             meta_servers=meta_servers or 1,
+            targets_per_node=targets_per_node or 1,
         )
         print(f"formatted a new cluster in {cluster.dir}", file=out)
         if not meta_servers or meta_servers == 1:
@@ -477,11 +488,17 @@ def reconcile_shape(
     chunk_size: int | None,
     host: str | None,
     meta_servers: int | None = None,
+    targets_per_node: int | None = None,
 ) -> list[str]:
     """Make an existing cluster the shape asked for, or say why not and
     how. Returns the storage nodes added."""
     layout = cluster.layout()
     d = cluster.dir
+    if targets_per_node is not None and targets_per_node != layout.targets_per_node:
+        raise UsageError(
+            f"{d} was formatted with {layout.targets_per_node} targets per node; add targets "
+            "to a node with `shufflefs target add` (or use a new --data-dir)"
+        )
     if replicas is not None and replicas != layout.replicas:
         raise UsageError(
             f"{d} was formatted with {layout.replicas} replicas; the replica count is fixed "
@@ -573,6 +590,7 @@ def cli_format(args: argparse.Namespace) -> int:
         default_replicas(args.storage_nodes, args.replicas),
         parse_size(args.chunk_size),
         args.host,
+        targets_per_node=args.targets_per_node,
     )
     print(
         f"formatted a new cluster in {cluster.dir}: mgmtd at {layout.host}:{layout.mgmtd_port}, "
@@ -590,6 +608,7 @@ def cli_up(args: argparse.Namespace) -> int:
         chunk_size=parse_size(args.chunk_size) if args.chunk_size is not None else None,
         host=args.host,
         meta_servers=args.meta_servers,
+        targets_per_node=args.targets_per_node,
     )
     print(f"cluster up; client config: {cluster.client_config}")
     found = find_client_config().absolute()

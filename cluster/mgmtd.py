@@ -21,6 +21,7 @@ from typing import Any
 
 import trio
 
+from shufflefs.cluster import drain
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.coordination import Coordination, EmbeddedCoordination, open_coordination
 from shufflefs.cluster.meta_leases import MetaLeases
@@ -162,6 +163,25 @@ class MgmtdService:
     @rpc_method
     async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
         self.state().sync_done(target_id, chain_id, chain_version)
+        drain.step(self.state())  # a replacement serving: a drained member may leave
+        await self.persist()
+
+    @rpc_method
+    async def drain_node(self, node_id: int) -> list[int]:
+        state = self.state()
+        chains = drain.start(state, node_id)
+        drain.step(state)
+        await self.persist()
+        return chains
+
+    @rpc_method
+    async def remove_node(self, node_id: int) -> None:
+        drain.remove_node(self.state(), node_id)
+        await self.persist()
+
+    @rpc_method
+    async def remove_target(self, target_id: int) -> None:
+        drain.remove_target(self.state(), target_id)
         await self.persist()
 
     @rpc_method
@@ -206,7 +226,9 @@ class MgmtdService:
     async def watch_heartbeats(self) -> None:
         while self._state is not None:
             await trio.sleep(EXPIRY_CHECK_INTERVAL)
-            if self.state().expire(time.time()):
+            state = self.state()
+            expired = state.expire(time.time())
+            if drain.step(state) or expired:  # drains resume after any restart
                 await self.persist()
 
 
@@ -218,6 +240,7 @@ def cluster_config(config: MgmtdConfig) -> ClusterConfig:
         min_replicas=config.effective_min_replicas,
         heartbeat_interval=config.heartbeat_interval,
         heartbeat_timeout=config.heartbeat_timeout,
+        initial_nodes=config.initial_nodes,
     )
 
 

@@ -75,6 +75,7 @@ class LeaseReply(TypedDict):
     holder: int | None  # node id of the metadata primary, if any
     epoch: int
     ttl: float
+    draining: NotRequired[bool]  # being drained (`shufflefs node drain`); in no chain: drained
 
 
 class TargetInfo(TypedDict):
@@ -101,6 +102,8 @@ class ClusterConfig(TypedDict):
     min_replicas: int  # writes are refused (EROFS) on a chain with fewer serving targets
     heartbeat_interval: float  # seconds between heartbeats
     heartbeat_timeout: float  # a node silent this long is offline
+    # the first chain table waits for this many storage nodes (0: for `replicas`)
+    initial_nodes: NotRequired[int]
 
 
 class AssignResult(TypedDict):
@@ -233,6 +236,20 @@ class MgmtdStub:
         the node offline if it cannot reach it either. Returns whether it did."""
         result = await self._call("report_unreachable", reporter=reporter, node_id=node_id)
         return bool(result)
+
+    async def drain_node(self, node_id: int) -> list[int]:
+        """Start draining storage node *node_id* (`cluster/drain.py`): the
+        chains it leaves. EBUSY if one of them has nowhere to move to."""
+        chains: list[int] = await self._call("drain_node", node_id=node_id)
+        return chains
+
+    async def remove_node(self, node_id: int) -> None:
+        """Forget a drained (or never placed) storage node; EBUSY while it holds replicas."""
+        await self._call("remove_node", node_id=node_id)
+
+    async def remove_target(self, target_id: int) -> None:
+        """Forget a target in no chain; EBUSY while it is a member of one."""
+        await self._call("remove_target", target_id=target_id)
 
     async def assign_target(self, target_id: int, chain_id: int | None = None) -> AssignResult:
         """Put a spare target into chain *chain_id* (or the chain whose

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shufflefs.cluster.placement import plan_chains
 from shufflefs.cluster.protocol import (
     AssignResult,
     Capacity,
@@ -90,6 +91,8 @@ class ClusterState:
     nodes: dict[int, Node] = field(default_factory=dict)
     targets: dict[int, Target] = field(default_factory=dict)
     chains: dict[int, Chain] = field(default_factory=dict)
+    draining_nodes: set[int] = field(default_factory=set)  # `cluster/drain.py`
+    removed_nodes: set[int] = field(default_factory=set)  # never let back in under their id
 
     @classmethod
     def new(cls, config: ClusterConfig) -> ClusterState:
@@ -108,6 +111,8 @@ class ClusterState:
             "nodes": [asdict(n) for n in self.nodes.values()],
             "targets": [asdict(t) for t in self.targets.values()],
             "chains": [asdict(c) for c in self.chains.values()],
+            "draining_nodes": sorted(self.draining_nodes),
+            "removed_nodes": sorted(self.removed_nodes),
         }
 
     @classmethod
@@ -128,6 +133,8 @@ class ClusterState:
             state.targets[t["id"]] = Target(**t)
         for c in rec["chains"]:
             state.chains[c["id"]] = Chain(**c)
+        state.draining_nodes = set(rec.get("draining_nodes", []))
+        state.removed_nodes = set(rec.get("removed_nodes", []))
         return state
 
     # ---- changes ------------------------------------------------------------
@@ -175,6 +182,12 @@ class ClusterState:
             raise FsError(errno.EINVAL, f"cannot register a node of kind {kind!r}")
         if kind != "storage" and targets:
             raise FsError(errno.EINVAL, "only storage nodes have targets")
+        if node_id is not None and node_id in self.removed_nodes:
+            raise FsError(
+                errno.EPERM,
+                f"node {node_id} was removed from this cluster (`shufflefs node remove`); "
+                "wipe its data dir to join as a new node",
+            )
         if node_id is not None and node_id in self.nodes:
             node = self.nodes[node_id]
             if node.kind != kind:
@@ -247,13 +260,16 @@ class ClusterState:
         else:
             target.state = WAITING
         log.info("target %d rejoins chain %d as %s", target.id, chain.id, target.state)
-        self._chain_changed(chain)
+        self.chain_changed(chain)
+
+    def draining(self, node_id: int) -> bool:
+        return node_id in self.draining_nodes
 
     def _state(self, target_id: int) -> str:
         target = self.targets.get(target_id)
         return target.state if target is not None else OFFLINE
 
-    def _chain_changed(self, chain: Chain) -> None:
+    def chain_changed(self, chain: Chain) -> None:
         """Re-derive a chain after a member changed state: waiting members
         start syncing once someone serves, members are ordered serving,
         syncing, waiting, offline (a returning target joins at the tail), and
@@ -281,7 +297,7 @@ class ClusterState:
         if target.state != SYNCING:
             raise FsError(errno.EINVAL, f"target {target_id} is {target.state}, not syncing")
         target.state = SERVING
-        self._chain_changed(chain)
+        self.chain_changed(chain)
         self.bump(f"target {target_id} synced: serving in chain {chain_id}")
 
     def assign_target(self, target_id: int, chain_id: int | None) -> AssignResult:
@@ -306,6 +322,8 @@ class ClusterState:
         node = self.nodes.get(target.node)
         if node is None or node.state != "online" or target.state == OFFLINE:
             raise FsError(errno.EHOSTDOWN, f"target {target_id} is on an offline node")
+        if self.draining(node.id):
+            raise FsError(errno.EBUSY, f"target {target_id} is on node {node.id}, being drained")
         if chain_id is None:
             chain = self._chain_to_refill(target)
             if chain is None:
@@ -333,7 +351,7 @@ class ClusterState:
         chain.targets.append(target_id)
         serving = any(self._state(t) == SERVING for t in chain.targets if t != target_id)
         target.state = SYNCING if serving else WAITING
-        self._chain_changed(chain)
+        self.chain_changed(chain)
         self.bump(f"target {target_id} joins chain {chain.id} as {target.state}")
         return {"chain": chain.id, "replaced": replaced, "state": target.state}
 
@@ -375,27 +393,27 @@ class ClusterState:
 
     def build_chains(self) -> list[int]:
         """Put targets that are in no chain into new chains of `replicas`
-        targets on distinct nodes, taking first from the nodes with the most
-        unplaced targets (so chains spread evenly)."""
+        targets on distinct nodes, spread so that every pair of nodes shares
+        about as many chains as any other (`placement.plan_chains`). The
+        first table waits for `initial_nodes` storage nodes, so a cluster
+        whose nodes register one by one is not built from the first few."""
+        storage = [n for n in self.nodes.values() if n.kind == "storage" and n.state == "online"]
+        if not self.chains and len(storage) < self.config.get("initial_nodes", 0):
+            return []
         placed = {t for c in self.chains.values() for t in c.targets}
-        free = [t for t in self.targets.values() if t.id not in placed and t.state == SERVING]
-        replicas = self.config["replicas"]
+        free: dict[int, list[int]] = {}
+        for t in sorted(self.targets.values(), key=lambda t: t.id):
+            if t.id not in placed and t.state == SERVING and not self.draining(t.node):
+                free.setdefault(t.node, []).append(t.id)
+        existing = [[self.targets[t].node for t in c.targets] for c in self.chains.values()]
         made: list[int] = []
-        while True:
-            by_node: dict[int, list[Target]] = {}
-            for t in free:
-                by_node.setdefault(t.node, []).append(t)
-            if len(by_node) < replicas:
-                return made
-            order = sorted(by_node, key=lambda n: (-len(by_node[n]), n))[:replicas]
-            members = [by_node[n][0] for n in order]
-            chain = Chain(self.next_chain, 1, [t.id for t in members])
+        for members in plan_chains(free, self.config["replicas"], existing):
+            chain = Chain(self.next_chain, 1, members)
             self.next_chain += 1
             self.chains[chain.id] = chain
             made.append(chain.id)
             log.info("new chain %d: targets %s", chain.id, chain.targets)
-            for t in members:
-                free.remove(t)
+        return made
 
     def heartbeat(self, node_id: int, pid: int, usage: list[TargetUsage], now: float) -> int:
         node = self.nodes.get(node_id)
@@ -459,7 +477,7 @@ class ClusterState:
             if was_serving and not any(self._state(t) == SERVING for t in chain.targets):
                 chain.last_serving = target.id
                 log.error("chain %d has no serving target left (last: %d)", chain.id, target.id)
-            self._chain_changed(chain)
+            self.chain_changed(chain)
 
     # ---- views --------------------------------------------------------------
 
@@ -478,8 +496,7 @@ class ClusterState:
             ],
         }
 
-    @staticmethod
-    def _node_info(n: Node) -> NodeInfo:
+    def _node_info(self, n: Node) -> NodeInfo:
         return NodeInfo(
             id=n.id,
             kind=n.kind,
@@ -488,6 +505,7 @@ class ClusterState:
             pid=n.pid,
             state=n.state,
             last_seen=n.last_seen,
+            draining=n.id in self.draining_nodes,
         )
 
     @staticmethod

@@ -17,6 +17,7 @@ import json
 import os
 
 from shufflefs.cluster.admin import with_mgmtd
+from shufflefs.cluster.nodes import cli_target_remove
 from shufflefs.cluster.protocol import AssignResult, MgmtdStub
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
@@ -58,7 +59,9 @@ async def add_target(
 
 
 def cli_target(args: argparse.Namespace) -> int:
-    """``shufflefs target add``."""
+    """``shufflefs target add`` / ``remove``."""
+    if args.target_command == "remove":
+        return cli_target_remove(args)
     # the path is opened by the storage daemon: a relative one is taken
     # relative to this command's directory, as a user typing it means
     path = os.path.abspath(args.path)

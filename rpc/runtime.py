@@ -50,6 +50,14 @@ def hostname() -> str:
     return socket.gethostname()
 
 
+def final_error(raised: BaseException) -> FsError | None:
+    """The one FsError a service stopped with (the nurseries it went through
+    wrap it in groups), or None if it stopped with anything else."""
+    while isinstance(raised, BaseExceptionGroup) and len(raised.exceptions) == 1:
+        raised = raised.exceptions[0]
+    return raised if isinstance(raised, FsError) else None
+
+
 def run_service(name: str, main: Callable[[], Awaitable[None]]) -> int:
     """Run a service's main coroutine until it returns or SIGTERM/SIGINT
     arrives (then it is cancelled, so its ``finally`` blocks run: clean
@@ -71,7 +79,11 @@ def run_service(name: str, main: Callable[[], Awaitable[None]]) -> int:
 
     try:
         trio.run(runner)
-    except FsError as exc:
+    except (FsError, BaseExceptionGroup) as raised:
+        exc = final_error(raised)
+        if exc is None:
+            log.exception("%s crashed", name)
+            raise
         log.error("%s stopped: %s", name, exc.message)
         print(f"shufflefs {name}: {exc.message}", file=sys.stderr)
         return 1

@@ -372,6 +372,7 @@ class ProcessCluster:
         mgmtd_settings: dict[str, Any] | None = None,
         meta_servers: int = 1,
         meta_hosts: TestHosts | None = None,
+        targets_per_node: int = 1,
     ) -> None:
         """*meta_hosts*: each metadata server on its own network-namespace
         host (storage daemons and mgmtd on the bridge address)."""
@@ -392,6 +393,7 @@ class ProcessCluster:
                 meta_servers=meta_servers,
                 meta_hosts=[meta_hosts.address(i) for i in metas] if meta_hosts else None,
                 meta_netns=[meta_hosts.netns(i) for i in metas] if meta_hosts else None,
+                targets_per_node=targets_per_node,
             )
         self.layout = self.local.layout()
         self.mgmtd_address = f"{self.layout.host}:{self.layout.mgmtd_port}"

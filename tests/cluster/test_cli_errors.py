@@ -132,6 +132,7 @@ def shape_cases(path: str) -> list[Case]:
         case(path, "--chunk-size", *fresh("cneg"), "--chunk-size=-4K"),
         case(path, "--meta-servers", *fresh("mx"), "--meta-servers", "x"),
         case(path, "--meta-servers", *fresh("m0"), "--meta-servers", "0"),
+        case(path, "--targets-per-node", *fresh("tx"), "--targets-per-node", "x"),
     ]
     return [
         *(parsing if path == "up" else []),
@@ -149,6 +150,8 @@ def shape_cases(path: str) -> list[Case]:
         case(path, "--chunk-size", *fresh("cbig"), "--chunk-size", "1G"),
         case(path, "--host", *fresh("h1"), "--host", "192.0.2.1"),
         case(path, "--host", *fresh("h2"), "--host", "not a host!"),
+        case(path, "--targets-per-node", *fresh("t0"), "--targets-per-node", "0"),
+        case(path, "--targets-per-node", *fresh("tbig"), "--targets-per-node", "1000"),
     ]
 
 
@@ -183,6 +186,7 @@ CLUSTER_DOWN: list[Case] = [
     case("up", "--replicas", "--data-dir", "{D}", "--no-mount", "--replicas", "3"),
     case("up", "--chunk-size", "--data-dir", "{D}", "--no-mount", "--chunk-size", "4M"),
     case("up", "--host", "--data-dir", "{D}", "--no-mount", "--host", "::1"),
+    case("up", "--targets-per-node", "--data-dir", "{D}", "--no-mount", "--targets-per-node", "2"),
     case("up", "--data-dir", "--data-dir", "{D_BAD_MGMTD}", "--no-mount"),
     case("up", "--data-dir", "--data-dir", "{D_BAD_STORAGE}", "--no-mount"),
     case("down", "--data-dir", "--data-dir", "{W}/afile"),

@@ -1,0 +1,168 @@
+"""Many targets per node: the chain table spreads each node over chains with
+different partners, so a node that comes back is resynced from several
+nodes at once, not from one. Draining a node moves its replicas away while
+reads go on."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import mmap
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clusters import HEARTBEAT_FAST, ProcessCluster
+from harness import shufflefs
+from loadgen import content
+
+MiB = 1 << 20
+RESYNC_START = re.compile(r"resync start target=(\d+) chain=(\d+) chain_version=\d+ source=(\d+)")
+
+
+@pytest.fixture
+def four_by_three(tmp_path: Path) -> Iterator[ProcessCluster]:
+    c = ProcessCluster(
+        tmp_path / "data",
+        tmp_path / "mnt",
+        storage_nodes=4,
+        replicas=3,
+        targets_per_node=3,
+        mgmtd_settings=HEARTBEAT_FAST,
+    )
+    try:
+        c.up()
+        c.all_serving()
+        yield c
+    finally:
+        c.down()
+
+
+def test_a_returning_node_is_resynced_from_several_nodes(four_by_three: ProcessCluster) -> None:
+    c = four_by_three
+    status = c.status()
+    node_of = {t["id"]: t["node"] for t in status["targets"]}
+    chains = [[node_of[t] for t in ch["targets"]] for ch in status["chains"]]
+    # 12 targets, 3 per chain: 4 chains; every node in 3, every pair of nodes in 2
+    assert len(chains) == 4 and all(len(set(ch)) == 3 for ch in chains)
+    nodes = sorted({n for ch in chains for n in ch})
+    assert len(nodes) == 4
+    for a, b in itertools.combinations(nodes, 2):
+        assert sum(1 for ch in chains if a in ch and b in ch) == 2, (a, b, chains)
+
+    first = c.mountpoint / "before.bin"
+    first.write_bytes(content(1, 24 * MiB))  # 24 chunks over the 4 chains
+    victim = c.storage_node_of("storage1")
+    log_before = len(c.log("storage1"))
+    c.kill("storage1")
+    c.wait_for(
+        "storage1's targets offline",
+        lambda s: all(t["state"] == "offline" for t in s["targets"] if t["node"] == victim),
+    )
+    second = c.mountpoint / "while-away.bin"
+    second.write_bytes(content(2, 16 * MiB))  # what storage1 misses
+    c.restart_missing()
+    c.all_serving()
+
+    starts = RESYNC_START.findall(c.log("storage1")[log_before:])
+    assert starts, "storage1 did not resync"
+    sources = {node_of[int(source)] for _, _, source in starts}
+    mine = {int(target) for target, _, _ in starts}
+    assert mine == {t for t, n in node_of.items() if n == victim}
+    assert victim not in sources
+    # each of its 3 chains syncs from a partner: more than one node feeds it
+    assert len(sources) >= 2, f"resynced only from {sources}"
+    print(f"RECOVERY: node {victim}'s {len(mine)} targets resynced from nodes {sorted(sources)}")
+    for path, seed, size in ((first, 1, 24 * MiB), (second, 2, 16 * MiB)):
+        digest = hashlib.sha256(content(seed, size)).hexdigest()
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+@pytest.fixture
+def four_nodes(tmp_path: Path) -> Iterator[ProcessCluster]:
+    """4 storage nodes of one target, 3 replicas: one chain and a spare."""
+    c = ProcessCluster(
+        tmp_path / "data",
+        tmp_path / "mnt",
+        storage_nodes=4,
+        replicas=3,
+        mgmtd_settings=HEARTBEAT_FAST,
+    )
+    try:
+        c.up()
+        c.all_serving()
+        yield c
+    finally:
+        c.down()
+
+
+def read_loop(path: Path, expected: bytes, stop: threading.Event, report: dict[str, int]) -> None:
+    """Random 64 KiB O_DIRECT reads through the mount (so each one reaches the
+    storage daemons, not the page cache) until *stop*; at most 120 s."""
+    rng = random.Random(5)
+    buf = mmap.mmap(-1, 65536)
+    deadline = time.monotonic() + 120
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        while not stop.is_set() and time.monotonic() < deadline:
+            at = rng.randrange(0, len(expected) // 65536) * 65536
+            try:
+                n = os.preadv(fd, [buf], at)
+            except OSError:
+                report["failed"] += 1
+                continue
+            report["reads"] += 1
+            report["wrong"] += n != 65536 or buf[:] != expected[at : at + 65536]
+    finally:
+        os.close(fd)
+
+
+def test_drain_under_reads_then_remove(four_nodes: ProcessCluster, tmp_path: Path) -> None:
+    c = four_nodes
+    expected = content(3, 16 * MiB)
+    data = c.mountpoint / "train.bin"
+    data.write_bytes(expected)
+    status = c.status()
+    (chain,) = status["chains"]
+    node_of = {t["id"]: t["node"] for t in status["targets"]}
+    victim = node_of[chain["targets"][0]]
+    (spare,) = [t for t in node_of if t not in chain["targets"]]
+    config = ["--config", str(c.client_config)]
+
+    stop, report = threading.Event(), {"reads": 0, "failed": 0, "wrong": 0}
+    reader = threading.Thread(target=read_loop, args=(data, expected, stop, report))
+    reader.start()
+    try:
+        # before: removing it, or a target still in a chain, is refused
+        busy = shufflefs("node", "remove", str(victim), *config, check=False)
+        assert busy.returncode != 0 and "drain it first" in busy.stderr
+        busy = shufflefs("target", "remove", str(chain["targets"][1]), *config, check=False)
+        assert busy.returncode != 0 and "chain" in busy.stderr
+        out = shufflefs(
+            "node", "drain", str(victim), "--wait", "--timeout", "120", "--json", *config
+        )
+        assert json.loads(out.stdout)["drained"] is True
+    finally:
+        stop.set()
+        reader.join(60)
+    assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
+    after = c.status()
+    (chain,) = after["chains"]
+    assert spare in chain["targets"] and all(node_of[t] != victim for t in chain["targets"])
+    assert all(t["state"] == "serving" for t in after["targets"] if t["id"] in chain["targets"])
+    # another drain has nowhere to go now: refused, and nothing changes
+    other = node_of[chain["targets"][0]]
+    refused = shufflefs("node", "drain", str(other), *config, check=False)
+    assert refused.returncode != 0 and "no spare target" in refused.stderr
+    assert c.status()["chains"] == after["chains"]
+    shufflefs("node", "remove", str(victim), *config)
+    time.sleep(2)  # its daemon, still running, tries to register again: refused
+    assert victim not in {n["id"] for n in c.status()["nodes"]}
+    assert data.read_bytes() == expected
+    print(f"DRAIN: node {victim} drained under {report['reads']} reads, none failed")
