@@ -66,6 +66,7 @@ class NodeInfo(TypedDict):
     role: NotRequired[str]
     epoch: NotRequired[int]
     applied_seq: NotRequired[int]
+    draining: NotRequired[bool]  # being drained (`shufflefs node drain`); in no chain: drained
 
 
 class LeaseReply(TypedDict):
@@ -75,7 +76,6 @@ class LeaseReply(TypedDict):
     holder: int | None  # node id of the metadata primary, if any
     epoch: int
     ttl: float
-    draining: NotRequired[bool]  # being drained (`shufflefs node drain`); in no chain: drained
 
 
 class TargetInfo(TypedDict):

@@ -63,6 +63,10 @@ class ReadOnlyHandles:
         self._closing: set[int] = set()
         self._grace: set[int] = set()  # sessions live at startup that have not re-reported
         self.sweep_due = False
+        # a follower's namespace: the handles are in the primary's memory, so
+        # an unnamed inode may be held by any live session (until promotion
+        # starts a grace like a restart's)
+        self.following = False
         # microseconds since the epoch: ids of a restarted server do not meet old ones
         self._ids = itertools.count(time.time_ns() // 1000)
 
@@ -164,6 +168,7 @@ class ReadOnlyHandles:
     def begin_grace(self, sessions: Iterable[int]) -> None:
         with self._lock:
             self._grace = set(sessions)
+            self.following = False
             self.sweep_due = not self._grace
 
     def swept(self) -> None:
@@ -171,7 +176,7 @@ class ReadOnlyHandles:
             self.sweep_due = False
 
     def in_grace(self) -> bool:
-        return bool(self._grace)
+        return bool(self._grace) or self.following
 
     def held(self) -> set[int]:
         """Inodes held by a read-only handle now."""

@@ -325,6 +325,7 @@ class Transactions:
 
     def reopen(self, env: Any, dbs: dict[bytes, Any]) -> None:
         """Work on a reopened environment (a snapshot was installed)."""
+        self.read_only.following = True
         self.env, self.dbs = env, dbs
         self.log = ReplicationLog(dbs)
         self.last_seq = self.position().applied_seq
@@ -337,6 +338,7 @@ class Transactions:
         """On a follower: apply log entries `[seq, epoch, ops]` (each the
         next one) and remember *epoch* as seen, in one durable commit."""
         self.write_count += 1
+        self.read_only.following = True
         with self.env.begin(write=True) as txn:
             self.log.raise_epoch(txn, epoch)
             for seq, entry_epoch, ops in entries:

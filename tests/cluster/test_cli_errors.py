@@ -207,6 +207,22 @@ CLUSTER_DOWN: list[Case] = [
     case("target add", "--chain", "--node", "1", "--chain", "c", "/tmp/t"),
     case("target add", "path", "--node", "1"),
     case("target add", "--json", "--node", "1", "--json=1", "/tmp/t"),
+    *bad_client_configs("target remove", "1"),
+    case("target remove", "--config", "--config", "{CFG}", "1", code=UNREACHABLE),
+    case("target remove", "id", "x"),
+    case("target remove", "--json", "--json=1", "1"),
+    case("node", "node_command"),
+    case("node", "node_command", "evacuate", "1"),
+    *bad_client_configs("node drain", "1"),
+    case("node drain", "--config", "--config", "{CFG}", "1", code=UNREACHABLE),
+    case("node drain", "id", "0"),
+    case("node drain", "--wait", "--wait=1", "1"),
+    case("node drain", "--timeout", "--timeout", "-1", "1"),
+    case("node drain", "--json", "--json=1", "1"),
+    *bad_client_configs("node remove", "1"),
+    case("node remove", "--config", "--config", "{CFG}", "1", code=UNREACHABLE),
+    case("node remove", "id", "z"),
+    case("node remove", "--json", "--json=1", "1"),
     case("target", "target_command"),
     case("target", "target_command", "remove"),
     *bad_client_configs("mount", "{W}/emptydir"),
@@ -533,6 +549,10 @@ CLUSTER_UP: list[Case] = [
     case("target add", "--node", "--node", "-3", "--config", "{UPCFG}", "/tmp/t"),
     case("target add", "path", "--node", "{SNODE}", *UPC, "/proc/sfs-t", code=FAILED),
     case("target add", "path", "--node", "{SNODE}", *UPC, "{W}/afile", code=FAILED),
+    case("target remove", "id", *UPC, "999", code=FAILED),  # no such target
+    case("node drain", "id", *UPC, "99", code=FAILED),  # no such node
+    case("node drain", "id", *UPC, "{SNODE}", code=FAILED),  # nowhere to move its replicas
+    case("node remove", "id", *UPC, "{SNODE}", code=FAILED),  # still holds replicas
     case("mount", "mountpoint", "--config", "{UPCFG}", "{UPMNT}", code=FAILED),
     case("mount", "-o", "--config", "{UPCFG}", "-o", "bogus", "{W}/emptydir"),
     case("mount", "mountpoint", "--config", "{UPCFG}", "{W}/afile"),

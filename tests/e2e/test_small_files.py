@@ -20,7 +20,7 @@ import pytest
 from clusters import ProcessCluster, another_mount, wait_until
 from harness import shufflefs
 
-from shufflefs.metadata.server import NAMESPACE_DIR
+from shufflefs.metadata.process import NAMESPACE_DIR
 from shufflefs.metadata.store import NamespaceStore
 
 SIZE = 110 << 10
