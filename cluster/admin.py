@@ -101,8 +101,12 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
         f"  {'id':>4}  {'kind':<8} {'state':<8} {'address':<22} {'host':<16} {'pid':>7}  last seen",
         file=out,
     )
+    in_chains = {t for c in status["chains"] for t in c["targets"]}
+    node_in_chains = {t["node"] for t in status["targets"] if t["id"] in in_chains}
     for n in status["nodes"]:
         ago = "now" if n["kind"] == "mgmtd" else f"{max(0.0, now - n['last_seen']):.1f}s ago"
+        if n.get("draining"):  # `shufflefs node drain`
+            ago += "  draining" if n["id"] in node_in_chains else "  drained (remove it)"
         role = (
             f"  {n['role']} epoch {n.get('epoch', 0)} applied {n.get('applied_seq', 0)}"
             if "role" in n

@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from shufflefs.cluster.agent import NodeAgent, unregister_node
+from shufflefs.cluster.metrics import start_metrics
 from shufflefs.cluster.node import NodeState, advertised_address, listen_address
 from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
 from shufflefs.cluster.routing import RoutingCache
@@ -115,6 +116,14 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
                 routing = await cache.start(nursery)
                 agent.interval = routing.config["heartbeat_interval"]
                 await nursery.start(service.run_background)
+                await start_metrics(
+                    nursery,
+                    config.metrics,
+                    kind="meta",
+                    rpc=rpc,
+                    mgmtd=config.mgmtd,
+                    node_id=lambda: agent.node_id if agent is not None else None,
+                )
                 log.info(
                     "metadata server ready address=%s node=%s cluster=%s",
                     address,

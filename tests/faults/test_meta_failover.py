@@ -38,11 +38,24 @@ def metas(c: ProcessCluster) -> dict[str, dict[str, Any]]:
 
 
 def primary(c: ProcessCluster) -> str:
-    c.wait_for(
-        "a metadata primary",
-        lambda s: any(n.get("role") == "primary" and n["state"] == "online" for n in s["nodes"]),
-    )
-    return next(name for name, n in metas(c).items() if n["role"] == "primary")
+    """The running metadata server the routing map names primary (right
+    after a kill the map still names the dead one until its lease lapses)."""
+    found: list[str] = []
+
+    def named(status: dict[str, Any]) -> bool:
+        running = {pid: name for name in METAS if (pid := c.pid(name)) is not None}
+        found[:] = [
+            running[n["pid"]]
+            for n in status["nodes"]
+            if n["kind"] == "meta"
+            and n.get("role") == "primary"
+            and n["state"] == "online"
+            and n["pid"] in running
+        ]
+        return bool(found)
+
+    c.wait_for("a metadata primary", named)
+    return found[0]
 
 
 def converged(c: ProcessCluster, names: tuple[str, ...] = METAS) -> None:
