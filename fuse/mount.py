@@ -37,6 +37,23 @@ log = logging.getLogger("shufflefs.mount")
 FSTYPE = "fuse.shufflefs"
 
 
+class FuseLoop:
+    """Whether `pyfuse3.main` runs: `pyfuse3.terminate` touches the FUSE
+    session, which `pyfuse3.close` frees, so it must not be called after."""
+
+    running = False
+
+    def end(self) -> None:
+        """SIGTERM of the mount: end `pyfuse3.main` (its ``finally`` unmounts
+        and closes the session while the connections still run)."""
+        if self.running:
+            self.running = False
+            pyfuse3.terminate()
+
+
+FUSE_LOOP = FuseLoop()
+
+
 async def run_mount(
     config: ClientConfig,
     secret: bytes,
@@ -65,8 +82,10 @@ async def run_mount(
         pyfuse3.init(ops, str(mountpoint), opts)
         log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
         try:
+            FUSE_LOOP.running = True
             await pyfuse3.main(min_tasks=4, max_tasks=options.max_tasks)
         finally:
+            FUSE_LOOP.running = False
             with trio.CancelScope(shield=True):
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)
@@ -87,7 +106,9 @@ def cli_mount(args: argparse.Namespace) -> int:
     if not args.foreground:
         return mount_in_background(args, config_path, mountpoint)
     setup_logging("mount", args.log_file or config.log_file, config.log_level)
-    return run_service("mount", lambda: run_mount(config, secret, mountpoint, options))
+    return run_service(
+        "mount", lambda: run_mount(config, secret, mountpoint, options), graceful=FUSE_LOOP.end
+    )
 
 
 def mount_in_background(args: argparse.Namespace, config_path: Path, mountpoint: Path) -> int:

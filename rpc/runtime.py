@@ -58,20 +58,36 @@ def final_error(raised: BaseException) -> FsError | None:
     return raised if isinstance(raised, FsError) else None
 
 
-def run_service(name: str, main: Callable[[], Awaitable[None]]) -> int:
+def run_service(
+    name: str,
+    main: Callable[[], Awaitable[None]],
+    *,
+    graceful: Callable[[], None] | None = None,
+    grace: float = 5.0,
+) -> int:
     """Run a service's main coroutine until it returns or SIGTERM/SIGINT
     arrives (then it is cancelled, so its ``finally`` blocks run: clean
-    unregistration, closed databases). Returns a process exit code."""
+    unregistration, closed databases). Returns a process exit code.
+
+    With *graceful*, a signal first calls it (the mount: end the FUSE loop,
+    so ``main`` closes its files and session with its connections still
+    running) and cancels only if ``main`` has not returned within *grace*
+    seconds or a second signal comes."""
 
     async def runner() -> None:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal() -> None:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    asked = False
                     async for signum in signals:
                         log.info("%s received %s, stopping", name, signal.Signals(signum).name)
-                        nursery.cancel_scope.cancel()
-                        return
+                        if graceful is None or asked:
+                            nursery.cancel_scope.cancel()
+                            return
+                        asked = True
+                        graceful()
+                        nursery.cancel_scope.deadline = trio.current_time() + grace
 
             nursery.start_soon(stop_on_signal)
             await main()
