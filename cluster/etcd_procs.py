@@ -91,7 +91,8 @@ class EtcdMembers:
             marker=f"--data-dir={self.member_dir(i)}",
             pid_file=self.run_dir / f"{name}.pid",
             out_file=self.log_dir / f"{name}.log",  # etcd logs to stderr
-            program=(etcd_program(),),
+            # resolved when started; `down` must work even if etcd was removed
+            program=(shutil.which(ETCD) or ETCD,),
         )
 
     def services(self) -> list[procs.ServiceProcess]:

@@ -372,6 +372,8 @@ class LocalCluster:
         """Every config `up` would start a service with, as that service
         would accept it, and the directories it would create."""
         load_client(self.client_config)
+        if self.layout().ha:
+            etcd_program()  # installed still (a one-line error, not a failed start)
         for service in self.services():
             if service.program:  # etcd: checked by running it
                 continue
