@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="target directories per storage node, fixed at format (default: 1); chains "
         "spread over them so a dead node is recovered from many others",
     )
+    p.add_argument(
+        "--ha",
+        action="store_true",
+        help="no single point of failure, fixed at format: 3 mgmtd on a local 3-member etcd "
+        "cluster and 3 metadata servers (needs etcd, Debian package etcd-server)",
+    )
     p.add_argument("--no-mount", action="store_true", help="start the services only")
 
     p = sub.add_parser("down", help="unmount and stop everything `up` started")

@@ -37,6 +37,7 @@ import trio
 from shufflefs.cluster import procs
 from shufflefs.cluster.cli_errors import UsageError
 from shufflefs.cluster.config import CONFIG_ENV, ClientConfig, find_client_config
+from shufflefs.cluster.etcd_procs import EtcdMembers, etcd_program, wait_healthy
 from shufflefs.cluster.preflight import (
     check_dir_for_writing,
     check_mountpoint,
@@ -64,6 +65,7 @@ NETNS_META_PORT = 9401
 DEFAULT_STORAGE_NODES = 3
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_HOST = "127.0.0.1"
+HA_MGMTDS = 3  # `up --ha`: mgmtd instances, etcd members and (at least) metadata servers
 # the settings `format`/`up` options become, to name the option in an error
 FLAG_OF_SETTING = {"chunk_size": "--chunk-size", "replicas": "--replicas"}
 
@@ -99,6 +101,21 @@ class ClusterLayout:
         return f"{host}:{[self.meta_port, *self.meta_ports][i - 1]}"
 
     targets_per_node: int = 1  # target directories per storage node (a disk each on a real node)
+    # The HA control plane (`up --ha`): mgmtd instances beyond the first (their
+    # ports), and the etcd members they keep the state in. Empty: one mgmtd
+    # on its embedded store.
+    mgmtd_ports: list[int] = field(default_factory=list)
+    etcd_client_ports: list[int] = field(default_factory=list)
+    etcd_peer_ports: list[int] = field(default_factory=list)
+
+    @property
+    def ha(self) -> bool:
+        return bool(self.etcd_client_ports)
+
+    @property
+    def mgmtd_address(self) -> str:
+        """Every mgmtd instance, as clients and services are told (``a,b,c``)."""
+        return ",".join(f"{self.host}:{p}" for p in [self.mgmtd_port, *self.mgmtd_ports])
 
     def storage_address(self, i: int) -> str:
         """host:port of storage node i (0-based)."""
@@ -129,6 +146,22 @@ class LocalCluster:
         """Metadata server i's folder (1-based: meta, meta2, meta3...)."""
         return self.dir / meta_name(i)
 
+    def mgmtd_dir(self, i: int) -> Path:
+        """mgmtd instance i's folder (1-based: mgmtd, mgmtd2, mgmtd3)."""
+        return self.dir / mgmtd_name(i)
+
+    def etcd(self, layout: ClusterLayout | None = None) -> EtcdMembers:
+        """The etcd members of an HA cluster (data under etcd/)."""
+        layout = layout or self.layout()
+        return EtcdMembers(
+            layout.host,
+            layout.etcd_client_ports,
+            layout.etcd_peer_ports,
+            self.dir / "etcd",
+            self.logs,
+            self.run,
+        )
+
     def storage_dir(self, i: int) -> Path:
         """Storage node i's folder (1-based, as in its name storageN)."""
         return self.dir / f"storage{i}"
@@ -149,11 +182,13 @@ class LocalCluster:
         meta_hosts: list[str] | None = None,
         meta_netns: list[str] | None = None,
         targets_per_node: int = 1,
+        ha: bool = False,
     ) -> ClusterLayout:
         """Write a new cluster's configs. *storage_hosts*/*storage_netns* put
         each storage node on its own address inside its own network namespace
         (the multi-host test harness); *mgmtd_settings* overrides mgmtd.toml
-        keys (heartbeat timeouts, min_replicas)."""
+        keys (heartbeat timeouts, min_replicas). *ha*: `HA_MGMTDS` mgmtd
+        instances on a local etcd cluster of as many members."""
         if self.exists():
             raise UsageError(f"{self.dir} already holds a cluster", errno.EEXIST)
         check_dir_for_writing(self.dir, "--data-dir")
@@ -167,10 +202,20 @@ class LocalCluster:
             raise UsageError(f"--replicas {replicas} needs at least {replicas} storage nodes")
         if meta_servers < 1:
             raise UsageError("--meta-servers must be at least 1")
+        if ha and meta_servers < HA_MGMTDS:
+            raise UsageError(
+                f"--ha needs at least {HA_MGMTDS} metadata servers (--meta-servers {meta_servers} "
+                "would leave a single point of failure)"
+            )
+        if ha:
+            etcd_program()  # a clear error now if etcd is not installed
         extra_metas = 0 if meta_hosts else meta_servers - 1
         rpc_ports = 2 + (0 if storage_hosts else storage_nodes) + extra_metas
         # then the metrics ports: mgmtd's, each metadata server's, each storage node's
-        ports = free_ports(host, rpc_ports + 1 + meta_servers + storage_nodes)
+        # HA: the other mgmtds' rpc and metrics ports, each etcd member's two
+        ha_ports = 2 * (HA_MGMTDS - 1) + 2 * HA_MGMTDS if ha else 0
+        ports = free_ports(host, rpc_ports + 1 + meta_servers + storage_nodes + ha_ports)
+        ports, ha_taken = ports[: len(ports) - ha_ports], ports[len(ports) - ha_ports :]
         metrics = iter(ports[rpc_ports:])
         ports = ports[:rpc_ports]
         meta_ports, ports = ports[len(ports) - extra_metas :], ports[: len(ports) - extra_metas]
@@ -198,24 +243,34 @@ class LocalCluster:
             list(meta_netns or []),
             targets_per_node,
         )
-        mgmtd = f"{host}:{layout.mgmtd_port}"
+        mgmtd_metrics = [next(metrics)]
+        if ha:
+            others = HA_MGMTDS - 1
+            layout.mgmtd_ports = ha_taken[:others]
+            mgmtd_metrics += ha_taken[others : 2 * others]
+            etcd_ports = ha_taken[2 * others :]
+            layout.etcd_client_ports = etcd_ports[:HA_MGMTDS]
+            layout.etcd_peer_ports = etcd_ports[HA_MGMTDS:]
+        mgmtd = layout.mgmtd_address
         common = {"secret_file": str(self.secret_file), "log_level": "INFO"}
-        configs: dict[Path, tuple[dict[str, Any], type[Any]]] = {
-            self.dir / "mgmtd" / "mgmtd.toml": (
+        configs: dict[Path, tuple[dict[str, Any], type[Any]]] = {}
+        etcd = {"etcd": self.etcd(layout).endpoints} if ha else {}
+        for i, port in enumerate([layout.mgmtd_port, *layout.mgmtd_ports], start=1):
+            configs[self.mgmtd_dir(i) / "mgmtd.toml"] = (
                 {
-                    "listen": mgmtd,
-                    "data_dir": str(self.dir / "mgmtd" / "db"),
-                    "log_file": str(self.logs / "mgmtd.log"),
+                    "listen": f"{host}:{port}",
+                    "data_dir": str(self.mgmtd_dir(i) / "db"),
+                    "log_file": str(self.logs / f"{mgmtd_name(i)}.log"),
                     "replicas": replicas,
                     "chunk_size": chunk_size,
-                    "metrics": f"{host}:{next(metrics)}",
+                    "metrics": f"{host}:{mgmtd_metrics[i - 1]}",
                     "initial_nodes": storage_nodes,
+                    **etcd,
                     **common,
                     **(mgmtd_settings or {}),
                 },
                 service_config_class("mgmtd"),
-            ),
-        }
+            )
         for i in range(1, layout.meta_servers + 1):
             settings: dict[str, Any] = (
                 {"group_size": layout.meta_servers} if layout.meta_servers > 1 else {}
@@ -263,7 +318,7 @@ class LocalCluster:
             metrics = f"{layout.host}:{metrics_port}"
         data = {
             "listen": layout.storage_address(i - 1),
-            "mgmtd": f"{layout.host}:{layout.mgmtd_port}",
+            "mgmtd": layout.mgmtd_address,
             "data_dir": str(node / "node"),
             "targets": [str(node / f"target{k}") for k in range(1, layout.targets_per_node + 1)],
             "log_file": str(self.logs / f"storage{i}.log"),
@@ -317,7 +372,11 @@ class LocalCluster:
         """Every config `up` would start a service with, as that service
         would accept it, and the directories it would create."""
         load_client(self.client_config)
+        if self.layout().ha:
+            etcd_program()  # installed still (a one-line error, not a failed start)
         for service in self.services():
+            if service.program:  # etcd: checked by running it
+                continue
             config_path = service.argv[2]
             config = load_checked(config_path, service_config_class(service.argv[0]))
             check_service_paths(config, config_path)
@@ -326,7 +385,9 @@ class LocalCluster:
 
     def services(self) -> list[procs.ServiceProcess]:
         layout = self.layout()
-        out = [self._service("mgmtd", "mgmtd", self.dir / "mgmtd" / "mgmtd.toml")]
+        out = self.etcd(layout).services() if layout.ha else []
+        for i in range(1, 2 + len(layout.mgmtd_ports)):
+            out.append(self._service(mgmtd_name(i), "mgmtd", self.mgmtd_dir(i) / "mgmtd.toml"))
         for i in range(1, layout.meta_servers + 1):
             netns = layout.meta_netns[i - 1] if layout.meta_netns else None
             config = self.meta_dir(i) / "meta.toml"
@@ -371,6 +432,11 @@ class LocalCluster:
             return Path((self.run / "mountpoint").read_text().strip())
         except OSError:
             return None
+
+
+def mgmtd_name(i: int) -> str:
+    """The name of mgmtd instance i (1-based): mgmtd, mgmtd2, mgmtd3."""
+    return "mgmtd" if i == 1 else f"mgmtd{i}"
 
 
 def meta_name(i: int) -> str:
@@ -438,15 +504,24 @@ def up(
     timeout: float = START_TIMEOUT,
     meta_servers: int | None = None,
     targets_per_node: int | None = None,
+    ha: bool = False,
 ) -> LocalCluster:
     """Format (first time) or check (afterwards) the cluster in *data_dir*,
     start what is not running, wait until it is ready, and mount. Shape
     options left None mean "as it is"; on an existing cluster more storage
     nodes are added, any other difference is refused before anything starts.
-    If a service does not come up, what this call started is stopped again."""
+    If a service does not come up, what this call started is stopped again.
+    *ha* formats a new cluster with no single point of failure (`HA_MGMTDS`
+    mgmtd instances on as many local etcd members, that many metadata
+    servers); an existing cluster keeps the control plane it was formatted with."""
     cluster = LocalCluster(data_dir)
     mount_at = check_mountpoint(mountpoint) if mountpoint is not None else None
     if cluster.exists():
+        if ha and not cluster.layout().ha:
+            raise UsageError(
+                f"{cluster.dir} was formatted without --ha (one mgmtd); the control plane is "
+                "fixed at format (use a new --data-dir for an HA cluster)"
+            )
         added = reconcile_shape(
             cluster, storage_nodes, replicas, chunk_size, host, meta_servers, targets_per_node
         )
@@ -460,19 +535,27 @@ def up(
             default_replicas(nodes, replicas),
             chunk_size or DEFAULT_CHUNK_SIZE,
             host or DEFAULT_HOST,
-            meta_servers=meta_servers or 1,
+            meta_servers=meta_servers or (HA_MGMTDS if ha else 1),
             targets_per_node=targets_per_node or 1,
+            ha=ha,
         )
         print(f"formatted a new cluster in {cluster.dir}", file=out)
-        if not meta_servers or meta_servers == 1:
+        if ha:
+            print(f"highly available: {HA_MGMTDS} etcd members, {HA_MGMTDS} mgmtd", file=out)
+        elif not meta_servers or meta_servers == 1:
             print("one metadata server: for failover, format with --meta-servers 3", file=out)
     cluster.check_configs()
     startup = Startup(cluster, out)
     try:
         services = cluster.services()
-        pids = {"mgmtd": startup.ensure(services[0])}  # the others register with it
+        etcds = [s for s in services if s.program]
+        if etcds:  # mgmtd keeps its state in them
+            wait_healthy(cluster.etcd(), {s.name: startup.ensure(s) for s in etcds}, timeout)
+        mgmtds = [s for s in services if s.argv[0] == "mgmtd"]
+        pids = {s.name: startup.ensure(s) for s in mgmtds}  # the others register with it
         trio.run(wait_services_ready, cluster, pids, timeout)
-        pids.update({s.name: startup.ensure(s) for s in services[1:]})
+        others = [s for s in services if s not in etcds and s not in mgmtds]
+        pids.update({s.name: startup.ensure(s) for s in others})
         trio.run(wait_services_ready, cluster, pids, timeout)
         if mount_at is not None:
             mount_local(cluster, mount_at, startup, timeout)
@@ -609,6 +692,7 @@ def cli_up(args: argparse.Namespace) -> int:
         host=args.host,
         meta_servers=args.meta_servers,
         targets_per_node=args.targets_per_node,
+        ha=args.ha,
     )
     print(f"cluster up; client config: {cluster.client_config}")
     found = find_client_config().absolute()

@@ -3,10 +3,13 @@
 The lease itself (holder, epoch, expiry) lives in mgmtd's coordination
 backend (`cluster/coordination.py`: the embedded store, or etcd), under the
 name `LEASE_NAME`, so it survives an mgmtd restart or an mgmtd failover on
-etcd like the rest of the cluster state. What this module adds is the
-policy of who may take it. Every metadata server asks for the lease every
-`LEASE_TTL / 3` seconds and reports its log position (applied seq and that
-entry's epoch). The holder's request renews it. When the lease has lapsed,
+etcd like the rest of the cluster state (with the default timings an mgmtd
+failover outlasts the share of the lease a holder uses, so the new mgmtd
+primary usually grants it anew: the next epoch, from etcd, never a reused
+one). What this module adds is the policy of who may take it. Every
+metadata server asks for the lease every `LEASE_TTL / 4` seconds and
+reports its log position (applied seq and that entry's epoch). The
+holder's request renews it. When the lease has lapsed,
 it goes to a requester only if a majority of the metadata group reported
 within one TTL and no reporter is ahead of it: every acknowledged mutation
 is held by a majority, and any two majorities meet, so the most up-to-date

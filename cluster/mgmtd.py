@@ -150,7 +150,14 @@ class MgmtdService:
                 trio.current_time(),
             )
         if changed:
-            state.bump(f"metadata primary node {node_id} epoch {reply['epoch']}")
+            # the holder, which need not be the requester (a new mgmtd primary
+            # learns the live lease from etcd on anyone's request)
+            holder = reply["holder"]
+            state.bump(
+                f"metadata primary node {holder} epoch {reply['epoch']}"
+                if holder is not None
+                else f"no metadata primary (epoch {reply['epoch']} lapsed)"
+            )
             await self.persist()
         return reply
 

@@ -29,8 +29,12 @@ class ServiceProcess:
     pid_file: Path
     out_file: Path  # stdout/stderr of the process (tracebacks before logging starts)
     netns: str | None = None  # run inside this network namespace (test hosts)
+    # another program than a shufflefs subcommand (etcd): its argv before *argv*
+    program: tuple[str, ...] = ()
 
     def command(self) -> list[str]:
+        if self.program:
+            return [*enter_command(self.netns), *self.program, *self.argv]
         return [
             *enter_command(self.netns),
             sys.executable,
@@ -64,7 +68,8 @@ def running_pid(proc: ServiceProcess) -> int | None:
     except (OSError, ValueError):
         return None
     line = cmdline(pid)
-    if "shufflefs" in line and proc.marker in line and not is_zombie(pid):
+    program = Path(proc.program[0]).name if proc.program else "shufflefs"
+    if program in line and proc.marker in line and not is_zombie(pid):
         return pid
     with contextlib.suppress(OSError):
         proc.pid_file.unlink()

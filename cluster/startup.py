@@ -80,7 +80,10 @@ async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeo
     mgmtd refuses our secret or speaks another protocol."""
     _, secret = load_client_config(cluster.client_config)
     layout = cluster.layout()
-    address = f"{layout.host}:{layout.mgmtd_port}"
+    address = layout.mgmtd_address
+    # HA: only the primary mgmtd registers; the standbys need only answer
+    mgmtds = {n: p for n, p in pids.items() if layout.ha and n.startswith("mgmtd")}
+    registering = {n: p for n, p in pids.items() if n not in mgmtds}
     deadline = trio.current_time() + timeout
     async with open_rpc_client(secret, connect_timeout=1.0, call_timeout=2.0) as rpc:
         mgmtd = MgmtdStub(rpc, address)
@@ -89,7 +92,8 @@ async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeo
                 if not procs.alive(pid):
                     raise ServiceExited(name, pid)
             try:
-                waiting = await _not_ready(rpc, mgmtd, pids)
+                waiting = await _standbys_not_ready(rpc, layout.mgmtd_address if mgmtds else "")
+                waiting = waiting or await _not_ready(rpc, mgmtd, registering)
             except FsError as exc:
                 if connection_kind(exc, handshake=True) in (AUTH, VERSION):
                     raise explain_connection_error(exc, "mgmtd", address, handshake=True) from None
@@ -99,6 +103,17 @@ async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeo
             if trio.current_time() > deadline:
                 raise StartTimeout(timeout, waiting)
             await trio.sleep(POLL)
+
+
+async def _standbys_not_ready(rpc: RpcClient, addresses: str) -> str | None:
+    """The first of the mgmtd instances at *addresses* (``a,b``) that does
+    not answer `role` yet, or None."""
+    for address in filter(None, addresses.split(",")):
+        try:
+            await MgmtdStub(rpc, address, timeout=2.0).role()
+        except FsError as exc:
+            return f"mgmtd at {address} to answer (last error: {exc.message})"
+    return None
 
 
 async def _not_ready(rpc: RpcClient, mgmtd: MgmtdStub, pids: dict[str, int]) -> str | None:

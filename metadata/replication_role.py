@@ -38,6 +38,7 @@ FOLLOWER = "follower"
 LEASE_SHARE = 0.75  # of the lease a primary uses, from the moment it asked
 DURABLE_TIMEOUT = 3.0  # a mutation not held by a majority by then is answered NOT_ACKNOWLEDGED
 TRIM_INTERVAL = 2.0
+RETRY_AT_ONCE = 0.01  # seconds before re-asking for a lease granted too late to use
 NOT_PRIMARY = errno.ESTALE  # transient for clients: refresh the routing map, retry
 
 
@@ -124,15 +125,17 @@ class MetaRole:
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
-                await self._round(nursery, duties)
+                again = await self._round(nursery, duties)
                 if self.role == PRIMARY and trio.current_time() >= self.lease_until:
                     self._demote("lease lapsed")
-                await trio.sleep(self.interval)
+                await trio.sleep(RETRY_AT_ONCE if again else self.interval)
 
-    async def _round(self, nursery: trio.Nursery, duties: Callable[[], Awaitable[None]]) -> None:
+    async def _round(self, nursery: trio.Nursery, duties: Callable[[], Awaitable[None]]) -> bool:
+        """One lease request; True: ask again at once (the grant came too
+        late to be of use)."""
         me = self.node_id()
         if me is None:
-            return
+            return False
         if self.role == PRIMARY and (self.replicator is None) != self.alone():
             self._demote("the metadata group changed size")
         asked = trio.current_time()
@@ -147,17 +150,24 @@ class MetaRole:
                 self.lease_until = 0.0  # was alone, is no more: a lease is needed now
             if self.alone() and self.role != PRIMARY:
                 await self._promote(nursery, duties, position.epoch, float("inf"))
-            return
+            return False
         if reply["epoch"] > position.epoch:
             await trio.to_thread.run_sync(self.txns.raise_epoch, reply["epoch"])
         if reply["granted"]:
             until = float("inf") if self.alone() else asked + reply["ttl"] * LEASE_SHARE
+            if self.role != PRIMARY and until <= trio.current_time():
+                # The request took longer than our share of the lease (mgmtd
+                # was failing over while it was retried): promoting on it
+                # would only be undone at once; a fresh request renews it.
+                log.info("lease epoch %d granted too late to use; asking again", reply["epoch"])
+                return True
             if self.role != PRIMARY:
                 await self._promote(nursery, duties, reply["epoch"], until)
             self.lease_until = until
             self.interval = reply["ttl"] / 4
         elif self.role == PRIMARY:
             self._demote(f"the lease is node {reply['holder']}'s (epoch {reply['epoch']})")
+        return False
 
     async def _promote(
         self,

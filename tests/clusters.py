@@ -373,9 +373,11 @@ class ProcessCluster:
         meta_servers: int = 1,
         meta_hosts: TestHosts | None = None,
         targets_per_node: int = 1,
+        ha: bool = False,
     ) -> None:
         """*meta_hosts*: each metadata server on its own network-namespace
-        host (storage daemons and mgmtd on the bridge address)."""
+        host (storage daemons and mgmtd on the bridge address). *ha*: as
+        `up --ha` (3 etcd members, 3 mgmtd; *meta_servers* at least 3)."""
         self.local = LocalCluster(data_dir)
         self.mountpoint = mountpoint or self.local.dir.parent / "mnt"
         self.hosts = hosts
@@ -394,9 +396,10 @@ class ProcessCluster:
                 meta_hosts=[meta_hosts.address(i) for i in metas] if meta_hosts else None,
                 meta_netns=[meta_hosts.netns(i) for i in metas] if meta_hosts else None,
                 targets_per_node=targets_per_node,
+                ha=ha,
             )
         self.layout = self.local.layout()
-        self.mgmtd_address = f"{self.layout.host}:{self.layout.mgmtd_port}"
+        self.mgmtd_address = self.layout.mgmtd_address  # HA: every instance, a,b,c
 
     @property
     def data_dir(self) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import trio
 
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import ClientConfig, MgmtdConfig
+from shufflefs.cluster.etcd_procs import EtcdMembers, wait_healthy
 from shufflefs.cluster.launcher import free_ports
 from shufflefs.cluster.protocol import MgmtdRole, MgmtdStub, RoutingInfo
 from shufflefs.rpc import FsError, open_rpc_client
@@ -31,81 +31,34 @@ HOST = "127.0.0.1"
 
 
 class EtcdCluster:
+    """A 3-member etcd cluster on loopback: the package's own etcd processes
+    (`shufflefs.cluster.etcd_procs`, as `shufflefs up --ha` runs them)."""
+
     def __init__(self, base: Path, members: int = 3) -> None:
         if shutil.which("etcd") is None:
             pytest.fail("etcd is not installed (Debian package etcd-server, in SYSTEM_PACKAGES)")
         self.base = base
         ports = free_ports(HOST, 2 * members)
-        self.client_ports = ports[:members]
-        self.peer_ports = ports[members:]
-        self.names = [f"etcd{i + 1}" for i in range(members)]
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.members = EtcdMembers(HOST, ports[:members], ports[members:], base, base, base)
+        self.services = self.members.services()
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"{HOST}:{p}" for p in self.client_ports]
-
-    def command(self, i: int) -> list[str]:
-        name = self.names[i]
-        initial = ",".join(
-            f"{n}=http://{HOST}:{p}" for n, p in zip(self.names, self.peer_ports, strict=True)
-        )
-        return [
-            "etcd",
-            f"--name={name}",
-            f"--data-dir={self.base / name}",
-            f"--listen-client-urls=http://{HOST}:{self.client_ports[i]}",
-            f"--advertise-client-urls=http://{HOST}:{self.client_ports[i]}",
-            f"--listen-peer-urls=http://{HOST}:{self.peer_ports[i]}",
-            f"--initial-advertise-peer-urls=http://{HOST}:{self.peer_ports[i]}",
-            f"--initial-cluster={initial}",
-            "--initial-cluster-state=new",
-            "--initial-cluster-token=shufflefs-test",
-            "--heartbeat-interval=100",
-            "--election-timeout=1000",
-        ]
-
-    def start(self, i: int) -> None:
-        self.base.mkdir(parents=True, exist_ok=True)
-        with open(self.base / f"{self.names[i]}.log", "ab") as log:
-            self.procs[self.names[i]] = subprocess.Popen(
-                self.command(i), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
+        return self.members.endpoints
 
     def start_all(self) -> None:
-        for i in range(len(self.names)):
-            self.start(i)
-        self.wait_healthy()
-
-    def wait_healthy(self, timeout: float = 30.0) -> None:
-        import etcd3gw
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                for port in self.client_ports:
-                    if self.procs[self.names[self.client_ports.index(port)]].poll() is None:
-                        etcd3gw.client(host=HOST, port=port, timeout=1).status()
-                return
-            except Exception as exc:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"etcd cluster not healthy: {exc}") from None
-                time.sleep(0.2)
+        pids = {s.name: procs.start(s) for s in self.services}
+        wait_healthy(self.members, pids, 30.0)
 
     def kill(self, i: int) -> None:
-        proc = self.procs[self.names[i]]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        pid = procs.running_pid(self.services[i])
+        assert pid is not None, f"{self.services[i].name} is not running"
+        procs.signal_pid(pid, signal.SIGKILL)
+        assert procs.wait_exit(pid, 10.0)
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+        for service in self.services:
+            procs.stop(service)
 
 
 def _write(path: Path, config: Any) -> Path:

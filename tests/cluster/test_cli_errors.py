@@ -183,6 +183,9 @@ CLUSTER_DOWN: list[Case] = [
     case("up", "--mountpoint", *fresh("m3"), "--mountpoint", "/proc/shufflefs-nope"),
     case("up", "--mountpoint", *fresh("m4"), "--mountpoint", "{RO}/mnt"),
     case("up", "--no-mount", *fresh("nm"), "--no-mount=yes"),
+    case("up", "--ha", *fresh("ha1"), "--ha=yes"),
+    case("up", "--ha", *fresh("ha2"), "--ha", "--meta-servers", "1"),
+    case("up", "--ha", "--data-dir", "{D}", "--no-mount", "--ha"),  # formatted without it
     case("up", "--replicas", "--data-dir", "{D}", "--no-mount", "--replicas", "3"),
     case("up", "--chunk-size", "--data-dir", "{D}", "--no-mount", "--chunk-size", "4M"),
     case("up", "--host", "--data-dir", "{D}", "--no-mount", "--host", "::1"),
