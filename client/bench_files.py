@@ -9,7 +9,7 @@ in the mount, then measured through every way in there is:
     local          a directory on the local disk: the limit
     fuse           the mount (``--mount``, else the cluster's own mount)
     fuse-ro        the same files through a ``shufflefs mount -o ro``
-    fuse-prefetch  the mount with prefetch along the shuffle (`bench_files_work.PREFETCH_HINT`)
+    fuse-prefetch  the mount, each reader hinting its next files (client/data/hinted_reads.py)
     native         `FileDataset` of `shufflefs.client.data` over the same files
 
 Operations: ``create`` (create+write+close per file; the first part of the
@@ -50,6 +50,7 @@ from pathlib import Path
 
 from shufflefs.client import bench_files_work as work
 from shufflefs.client.bench_files_work import FileSet, WorkerPool, split
+from shufflefs.client.data.hinted_reads import prefetch_available
 from shufflefs.client.iobench import drop_caches, embedded_cluster
 from shufflefs.cluster.config import find_client_config
 from shufflefs.cluster.launcher import LocalCluster
@@ -208,13 +209,11 @@ def targets(
     else:
         ro = stack.enter_context(ro_mount(t.config, workdir / "ro-mnt"))
         t.roots["fuse-ro"] = str(ro / subdir)
-    if work.PREFETCH_HINT is None:
-        t.notes.append(
-            "fuse-prefetch: left out: no prefetch hint interface in this tree "
-            "(bench_files_work.PREFETCH_HINT)"
-        )
+    prefetch_root = Path(args.prefetch_mount or mnt).absolute()
+    if prefetch_available(str(prefetch_root)):
+        t.roots["fuse-prefetch"] = str(prefetch_root / subdir)
     else:
-        t.roots["fuse-prefetch"] = str(Path(args.prefetch_mount or mnt).absolute() / subdir)
+        t.notes.append(f"fuse-prefetch: left out: {prefetch_root} takes no prefetch hints")
     if t.config is None:
         t.notes.append("native: left out: no --config for the cluster behind --mount")
     else:

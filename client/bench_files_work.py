@@ -28,12 +28,6 @@ from shufflefs.client.iobench import ProcessPool
 HEADER = 12  # bytes of the decimal file index at the start of every file
 NATIVE_BATCH = 32  # files per FileDataset.__getitems__ call (as a DataLoader batch asks)
 
-# The hook for the `fuse-prefetch` row: a function given the mount root and
-# the files (relative paths) a worker is about to read, in order, that hands
-# that order to the mount's prefetch. None: no prefetch in this tree (the row
-# is left out with a note). Set it to enable the row.
-PREFETCH_HINT: Callable[[str, Sequence[str]], None] | None = None
-
 
 @dataclass(frozen=True)
 class FileSet:
@@ -116,10 +110,13 @@ def do_read(root: str, names: Sequence[str], size: int) -> int:
 
 
 def do_prefetch_read(root: str, names: Sequence[str], size: int) -> int:
-    if PREFETCH_HINT is None:
-        raise RuntimeError("no prefetch hint interface in this tree")
-    PREFETCH_HINT(root, names)
-    return do_read(root, names, size)
+    """`do_read` with each worker hinting its next files to the mount
+    (client/data/hinted_reads.py), as a DataLoader over the mount does."""
+    from shufflefs.client.data.hinted_reads import read_files
+
+    for name, data in zip(names, read_files([os.path.join(root, n) for n in names]), strict=True):
+        check_bytes(name, data, size)
+    return len(names)
 
 
 _datasets: dict[tuple[str, str], Any] = {}

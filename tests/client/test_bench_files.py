@@ -16,6 +16,7 @@ from shufflefs.client.bench_files import (
     with_ratios,
 )
 from shufflefs.client.bench_files_work import FileSet, run_task, split
+from shufflefs.client.data.hinted_reads import prefetch_available
 from shufflefs.cluster.cli import build_parser
 
 
@@ -88,10 +89,17 @@ def test_operations_on_a_local_directory(tmp_path: Path) -> None:
         run_task(("stat", root, names, 64))
 
 
-def test_prefetch_row_needs_the_hook(tmp_path: Path) -> None:
-    assert work.PREFETCH_HINT is None  # until engineer "prefetch" sets it
-    with pytest.raises(RuntimeError, match="prefetch"):
-        run_task(("prefetch-read", str(tmp_path), [], 64))
+def test_prefetch_row_reads_and_checks_without_a_mount(tmp_path: Path) -> None:
+    # off a shufflefs mount nothing is hinted; the bytes are still checked
+    names = [f"{i:07d}.bin" for i in range(3)]
+    for i, n in enumerate(names):
+        (tmp_path / n).write_bytes(b"%012d" % i + b"x" * 52)
+    assert not prefetch_available(str(tmp_path))
+    count, _, _ = run_task(("prefetch-read", str(tmp_path), names, 64))
+    assert count == 3
+    (tmp_path / names[1]).write_bytes(b"short")
+    with pytest.raises(ValueError, match=names[1]):
+        run_task(("prefetch-read", str(tmp_path), names, 64))
 
 
 def test_row_shape_and_ratios() -> None:
