@@ -25,6 +25,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 MAX_PERMUTED = 6  # chains up to this long get the best head..tail order; longer ones a greedy one
+# tables of up to this many new chains get the swap pass (`_even_out`): the
+# greedy pass misses the balance only in small ones
+MAX_EVENED = 40
+MAX_PASSES = 20
 
 
 def plan_chains(
@@ -81,8 +85,48 @@ def plan_chains(
             load[n] += 1
             positions[n, p] += 1
             left[n] -= 1
-        made.append([queues[n].pop(0) for n in chosen])
-    return made
+        made.append(chosen)
+    if len(made) <= MAX_EVENED:
+        _even_out(made, pairs.tolist())
+    return [[queues[n].pop(0) for n in chain] for chain in made]
+
+
+def _even_out(chains: list[list[int]], pairs: list[list[int]]) -> None:
+    """Swap members between the new *chains* (node indexes) while that
+    lowers the sum of squared pair counts. The greedy pass ends with few
+    nodes left to choose from and may have to put the same pairs together
+    again; a few swaps undo that. A member keeps its slot, so the swap moves
+    a node to another chain's position (a small cost to position balance)."""
+    for _ in range(MAX_PASSES):
+        improved = False
+        for x, y in itertools.combinations(range(len(chains)), 2):
+            xs, ys = chains[x], chains[y]
+            for i, a in enumerate(xs):
+                if a in ys:
+                    continue
+                for j, c in enumerate(ys):
+                    if c in xs:
+                        continue
+                    change: dict[tuple[int, int], int] = {}
+                    for m in xs:
+                        if m != a:
+                            change[(a, m)] = change.get((a, m), 0) - 1
+                            change[(c, m)] = change.get((c, m), 0) + 1
+                    for m in ys:
+                        if m != c:
+                            change[(c, m)] = change.get((c, m), 0) - 1
+                            change[(a, m)] = change.get((a, m), 0) + 1
+                    if sum(2 * pairs[u][v] * d + d * d for (u, v), d in change.items()) >= 0:
+                        continue
+                    for (u, v), d in change.items():
+                        pairs[u][v] += d
+                        pairs[v][u] += d
+                    xs[i], ys[j] = c, a
+                    a = c
+                    improved = True
+                    break
+        if not improved:
+            return
 
 
 def _in_position_order(chosen: list[int], positions: np.ndarray) -> list[int]:
