@@ -1,0 +1,47 @@
+"""Progress of a background job a command waits for (`node drain --wait`,
+`rebalance --wait`): a tqdm bar on stderr when it is a terminal, else one
+plain line on stderr per change, so logs of scripted runs stay readable and
+stdout keeps only the result (`--json`)."""
+
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+from typing import TextIO
+
+from tqdm import tqdm
+
+
+class Progress:
+    def __init__(self, desc: str, unit: str, out: TextIO | None = None) -> None:
+        self.desc, self.unit = desc, unit
+        self.out = out or sys.stderr
+        self.tty = self.out.isatty()
+        self.bar = tqdm(total=0, desc=desc, unit=unit, file=self.out, disable=not self.tty)
+        self.last: tuple[int, int, str] | None = None
+
+    def show(self, done: int, total: int, note: str = "") -> None:
+        """The job is at *done* of *total* (which may change as it goes)."""
+        now = (done, total, note)
+        if now == self.last:
+            return
+        self.last = now
+        if self.tty:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.set_postfix_str(note, refresh=False)
+            self.bar.refresh()
+        else:
+            tail = f" ({note})" if note else ""
+            print(f"{self.desc}: {done}/{total} {self.unit}{tail}", file=self.out, flush=True)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.bar.close()
