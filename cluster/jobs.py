@@ -21,10 +21,13 @@ JOB_ID = re.compile(r"(drain|rebalance|resync)-([1-9][0-9]*)")
 
 
 def jobs(state: ClusterState) -> list[JobInfo]:
-    """Every running job, and the last rebalance also when it has ended."""
+    """Every running job (drains with chains left, resyncs), and the last
+    rebalance also when it has ended."""
     out: list[JobInfo] = []
     for node in sorted(state.draining_nodes):
         left = len(drain.chains_of_node(state, node))
+        if not left:
+            continue  # drained: waits for `shufflefs node remove`, nothing runs
         total = max(state.drain_chains.get(node, left), left)
         out.append(
             JobInfo(

@@ -110,11 +110,12 @@ def _best_move(
     leaves the pair closer than it was."""
     loads = {n: load(n) for n in nodes}
     for a in sorted(nodes, key=lambda n: (loads[n], -n), reverse=True):
-        best: tuple[tuple[int, int], int, int, int] | None = None
+        bytes_a = sum(used[t] for _, t in members[a])
         for b in sorted((n for n in nodes if spares[n]), key=lambda n: (loads[n], n)):
             if b == a or loads[b][1] >= loads[a][1]:
                 continue
-            bytes_a, bytes_b = (sum(used[t] for _, t in members[n]) for n in (a, b))
+            bytes_b = sum(used[t] for _, t in members[b])
+            best: tuple[tuple[int, int], int, int] | None = None
             for chain_id, t in members[a]:
                 if chain_id not in movable or b in chain_nodes[chain_id]:
                     continue
@@ -124,9 +125,9 @@ def _best_move(
                     continue  # the pair would be no closer
                 score = max(after_a, after_b)
                 if best is None or score < best[0]:
-                    best = (score, b, chain_id, t)
-        if best is not None:
-            return a, best[1], best[2], best[3]
+                    best = (score, chain_id, t)
+            if best is not None:  # the least-used node that can take one of a's chains
+                return a, b, best[1], best[2]
     return None
 
 
@@ -138,8 +139,9 @@ def running(state: ClusterState) -> dict[str, Any] | None:
 def start(state: ClusterState) -> dict[str, Any]:
     """Start a rebalance (or return the one running). Refused while a drain
     runs (one kind of move at a time) and when no move would even anything out."""
-    if state.draining_nodes:
-        ids = sorted(state.draining_nodes)
+    placed = {state.targets[t].node for c in state.chains.values() for t in c.targets}
+    ids = sorted(n for n in state.draining_nodes if n in placed)  # drained ones wait for removal
+    if ids:
         raise FsError(
             errno.EBUSY,
             f"node(s) {ids} are being drained: rebalance when the drain is done "

@@ -162,3 +162,43 @@ def test_drain_and_rebalance_exclude_each_other() -> None:
     assert all(len(c.targets) == 3 for c in state.chains.values())
     assert not state.draining(1)
     assert job["state"] == rebalance.CANCELLED
+
+
+def run_to_the_end(state: ClusterState) -> dict[str, object]:
+    job = rebalance.start(state)
+    for _ in range(500):  # bounded: one step per copy
+        if job["state"] != rebalance.RUNNING:
+            break
+        finish_copies(state)
+        rebalance.step(state)
+    assert job["state"] == rebalance.DONE
+    return job
+
+
+def test_two_new_nodes_in_a_bigger_cluster_fill_up() -> None:
+    state = cluster(initial_nodes=20)
+    for node in range(1, 21):
+        register(state, node, 4)
+    register(state, 21, 4)
+    register(state, 22, 4)
+    run_to_the_end(state)
+    counts = memberships(state)
+    assert counts[21] >= 3 and counts[22] >= 3, counts
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
+    for chain in state.chains.values():
+        assert len({state.targets[t].node for t in chain.targets}) == 3
+
+
+def test_a_drained_node_waiting_for_removal_does_not_block_a_rebalance() -> None:
+    state = four_by_three_plus_one()
+    drain.start(state, 1)
+    for _ in range(50):
+        if not drain.chains_of_node(state, 1):
+            break
+        finish_copies(state)
+        drain.step(state)
+    assert not drain.chains_of_node(state, 1) and state.draining(1)
+    assert "drain-1" not in {j["id"] for j in jobs.jobs(state)}  # nothing runs
+    with pytest.raises(FsError) as info:
+        rebalance.start(state)  # node 5 took node 1's place: balanced, not busy
+    assert info.value.errno == errno.EALREADY
