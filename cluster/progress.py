@@ -17,7 +17,15 @@ class Progress:
         self.desc, self.unit = desc, unit
         self.out = out or sys.stderr
         self.tty = self.out.isatty()
-        self.bar = tqdm(total=0, desc=desc, unit=unit, file=self.out, disable=not self.tty)
+        self.bar = tqdm(
+            total=0,
+            desc=desc,
+            unit=unit,
+            file=self.out,
+            disable=not self.tty,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit} "
+            "[{elapsed}] {postfix}",
+        )
         self.last: tuple[int, int, str] | None = None
 
     def show(self, done: int, total: int, note: str = "") -> None:

@@ -6,11 +6,13 @@ survives a restart of mgmtd."""
 from __future__ import annotations
 
 import errno
+import io
 from collections import Counter
 
 import pytest
 
 from shufflefs.cluster import drain, jobs, rebalance
+from shufflefs.cluster.progress import Progress
 from shufflefs.cluster.protocol import ClusterConfig
 from shufflefs.cluster.state import SERVING, SYNCING, ClusterState
 from shufflefs.rpc.errors import FsError
@@ -202,3 +204,20 @@ def test_a_drained_node_waiting_for_removal_does_not_block_a_rebalance() -> None
     with pytest.raises(FsError) as info:
         rebalance.start(state)  # node 5 took node 1's place: balanced, not busy
     assert info.value.errno == errno.EALREADY
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_a_line_per_change_otherwise() -> None:
+    plain = io.StringIO()
+    with Progress("drain-3", "chains", plain) as progress:
+        for done in (0, 0, 1, 2):
+            progress.show(done, 2)
+    assert plain.getvalue().splitlines() == [f"drain-3: {n}/2 chains" for n in (0, 1, 2)]
+    term = Terminal()
+    with Progress("rebalance-1", "moves", term) as progress:
+        progress.show(1, 3, "moving chain 2")
+    assert "\r" in term.getvalue() and "1/3 moves" in term.getvalue()
