@@ -352,6 +352,7 @@ async def serve(config: MgmtdConfig) -> None:
                 config.metrics,
                 routing=service.routing_info,
                 capacity=lambda: service.state().capacity(),
+                jobs=lambda: jobs.jobs(service.state()),
                 directory=directory,
                 rpc=rpc,
                 mgmtd=service.address,
