@@ -176,7 +176,8 @@ def test_rebalance_onto_an_added_node_under_reads(
 ) -> None:
     """A 5th node joins a running 4x3 cluster: its targets stay spares until
     `shufflefs rebalance` moves chain memberships onto it, one at a time,
-    while reads run; `jobs` lists the job and `jobs cancel` stops one."""
+    while reads run; `jobs` lists the job and `jobs cancel` stops one; a
+    restart of mgmtd does not lose one."""
     c = four_by_three
     config = ["--config", str(c.client_config)]
     expected = content(4, 24 * MiB)  # 24 chunks over the 4 chains: every target holds some
@@ -218,6 +219,15 @@ def test_rebalance_onto_an_added_node_under_reads(
     again = shufflefs("jobs", "cancel", started["id"], *config, check=False)
     assert again.returncode == 1 and "no running job" in again.stderr
 
+    # a rebalance survives a restart of mgmtd: `rebalance` then finds it running
+    async def start() -> JobInfo:
+        async with c.rpc() as rpc:
+            return await MgmtdStub(rpc, c.mgmtd_address).rebalance()
+
+    resumed = trio.run(start)
+    c.kill("mgmtd")
+    c.restart_missing()
+
     stop, report = threading.Event(), {"reads": 0, "failed": 0, "wrong": 0}
     reader = threading.Thread(target=read_loop, args=(data, expected, stop, report))
     reader.start()
@@ -227,6 +237,7 @@ def test_rebalance_onto_an_added_node_under_reads(
         stop.set()
         reader.join(60)
     result = json.loads(out.stdout)
+    assert result["id"] == resumed["id"], (result, resumed)  # the same job, carried on
     assert result["state"] == "done" and result["done"] >= 2, result
     assert "moves" in out.stderr  # not a terminal: a plain progress line per change
     assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
