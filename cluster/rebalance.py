@@ -6,7 +6,7 @@ needs `replicas` nodes with free targets), so the old nodes keep all the
 data. A rebalance moves chain memberships onto them: `plan` picks a member
 target on the most-used node and a spare target on the least-used node
 that has no member in that chain, as long as the move leaves the two closer
-than they were (usage is the bytes the members' targets report, in whole
+than they were (usage is the bytes the chains' targets report, in whole
 chunks; where that is equal, the number of chain memberships). mgmtd
 carries out one move at a time cluster-wide through `cluster/moves.py` (the
 spare joins as syncing, resync copies the chain to it, then the old member
@@ -71,7 +71,12 @@ def plan(state: ClusterState, limit: int | None = None) -> list[Move]:
     for spare in sorted(state.targets.values(), key=lambda t: (-t.free, t.id)):
         if spare.id not in placed and spare.state == SERVING and spare.node in spares:
             spares[spare.node].append(spare.id)
-    used = {t.id: t.used for t in state.targets.values()}
+    # every member of a chain holds the same data: count the most any reports
+    # (a newcomer's own figure lags by a heartbeat after its resync)
+    used: dict[int, int] = {}
+    for chain in state.chains.values():
+        most = max((state.targets[t].used for t in chain.targets), default=0)
+        used.update((t, most) for t in chain.targets)
     movable = {c.id for c in state.chains.values() if _healthy(state, c)}
 
     def load(n: int) -> tuple[int, int]:
@@ -87,8 +92,8 @@ def plan(state: ClusterState, limit: int | None = None) -> list[Move]:
         a, b, chain_id, t = move
         into = spares[b].pop(0)
         members[a].remove((chain_id, t))
-        members[b].append((chain_id, into))
         used[into] = used[t]
+        members[b].append((chain_id, into))
         chain_nodes[chain_id] = (chain_nodes[chain_id] - {a}) | {b}
         movable.discard(chain_id)  # one move per chain per plan
         out.append(Move(chain_id, t, into))
