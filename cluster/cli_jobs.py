@@ -11,7 +11,7 @@ import time
 import trio
 
 from shufflefs.cluster.admin import with_mgmtd
-from shufflefs.cluster.progress import Progress
+from shufflefs.cluster.progress import Progress, poll
 from shufflefs.cluster.protocol import JobInfo, MgmtdStub
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
@@ -34,7 +34,10 @@ async def wait_rebalance(mgmtd: MgmtdStub, job: JobInfo, wait: float) -> JobInfo
                     "(it goes on; see `shufflefs jobs`)",
                 )
             await trio.sleep(POLL)
-            found = [j for j in await mgmtd.jobs() if j["id"] == job["id"]]
+            listed = await poll(mgmtd.jobs)
+            if listed is None:
+                continue  # mgmtd restarting: look again
+            found = [j for j in listed if j["id"] == job["id"]]
             if not found:  # replaced by a newer rebalance: ours has ended
                 return {**job, "state": "done", "left": 0}
             job = found[0]

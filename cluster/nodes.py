@@ -11,7 +11,7 @@ import time
 import trio
 
 from shufflefs.cluster.admin import with_mgmtd
-from shufflefs.cluster.progress import Progress
+from shufflefs.cluster.progress import Progress, poll
 from shufflefs.cluster.protocol import MgmtdStub, RoutingInfo
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
@@ -39,7 +39,9 @@ async def drain(mgmtd: MgmtdStub, node_id: int, wait: float | None) -> dict[str,
                         "(the drain goes on; see `shufflefs jobs`)",
                     )
                 await trio.sleep(POLL)
-                status = await mgmtd.status()
+                status = await poll(mgmtd.status)
+                if status is None:
+                    continue  # mgmtd restarting: look again
                 node = next((n for n in status["nodes"] if n["id"] == node_id), None)
                 left = chains_left(status, node_id)
                 if left and node is not None and not node.get("draining"):

@@ -6,10 +6,27 @@ stdout keeps only the result (`--json`)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from tqdm import tqdm
+
+from shufflefs.rpc.errors import CONNECTION_FAILURES, FsError
+
+T = TypeVar("T")
+
+
+async def poll(look: Callable[[], Awaitable[T]]) -> T | None:
+    """One look at a job's progress; None while mgmtd is unreachable (a
+    restart or failover: the job is in its persisted state and goes on, so a
+    wait keeps looking until its timeout)."""
+    try:
+        return await look()
+    except FsError as exc:
+        if exc.code in CONNECTION_FAILURES:
+            return None
+        raise
 
 
 class Progress:

@@ -12,6 +12,8 @@ import mmap
 import os
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -219,25 +221,34 @@ def test_rebalance_onto_an_added_node_under_reads(
     again = shufflefs("jobs", "cancel", started["id"], *config, check=False)
     assert again.returncode == 1 and "no running job" in again.stderr
 
-    # a rebalance survives a restart of mgmtd: `rebalance` then finds it running
-    async def start() -> JobInfo:
-        async with c.rpc() as rpc:
-            return await MgmtdStub(rpc, c.mgmtd_address).rebalance()
-
-    resumed = trio.run(start)
-    c.kill("mgmtd")
-    c.restart_missing()
-
+    # `rebalance --wait` under reads, with mgmtd killed and restarted once the
+    # job has started: the job is in mgmtd's state, carries on, and the wait
+    # keeps looking while mgmtd is away
     stop, report = threading.Event(), {"reads": 0, "failed": 0, "wrong": 0}
     reader = threading.Thread(target=read_loop, args=(data, expected, stop, report))
     reader.start()
+    argv = ["rebalance", "--wait", "--timeout", "120", "--json", *config]
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "shufflefs.cluster.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        out = shufflefs("rebalance", "--wait", "--timeout", "120", "--json", *config)
+        assert waiting.stderr is not None
+        first = waiting.stderr.readline()  # the job has started
+        assert re.match(r"rebalance-\d+: \d+/\d+ moves", first), first
+        c.kill("mgmtd")
+        c.restart_missing()
+        stdout, stderr = waiting.communicate(timeout=150)
     finally:
+        waiting.kill()
         stop.set()
         reader.join(60)
+    assert waiting.returncode == 0, stderr
+    out = subprocess.CompletedProcess(argv, 0, stdout, first + stderr)
     result = json.loads(out.stdout)
-    assert result["id"] == resumed["id"], (result, resumed)  # the same job, carried on
+    assert result["id"] == first.partition(":")[0]  # the same job, carried on
     assert result["state"] == "done" and result["done"] >= 2, result
     assert "moves" in out.stderr  # not a terminal: a plain progress line per change
     assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
