@@ -47,6 +47,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scrub": ("shufflefs.cluster.scrub", "cli_scrub"),
     "target": ("shufflefs.cluster.targets", "cli_target"),
     "node": ("shufflefs.cluster.nodes", "cli_node"),
+    "rebalance": ("shufflefs.cluster.cli_jobs", "cli_rebalance"),
+    "jobs": ("shufflefs.cluster.cli_jobs", "cli_jobs"),
     "mount": ("shufflefs.fuse.mount", "cli_mount"),
     "umount": ("shufflefs.fuse.mount", "cli_umount"),
     "sample": ("shufflefs.client.data.explain", "cli_sample"),
@@ -291,6 +293,56 @@ def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentP
     a.add_argument("id", type=positive_int, help="storage node id (see `status`)")
     a.add_argument("--config", help=config_help)
     a.add_argument("--json", action="store_true", help="print one JSON object")
+    add_jobs_parsers(sub, config_help)
+
+
+def job_id(text: str) -> str:
+    """A cancellable job's id: drain-NODE or rebalance-N (see `shufflefs jobs`)."""
+    kind, _, number = text.partition("-")
+    if kind not in ("drain", "rebalance") or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a cancellable job id: drain-NODE or rebalance-N (`shufflefs jobs`)"
+        )
+    return f"{kind}-{int(number)}"
+
+
+def add_jobs_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], config_help: str
+) -> None:
+    p = sub.add_parser(
+        "rebalance",
+        help="move chain memberships onto nodes or targets added since, to even out usage",
+        description="mgmtd moves a member target of the most-used node to a spare target of "
+        "the least-used node that has none in that chain (by used bytes, else by chain "
+        "counts), one move at a time: the spare joins as syncing, resync copies the chain, "
+        "then the old member leaves. Refused while a drain runs or when nothing would move. "
+        "Resumes by itself after restarts; `shufflefs jobs cancel` stops it.",
+    )
+    p.add_argument("--wait", action="store_true", help="wait until the rebalance is done")
+    p.add_argument(
+        "--timeout", type=positive_float, default=3600.0, help="seconds --wait waits at most"
+    )
+    p.add_argument("--config", help=config_help)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser(
+        "jobs",
+        help="mgmtd's background jobs: drains, the rebalance, resyncs (`jobs cancel ID`)",
+        description="Lists the running drains (chains left), the rebalance (moves done and "
+        "left; also once it has ended) and the resyncs of syncing targets.",
+    )
+    p.add_argument("--config", help=config_help)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    actions = p.add_subparsers(dest="jobs_command", metavar="ACTION")
+    a = actions.add_parser(
+        "cancel",
+        help="cancel a drain or the rebalance",
+        description="No new moves start; the move in flight is rolled back (its newcomer has "
+        "not served yet, so the chain is as it was), or completed if the newcomer already "
+        "serves. A resync cannot be cancelled.",
+    )
+    a.add_argument("id", type=job_id, help="drain-NODE or rebalance-N (see `shufflefs jobs`)")
+    a.add_argument("--config", help=config_help)
+    a.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -470,7 +522,13 @@ def _loader_configs() -> tuple[str, ...]:
 def command_label(args: argparse.Namespace) -> str:
     """'shufflefs target add': the words that name what failed."""
     words = ["shufflefs", args.command]
-    for action in ("target_command", "sample_command", "bench_mode"):
+    for action in (
+        "target_command",
+        "node_command",
+        "jobs_command",
+        "sample_command",
+        "bench_mode",
+    ):
         if getattr(args, action, None):
             words.append(getattr(args, action))
     return " ".join(words)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import errno
 import logging
 
-from shufflefs.cluster.state import OFFLINE, SERVING, SYNCING, WAITING, Chain, ClusterState, Target
+from shufflefs.cluster import moves, rebalance
+from shufflefs.cluster.state import SERVING, SYNCING, WAITING, Chain, ClusterState
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.mgmtd.drain")
@@ -44,29 +45,6 @@ def chains_of_node(state: ClusterState, node_id: int) -> list[Chain]:
     ]
 
 
-def _spare_for(state: ClusterState, chain: Chain, busy: set[int]) -> Target | None:
-    """A spare target that may join *chain*: serving, in no chain, on an
-    online node that is not draining and has no member in the chain."""
-    placed = {t for c in state.chains.values() for t in c.targets}
-    members = {state.targets[t].node for t in chain.targets if t in state.targets}
-    best: Target | None = None
-    for t in state.targets.values():
-        node = state.nodes.get(t.node)
-        if (
-            t.id in placed
-            or t.id in busy
-            or t.state != SERVING
-            or node is None
-            or node.state != "online"
-            or state.draining(node.id)
-            or t.node in members
-        ):
-            continue
-        if best is None or (t.free, -t.id) > (best.free, -best.id):
-            best = t
-    return best
-
-
 def start(state: ClusterState, node_id: int) -> list[int]:
     """Mark *node_id* draining; the chains it must leave. Refused (nothing
     changes) when one of them has no spare target to move to."""
@@ -74,7 +52,7 @@ def start(state: ClusterState, node_id: int) -> list[int]:
     chains = chains_of_node(state, node_id)
     busy: set[int] = set()
     for chain in chains:
-        spare = _spare_for(state, chain, busy)
+        spare = moves.spare_for(state, chain, busy)
         if spare is None and not _has_replacement(state, chain, node_id):
             raise FsError(
                 errno.EBUSY,
@@ -83,8 +61,16 @@ def start(state: ClusterState, node_id: int) -> list[int]:
             )
         if spare is not None:
             busy.add(spare.id)
+    job = rebalance.running(state)
+    if job is not None:
+        raise FsError(
+            errno.EBUSY,
+            f"a rebalance runs: drain when it is done, or cancel it "
+            f"(`shufflefs jobs cancel rebalance-{job['id']}`)",
+        )
     if not state.draining(node_id):
         state.draining_nodes.add(node_id)
+        state.drain_chains[node_id] = len(chains)
         state.bump(f"node {node_id} draining: leaves chains {[c.id for c in chains]}")
     return [c.id for c in chains]
 
@@ -109,37 +95,49 @@ def step(state: ClusterState) -> bool:
     for node_id in sorted(state.draining_nodes):
         for chain in chains_of_node(state, node_id):
             mine = [t for t in chain.targets if state.targets[t].node == node_id]
-            others = _staying(state, chain, node_id)
-            if any(state.targets[t].state in (SYNCING, WAITING) for t in others):
+            if any(
+                state.targets[t].state in (SYNCING, WAITING) for t in chain.targets if t not in mine
+            ):
                 break  # a copy under way: one chain at a time per node
-            serving = sum(1 for t in others if state.targets[t].state == SERVING)
-            offline = sum(1 for t in others if state.targets[t].state == OFFLINE)
-            if serving and serving >= state.config["replicas"] - offline:
+            if moves.whole_without(state, chain, mine):
                 for t in mine:  # the chain is as whole without us as it was with us
-                    _leave(state, chain, t)
+                    moves.leave(state, chain, t, "(drained)")
                 changed = True
                 continue
-            spare = _spare_for(state, chain, set())
+            spare = moves.spare_for(state, chain)
             if spare is None:
                 if (node_id, chain.id) not in _told:
                     _told.add((node_id, chain.id))
                     log.warning("drain of node %d waits: chain %d has no spare", node_id, chain.id)
                 break
-            chain.targets.append(spare.id)
-            spare.state = SYNCING
-            state.chain_changed(chain)
-            state.bump(f"target {spare.id} joins chain {chain.id} for draining node {node_id}")
+            moves.join(state, chain, spare, f"for draining node {node_id}")
             changed = True
             break
     return changed
 
 
-def _leave(state: ClusterState, chain: Chain, target_id: int) -> None:
-    chain.targets.remove(target_id)
-    if chain.last_serving == target_id:
-        chain.last_serving = None
-    state.chain_changed(chain)
-    state.bump(f"target {target_id} left chain {chain.id} (drained)")
+def cancel(state: ClusterState, node_id: int) -> list[int]:
+    """Stop draining *node_id*: no new moves start, and the one in flight is
+    rolled back (its newcomer has not served yet, so the chain is what it was
+    before; one that already serves stays, and the node's member leaves as
+    the move completes). The chains the node is still in."""
+    if not state.draining(node_id):
+        raise FsError(errno.ENOENT, f"node {node_id} is not being drained")
+    for chain in chains_of_node(state, node_id):
+        mine = [t for t in chain.targets if state.targets[t].node == node_id]
+        if len(chain.targets) <= state.config["replicas"]:
+            continue
+        for t in reversed(chain.targets):
+            if t not in mine and moves.roll_back(state, chain, t, "(drain cancelled)"):
+                break
+        else:
+            if moves.whole_without(state, chain, mine):
+                for t in mine:
+                    moves.leave(state, chain, t, "(drained)")
+    state.draining_nodes.discard(node_id)
+    state.drain_chains.pop(node_id, None)
+    state.bump(f"drain of node {node_id} cancelled")
+    return [c.id for c in chains_of_node(state, node_id)]
 
 
 def remove_node(state: ClusterState, node_id: int) -> None:
@@ -157,6 +155,7 @@ def remove_node(state: ClusterState, node_id: int) -> None:
         del state.targets[t]
     del state.nodes[node_id]
     state.draining_nodes.discard(node_id)
+    state.drain_chains.pop(node_id, None)
     state.removed_nodes.add(node_id)
     state.bump(f"node {node_id} removed")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from shufflefs.cluster import drain
+from shufflefs.cluster import drain, jobs, rebalance
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.coordination import Coordination, EmbeddedCoordination, open_coordination
 from shufflefs.cluster.meta_leases import MetaLeases
@@ -31,6 +31,7 @@ from shufflefs.cluster.protocol import (
     AssignResult,
     Capacity,
     ClusterConfig,
+    JobInfo,
     LeaseReply,
     MgmtdRole,
     RegisterResult,
@@ -170,8 +171,14 @@ class MgmtdService:
     @rpc_method
     async def sync_done(self, target_id: int, chain_id: int, chain_version: int) -> None:
         self.state().sync_done(target_id, chain_id, chain_version)
-        drain.step(self.state())  # a replacement serving: a drained member may leave
+        self.step_jobs(self.state())  # a newcomer serving: an old member may leave
         await self.persist()
+
+    @staticmethod
+    def step_jobs(state: ClusterState) -> bool:
+        """Move drains and the rebalance on (at most one of them has a move in flight)."""
+        drained = drain.step(state)
+        return rebalance.step(state) or drained
 
     @rpc_method
     async def drain_node(self, node_id: int) -> list[int]:
@@ -180,6 +187,23 @@ class MgmtdService:
         drain.step(state)
         await self.persist()
         return chains
+
+    @rpc_method
+    async def rebalance(self) -> JobInfo:
+        state = self.state()
+        rebalance.start(state)
+        await self.persist()
+        return next(j for j in jobs.jobs(state) if j["kind"] == "rebalance")
+
+    @rpc_method(inline=True)
+    async def jobs(self) -> list[JobInfo]:
+        return jobs.jobs(self.state())
+
+    @rpc_method
+    async def cancel_job(self, job_id: str) -> JobInfo:
+        result = jobs.cancel(self.state(), job_id)
+        await self.persist()
+        return result
 
     @rpc_method
     async def remove_node(self, node_id: int) -> None:
@@ -235,7 +259,7 @@ class MgmtdService:
             await trio.sleep(EXPIRY_CHECK_INTERVAL)
             state = self.state()
             expired = state.expire(time.time())
-            if drain.step(state) or expired:  # drains resume after any restart
+            if self.step_jobs(state) or expired:  # jobs resume after any restart
                 await self.persist()
 
 
@@ -335,6 +359,7 @@ async def serve(config: MgmtdConfig) -> None:
                 config.metrics,
                 routing=service.routing_info,
                 capacity=lambda: service.state().capacity(),
+                jobs=lambda: jobs.jobs(service.state()),
                 directory=directory,
                 rpc=rpc,
                 mgmtd=service.address,

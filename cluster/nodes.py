@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import sys
 import time
 
 import trio
 
 from shufflefs.cluster.admin import with_mgmtd
+from shufflefs.cluster.progress import Progress, poll
 from shufflefs.cluster.protocol import MgmtdStub, RoutingInfo
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
@@ -24,29 +24,32 @@ def chains_left(status: RoutingInfo, node_id: int) -> list[int]:
     return [c["id"] for c in status["chains"] if mine & set(c["targets"])]
 
 
-async def drain(mgmtd: MgmtdStub, node_id: int, wait: float | None, out: bool) -> dict[str, object]:
+async def drain(mgmtd: MgmtdStub, node_id: int, wait: float | None) -> dict[str, object]:
     chains = await mgmtd.drain_node(node_id)
     left = chains
     if wait is not None:
         deadline = trio.current_time() + wait
-        while left:
-            if out:
-                print(
-                    f"\rnode {node_id}: {len(chains) - len(left)}/{len(chains)} chains moved",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if trio.current_time() > deadline:
-                raise FsError(
-                    errno.ETIMEDOUT,
-                    f"node {node_id} still in chains {left} after {wait:g}s "
-                    "(the drain goes on; see `shufflefs status`)",
-                )
-            await trio.sleep(POLL)
-            left = chains_left(await mgmtd.status(), node_id)
-        if out:
-            print(file=sys.stderr)
+        with Progress(f"drain-{node_id}", "chains") as progress:
+            while left:
+                progress.show(len(chains) - len(left), len(chains))
+                if trio.current_time() > deadline:
+                    raise FsError(
+                        errno.ETIMEDOUT,
+                        f"node {node_id} still in chains {left} after {wait:g}s "
+                        "(the drain goes on; see `shufflefs jobs`)",
+                    )
+                await trio.sleep(POLL)
+                status = await poll(mgmtd.status)
+                if status is None:
+                    continue  # mgmtd restarting: look again
+                node = next((n for n in status["nodes"] if n["id"] == node_id), None)
+                left = chains_left(status, node_id)
+                if left and node is not None and not node.get("draining"):
+                    raise FsError(
+                        errno.ECANCELED,
+                        f"the drain of node {node_id} was cancelled; it stays in chains {left}",
+                    )
+            progress.show(len(chains), len(chains))
     return {"node": node_id, "chains": chains, "left": left, "drained": not left}
 
 
@@ -54,10 +57,9 @@ def cli_node(args: argparse.Namespace) -> int:
     """``shufflefs node drain|remove ID``."""
     if args.node_command == "drain":
         started = time.monotonic()
-        tty = sys.stderr.isatty() and not args.json
 
         async def run(mgmtd: MgmtdStub, rpc: RpcClient) -> dict[str, object]:
-            return await drain(mgmtd, args.id, args.timeout if args.wait else None, tty)
+            return await drain(mgmtd, args.id, args.timeout if args.wait else None)
 
         result = with_mgmtd(args, run)
         if args.json:

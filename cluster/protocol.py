@@ -112,6 +112,17 @@ class AssignResult(TypedDict):
     state: str  # its state now (syncing; waiting if nobody in the chain serves)
 
 
+class JobInfo(TypedDict):
+    """A background job of mgmtd (`shufflefs jobs`, `cluster/jobs.py`)."""
+
+    id: str  # drain-NODE, rebalance-N, resync-TARGET: the same after an mgmtd restart
+    kind: str  # drain, rebalance, resync
+    state: str  # running (resync: syncing/waiting); a rebalance also done or cancelled
+    done: int  # chains moved (drain), moves made (rebalance)
+    left: int  # chains / moves still to go, as planned now
+    detail: str
+
+
 class MgmtdRole(TypedDict):
     role: str  # "primary" or "standby"
     address: str  # this instance's
@@ -242,6 +253,22 @@ class MgmtdStub:
         chains it leaves. EBUSY if one of them has nowhere to move to."""
         chains: list[int] = await self._call("drain_node", node_id=node_id)
         return chains
+
+    async def rebalance(self) -> JobInfo:
+        """Start a rebalance (`cluster/rebalance.py`), or attach to the one
+        running. EBUSY while a drain runs, EALREADY when nothing would move."""
+        result: JobInfo = await self._call("rebalance")
+        return result
+
+    async def jobs(self) -> list[JobInfo]:
+        """Running drains, the rebalance (also once ended) and resyncs."""
+        result: list[JobInfo] = await self._call("jobs")
+        return result
+
+    async def cancel_job(self, job_id: str) -> JobInfo:
+        """Cancel a drain or the rebalance: no new moves, the one in flight rolled back."""
+        result: JobInfo = await self._call("cancel_job", job_id=job_id)
+        return result
 
     async def remove_node(self, node_id: int) -> None:
         """Forget a drained (or never placed) storage node; EBUSY while it holds replicas."""

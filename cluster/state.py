@@ -93,6 +93,9 @@ class ClusterState:
     chains: dict[int, Chain] = field(default_factory=dict)
     draining_nodes: set[int] = field(default_factory=set)  # `cluster/drain.py`
     removed_nodes: set[int] = field(default_factory=set)  # never let back in under their id
+    drain_chains: dict[int, int] = field(default_factory=dict)  # node -> chains it had to leave
+    rebalance: dict[str, Any] | None = None  # the last rebalance job (`cluster/rebalance.py`)
+    next_job: int = 1
 
     @classmethod
     def new(cls, config: ClusterConfig) -> ClusterState:
@@ -113,6 +116,9 @@ class ClusterState:
             "chains": [asdict(c) for c in self.chains.values()],
             "draining_nodes": sorted(self.draining_nodes),
             "removed_nodes": sorted(self.removed_nodes),
+            "drain_chains": [[n, c] for n, c in sorted(self.drain_chains.items())],
+            "rebalance": self.rebalance,
+            "next_job": self.next_job,
         }
 
     @classmethod
@@ -135,6 +141,9 @@ class ClusterState:
             state.chains[c["id"]] = Chain(**c)
         state.draining_nodes = set(rec.get("draining_nodes", []))
         state.removed_nodes = set(rec.get("removed_nodes", []))
+        state.drain_chains = {int(n): int(c) for n, c in rec.get("drain_chains", [])}
+        state.rebalance = rec.get("rebalance")
+        state.next_job = rec.get("next_job", 1)
         return state
 
     # ---- changes ------------------------------------------------------------

@@ -22,25 +22,19 @@ from shufflefs.cluster.metrics import WsgiApp, start_metrics
 from shufflefs.cluster.metrics_collectors import cluster_gauges, loop_snapshot
 from shufflefs.cluster.metrics_registry import MetricsDirectory, MetricsEndpoint
 from shufflefs.cluster.metrics_scrape import RateTracker
-from shufflefs.cluster.protocol import Capacity, RoutingInfo
+from shufflefs.cluster.protocol import Capacity, JobInfo, RoutingInfo
 from shufflefs.cluster.web_page import PAGE
 from shufflefs.rpc.client import RpcClient
 
-StatusSnapshot = Callable[[], tuple[RoutingInfo, Capacity, list[MetricsEndpoint]]]
-
-
-def running_jobs(routing: RoutingInfo) -> list[dict[str, Any]]:
-    """What the cluster is working on: a resync for every syncing target."""
-    chain_of = {t: c["id"] for c in routing["chains"] for t in c["targets"]}
-    return [
-        {"kind": "resync", "target": t["id"], "node": t["node"], "chain": chain_of.get(t["id"])}
-        for t in routing["targets"]
-        if t["state"] == "syncing"
-    ]
+StatusSnapshot = Callable[[], tuple[RoutingInfo, Capacity, list[MetricsEndpoint], list[JobInfo]]]
 
 
 def status_document(
-    routing: RoutingInfo, capacity: Capacity, endpoints: list[MetricsEndpoint], tracker: RateTracker
+    routing: RoutingInfo,
+    capacity: Capacity,
+    endpoints: list[MetricsEndpoint],
+    tracker: RateTracker,
+    jobs: list[JobInfo],
 ) -> dict[str, Any]:
     urls = [e["url"] for e in endpoints]
     rates = tracker.sample(urls)
@@ -69,7 +63,7 @@ def status_document(
         "clients": clients,
         "targets": routing["targets"],
         "chains": routing["chains"],
-        "jobs": running_jobs(routing),
+        "jobs": jobs,  # `shufflefs jobs`: drains, the rebalance, resyncs
     }
 
 
@@ -92,8 +86,8 @@ def status_routes(snapshot: StatusSnapshot) -> dict[str, WsgiApp]:
     tracker = RateTracker()
 
     def api(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        routing, capacity, endpoints = snapshot()
-        body = json.dumps(status_document(routing, capacity, endpoints, tracker)).encode()
+        routing, capacity, endpoints, jobs = snapshot()
+        body = json.dumps(status_document(routing, capacity, endpoints, tracker, jobs)).encode()
         return _static(body, "application/json")(environ, start_response)
 
     return {"/": _static(PAGE.encode(), "text/html; charset=utf-8"), "/api/status": api}
@@ -105,6 +99,7 @@ async def start_web(
     *,
     routing: Callable[[], RoutingInfo],
     capacity: Callable[[], Capacity],
+    jobs: Callable[[], list[JobInfo]],
     directory: MetricsDirectory,
     rpc: RpcClient,
     mgmtd: str,
@@ -115,7 +110,9 @@ async def start_web(
     if not address:
         return None
     snapshot = loop_snapshot(lambda: (routing(), capacity()))
-    status: StatusSnapshot = loop_snapshot(lambda: (routing(), capacity(), directory.endpoints()))
+    status: StatusSnapshot = loop_snapshot(
+        lambda: (routing(), capacity(), directory.endpoints(), jobs())
+    )
     return await start_metrics(
         nursery,
         address,

@@ -125,7 +125,7 @@ function render(s) {
     return tr;
   });
   document.getElementById("jobs").textContent = s.jobs.length
-    ? s.jobs.map(j => j.kind + " of target " + j.target + " (chain " + j.chain + ")").join("; ")
+    ? s.jobs.map(j => j.id + " " + j.state + ": " + j.detail).join("; ")
     : "none";
 }
 async function poll() {

@@ -228,6 +228,21 @@ CLUSTER_DOWN: list[Case] = [
     case("node remove", "--json", "--json=1", "1"),
     case("target", "target_command"),
     case("target", "target_command", "remove"),
+    *bad_client_configs("rebalance"),
+    case("rebalance", "--config", "--config", "{CFG}", code=UNREACHABLE),
+    case("rebalance", "--wait", "--wait=1"),
+    case("rebalance", "--timeout", "--timeout", "0"),
+    case("rebalance", "--json", "--json=1"),
+    *bad_client_configs("jobs"),
+    case("jobs", "--config", "--config", "{CFG}", code=UNREACHABLE),
+    case("jobs", "--json", "--json=1"),
+    case("jobs", "jobs_command", "stop", "drain-1"),
+    *bad_client_configs("jobs cancel", "rebalance-1"),
+    case("jobs cancel", "--config", "--config", "{CFG}", "rebalance-1", code=UNREACHABLE),
+    case("jobs cancel", "id", "resync-3"),  # a resync is not cancellable
+    case("jobs cancel", "id", "rebalance-0"),
+    case("jobs cancel", "id"),  # required
+    case("jobs cancel", "--json", "--json=1", "drain-1"),
     *bad_client_configs("mount", "{W}/emptydir"),
     case("mount", "mountpoint", "--config", "{CFG}"),
     case("mount", "mountpoint", "--config", "{CFG}", "{W}/afile"),
@@ -556,6 +571,10 @@ CLUSTER_UP: list[Case] = [
     case("node drain", "id", *UPC, "99", code=FAILED),  # no such node
     case("node drain", "id", *UPC, "{SNODE}", code=FAILED),  # nowhere to move its replicas
     case("node remove", "id", *UPC, "{SNODE}", code=FAILED),  # still holds replicas
+    case("rebalance", "--config", *UPC, code=FAILED),  # balanced: nothing to move
+    case("rebalance", "--wait", "--wait", *UPC, code=FAILED),
+    case("jobs cancel", "id", *UPC, "rebalance-9", code=FAILED),  # no such job
+    case("jobs cancel", "id", *UPC, "drain-{SNODE}", code=FAILED),  # not draining
     case("mount", "mountpoint", "--config", "{UPCFG}", "{UPMNT}", code=FAILED),
     case("mount", "-o", "--config", "{UPCFG}", "-o", "bogus", "{W}/emptydir"),
     case("mount", "mountpoint", "--config", "{UPCFG}", "{W}/afile"),

@@ -1,7 +1,7 @@
 """Many targets per node: the chain table spreads each node over chains with
 different partners, so a node that comes back is resynced from several
 nodes at once, not from one. Draining a node moves its replicas away while
-reads go on."""
+reads go on; a rebalance moves replicas onto a node added later."""
 
 from __future__ import annotations
 
@@ -12,15 +12,20 @@ import mmap
 import os
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 from clusters import HEARTBEAT_FAST, ProcessCluster
 from harness import shufflefs
 from loadgen import content
+
+from shufflefs.cluster.protocol import JobInfo, MgmtdStub
 
 MiB = 1 << 20
 RESYNC_START = re.compile(r"resync start target=(\d+) chain=(\d+) chain_version=\d+ source=(\d+)")
@@ -166,3 +171,101 @@ def test_drain_under_reads_then_remove(four_nodes: ProcessCluster, tmp_path: Pat
     assert victim not in {n["id"] for n in c.status()["nodes"]}
     assert data.read_bytes() == expected
     print(f"DRAIN: node {victim} drained under {report['reads']} reads, none failed")
+
+
+def test_rebalance_onto_an_added_node_under_reads(
+    four_by_three: ProcessCluster, tmp_path: Path
+) -> None:
+    """A 5th node joins a running 4x3 cluster: its targets stay spares until
+    `shufflefs rebalance` moves chain memberships onto it, one at a time,
+    while reads run; `jobs` lists the job and `jobs cancel` stops one; a
+    restart of mgmtd does not lose one."""
+    c = four_by_three
+    config = ["--config", str(c.client_config)]
+    expected = content(4, 24 * MiB)  # 24 chunks over the 4 chains: every target holds some
+    data = c.mountpoint / "train.bin"
+    data.write_bytes(expected)
+    nothing = shufflefs("rebalance", *config, check=False)
+    assert nothing.returncode == 1 and "nothing to rebalance" in nothing.stderr
+
+    shufflefs("up", "--data-dir", str(c.data_dir), "--storage-nodes", "5", "--no-mount")
+    new = c.storage_node_of("storage5")
+    c.wait_for(
+        "storage5's 3 targets serving as spares",
+        lambda s: [t["state"] for t in s["targets"] if t["node"] == new] == ["serving"] * 3,
+    )
+    replicas = c.status()["config"]["replicas"]
+
+    # started, listed and cancelled in one go (a move takes far longer than
+    # three calls): the move in flight is rolled back
+    async def start_list_cancel() -> tuple[JobInfo, list[JobInfo], JobInfo]:
+        async with c.rpc() as rpc:
+            mgmtd = MgmtdStub(rpc, c.mgmtd_address)
+            job = await mgmtd.rebalance()
+            return job, await mgmtd.jobs(), await mgmtd.cancel_job(job["id"])
+
+    started, listed, cancelled = trio.run(start_list_cancel)
+    assert started["state"] == "running" and started["left"] >= 2, started
+    kinds = {j["id"]: j["kind"] for j in listed}
+    assert kinds[started["id"]] == "rebalance" and "resync" in kinds.values(), listed
+    newcomer = next(int(i.removeprefix("resync-")) for i, k in kinds.items() if k == "resync")
+    assert cancelled["state"] == "cancelled", cancelled
+    c.wait_for(
+        "every chain back to its replicas, all serving",
+        lambda s: (
+            all(len(ch["targets"]) == replicas for ch in s["chains"])
+            and all(t["state"] == "serving" for t in s["targets"])
+        ),
+    )
+    assert all(newcomer not in ch["targets"] for ch in c.status()["chains"])
+    again = shufflefs("jobs", "cancel", started["id"], *config, check=False)
+    assert again.returncode == 1 and "no running job" in again.stderr
+
+    # `rebalance --wait` under reads, with mgmtd killed and restarted once the
+    # job has started: the job is in mgmtd's state, carries on, and the wait
+    # keeps looking while mgmtd is away
+    stop, report = threading.Event(), {"reads": 0, "failed": 0, "wrong": 0}
+    reader = threading.Thread(target=read_loop, args=(data, expected, stop, report))
+    reader.start()
+    argv = ["rebalance", "--wait", "--timeout", "120", "--json", *config]
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "shufflefs.cluster.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert waiting.stderr is not None
+        first = waiting.stderr.readline()  # the job has started
+        assert re.match(r"rebalance-\d+: \d+/\d+ moves", first), first
+        c.kill("mgmtd")
+        c.restart_missing()
+        stdout, stderr = waiting.communicate(timeout=150)
+    finally:
+        waiting.kill()
+        stop.set()
+        reader.join(60)
+    assert waiting.returncode == 0, stderr
+    out = subprocess.CompletedProcess(argv, 0, stdout, first + stderr)
+    result = json.loads(out.stdout)
+    assert result["id"] == first.partition(":")[0]  # the same job, carried on
+    assert result["state"] == "done" and result["done"] >= 2, result
+    assert "moves" in out.stderr  # not a terminal: a plain progress line per change
+    assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
+
+    after = c.status()
+    node_of = {t["id"]: t["node"] for t in after["targets"]}
+    state_of = {t["id"]: t["state"] for t in after["targets"]}
+    held = sum(1 for ch in after["chains"] for t in ch["targets"] if node_of[t] == new)
+    assert held >= 2, after["chains"]
+    for ch in after["chains"]:
+        assert len(ch["targets"]) == replicas and len({node_of[t] for t in ch["targets"]}) == 3
+        assert all(state_of[t] == "serving" for t in ch["targets"]), ch
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == hashlib.sha256(expected).hexdigest()
+    jobs = json.loads(shufflefs("jobs", "--json", *config).stdout)["jobs"]
+    assert [(j["id"], j["state"]) for j in jobs] == [(result["id"], "done")], jobs
+    assert result["id"] in shufflefs("jobs", *config).stdout
+    print(
+        f"REBALANCE: {result['done']} moves onto node {new} ({held} memberships) "
+        f"under {report['reads']} reads, none failed"
+    )
