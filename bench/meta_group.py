@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from shufflefs.client.meta_client import MetaClient
-from shufflefs.cluster import launcher
+from shufflefs.cluster import lifecycle
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.cluster.routing import RoutingCache
@@ -103,7 +103,7 @@ def main() -> None:
         for n in args.meta_servers:
             data_dir = base / f"g{n}"
             with open(os.devnull, "w") as quiet:
-                launcher.up(data_dir, None, storage_nodes=1, meta_servers=n, out=quiet)
+                lifecycle.up(data_dir, None, storage_nodes=1, meta_servers=n, out=quiet)
             try:
                 for i, c in enumerate(args.clients):
                     last = i == len(args.clients) - 1 and n > 1
@@ -111,7 +111,7 @@ def main() -> None:
                     print(json.dumps({"meta_servers": n, **row}))
             finally:
                 with open(os.devnull, "w") as quiet:
-                    launcher.down(data_dir, out=quiet)
+                    lifecycle.down(data_dir, out=quiet)
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(base)

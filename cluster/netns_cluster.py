@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
-from shufflefs.cluster import launcher, procs
+from shufflefs.cluster import launcher, lifecycle, procs
 from shufflefs.cluster.launcher import ClusterLayout, LocalCluster, wait_mounted
 from shufflefs.cluster.netns import Hosts
 from shufflefs.cluster.startup import START_TIMEOUT
@@ -60,7 +60,7 @@ def mount_on_host(
 ) -> int:
     """Mount *local* at *mountpoint* by a mount process running on host
     *netns* (seen by every process of this machine); returns its pid.
-    `launcher.down` unmounts it and stops it like any mount of the cluster."""
+    `lifecycle.down` unmounts it and stops it like any mount of the cluster."""
     proc = replace(local.mount_process(mountpoint), netns=netns)
     mountpoint.mkdir(parents=True, exist_ok=True)
     pid = procs.start(proc)
@@ -128,7 +128,7 @@ class RemoteCluster:
                 self.chunk_size,
                 self.mgmtd_settings,
             )
-            launcher.up(self.local.dir, None, out=io.StringIO())
+            lifecycle.up(self.local.dir, None, out=io.StringIO())
         except BaseException:
             self.stop()
             raise
@@ -141,7 +141,7 @@ class RemoteCluster:
         with uninterrupted():
             try:
                 if self.local.exists():
-                    launcher.down(self.local.dir, out=io.StringIO())
+                    lifecycle.down(self.local.dir, out=io.StringIO())
             except Exception as exc:  # still remove the hosts and the data
                 log.warning("stopping the cluster in %s: %s", self.local.dir, exc)
             finally:

@@ -59,7 +59,7 @@ from shufflefs.client.data.tokens import TokenWindows
 from shufflefs.client.data.urls import client_for
 from shufflefs.client.iobench import drop_caches
 from shufflefs.cluster.config import load_client_config
-from shufflefs.cluster.launcher import down, up
+from shufflefs.cluster.lifecycle import down, up
 from shufflefs.cluster.preflight import parse_size
 from shufflefs.rpc.errors import FsError
 

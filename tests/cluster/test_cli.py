@@ -34,7 +34,7 @@ from harness import shufflefs
 
 from shufflefs.cluster import cli_errors
 from shufflefs.cluster.cli_errors import run_reporting
-from shufflefs.cluster.launcher import up
+from shufflefs.cluster.lifecycle import up
 from shufflefs.rpc import framing
 from shufflefs.rpc.server import RpcServer
 
