@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from shufflefs.client.data.mount_hints import DEFAULT_AHEAD, MountHints, lookahead
+from shufflefs.client.data.mount_hints import (
+    DEFAULT_AHEAD,
+    MountHints,
+    lookahead,
+    mount_root,
+    mount_state,
+)
 
 CHUNK = 16  # files hinted per setxattr
 
@@ -40,5 +46,9 @@ def read_files(paths: Sequence[str], hint_ahead: int = DEFAULT_AHEAD) -> list[by
 
 
 def prefetch_available(path: str) -> bool:
-    """Whether *path* is on a shufflefs mount that takes prefetch hints."""
-    return MountHints.find([path]) is not None
+    """Whether *path* (a file or directory, the mount point too) is on a
+    shufflefs mount that takes prefetch hints."""
+    try:
+        return mount_state(mount_root(path)) is not None
+    except OSError:
+        return False
