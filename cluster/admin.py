@@ -107,11 +107,9 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
         ago = "now" if n["kind"] == "mgmtd" else f"{max(0.0, now - n['last_seen']):.1f}s ago"
         if n.get("draining"):  # `shufflefs node drain`
             ago += "  draining" if n["id"] in node_in_chains else "  drained (remove it)"
-        role = (
-            f"  {n['role']} epoch {n.get('epoch', 0)} applied {n.get('applied_seq', 0)}"
-            if "role" in n
-            else ""
-        )
+        role = f"  {n['role']}" if "role" in n else ""
+        if n["kind"] == "meta" and "role" in n:
+            role += f" epoch {n.get('epoch', 0)} applied {n.get('applied_seq', 0)}"
         print(
             f"  {n['id']:>4}  {n['kind']:<8} {n['state']:<8} {n['address']:<22} {n['host']:<16} "
             f"{n['pid']:>7}  {ago}{role}",
