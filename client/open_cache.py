@@ -103,10 +103,17 @@ class OpenCache:
         return fresh, False
 
     async def discard(self, ino: int) -> None:
-        """Out of the cache, its handle given back once unused."""
+        """Out of the cache, its handle given back once unused; also a handle
+        `observe` already dropped but `expire` has not given back yet (an
+        open for writing must not find the inode kept alive by it)."""
         entry = self.entries.get(ino)
         if entry is not None:
             await self._drop(entry)
+        waiting = [e for e in self._unused if e.ino == ino]
+        if waiting:
+            self._unused = [e for e in self._unused if e.ino != ino]
+            for e in waiting:
+                await self._release(e.ino, e.handle)
 
     async def close(self, entry: CachedOpen) -> None:
         """An open file using *entry* was closed: no round trip unless the

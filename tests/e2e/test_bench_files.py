@@ -24,8 +24,8 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
     report = json.loads(result.stdout)
     rows = report["rows"]
     paths = {r["path"] for r in rows}
-    assert {"local", "fuse", "native", "fuse-ro"} <= paths  # `mount -o ro` is in this tree
-    assert any("fuse-prefetch" in n for n in report["notes"])
+    assert {"local", "fuse", "native", "fuse-ro", "fuse-prefetch"} <= paths
+    assert not any("fuse-prefetch" in n for n in report["notes"])
     for r in rows:
         assert set(r) >= {"path", "procs", "cache", "op", "per_s", "ratio_to_local"}
         assert r["per_s"] > 0 and r["procs"] in (1, 2) and r["cache"] in ("cold", "warm")
@@ -40,7 +40,7 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
     assert dict(created) == {"local": 24, "fuse": 24}
     reads = {(r["path"], r["procs"], r["cache"]) for r in rows if r["op"] == "read"}
     assert reads == {
-        (p, n, c) for p in ("local", "fuse", "fuse-ro", "native") for n in (1, 2)
+        (p, n, c) for p in ("local", "fuse", "fuse-ro", "fuse-prefetch", "native") for n in (1, 2)
         for c in ("cold", "warm")
     }  # fmt: skip
     loader = {(r["path"], r["cache"]) for r in report["loader"]}
