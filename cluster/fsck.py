@@ -240,7 +240,8 @@ async def remove_orphans(
             continue
         todo[(orphan["ino"], chain)].append(orphan)
     for (ino, chain), orphans in sorted(todo.items()):
-        what = f"{len(orphans)} orphan chunk(s) of inode {ino} on chain {chain}"
+        ids = sorted({o["chunk"] for o in orphans})
+        what = f"orphan chunk(s) {', '.join(ids)} of inode {ino} on chain {chain}"
         serving = routing.serving_targets(chain)
         if not serving:
             repairs.failed.append(f"{what}: the chain has no serving target")
