@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from shufflefs.cluster.admin import with_mgmtd
+from shufflefs.cluster.cli_errors import explain_connection_error
 from shufflefs.cluster.progress import Progress
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.cluster.routing import Routing
@@ -167,25 +168,30 @@ async def scan_cluster(mgmtd: MgmtdStub, rpc: RpcClient, progress_out: TextIO) -
     routing = Routing(await mgmtd.status())
     meta = MetaStub(rpc, routing.meta_address(), timeout=CALL_TIMEOUT)
     scan = Scan()
-    # files, then jobs: a file freed between the two is in both lists (a file
-    # created meanwhile has chunks no listed file accounts for: run fsck quiet)
-    after = 0
-    while True:
-        page = await meta.list_files(after, FILES_PAGE)
-        for ino, size, layout in page["files"]:
-            scan.files[ino] = (size, layout)
-        if not page["more"] or not page["files"]:
-            break
-        after = page["files"][-1][0]
-    for kind in ("gc", "truncate"):
+    try:
+        # files, then jobs: a file freed between the two is in both lists (a file
+        # created meanwhile has chunks no listed file accounts for: run fsck quiet)
         after = 0
         while True:
-            jobs = await meta.pending_jobs(kind, after, 1024)
-            for job in jobs:
-                scan.jobs[job["ino"]].append(job)
-            if len(jobs) < 1024:
+            page = await meta.list_files(after, FILES_PAGE)
+            for ino, size, layout in page["files"]:
+                scan.files[ino] = (size, layout)
+            if not page["more"] or not page["files"]:
                 break
-            after = jobs[-1]["ino"]
+            after = page["files"][-1][0]
+        for kind in ("gc", "truncate"):
+            after = 0
+            while True:
+                jobs = await meta.pending_jobs(kind, after, 1024)
+                for job in jobs:
+                    scan.jobs[job["ino"]].append(job)
+                if len(jobs) < 1024:
+                    break
+                after = jobs[-1]["ino"]
+    except FsError as exc:  # one line naming the metadata server, if it is unreachable
+        raise explain_connection_error(
+            exc, "metadata server", meta.address, handshake=False
+        ) from None
     online = {n["id"] for n in routing.nodes.values() if n["state"] == "online"}
     targets = [
         t

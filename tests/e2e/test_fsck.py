@@ -2,7 +2,8 @@
 orphan chunk planted through the storage write RPC, a chunk cut from every
 replica and one cut from a single replica are found, exactly; `--repair`
 removes the orphan and re-copies the under-replicated chunk but cannot make
-the lost one (exit 1); once that file is deleted the cluster is clean."""
+the lost one (exit 1); once that file is deleted the cluster is clean. With
+the metadata server down, fsck fails in one line."""
 
 from __future__ import annotations
 
@@ -108,5 +109,10 @@ def test_fsck_finds_orphans_missing_and_under_replicated_chunks(tmp_path: Path) 
         code, after = fsck(c)
         assert code == 0, after
         assert after["files"] == 3 and after["orphans"] == [] and after["missing"] == []
+        c.kill("meta")  # an unreachable metadata server: one line, no traceback
+        result = shufflefs("fsck", "--config", str(c.config), check=False, timeout=60)
+        print(f"fsck, metadata server down: {result.returncode} {result.stderr!r}")
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and result.stdout == ""
     finally:
         c.down()
