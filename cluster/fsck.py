@@ -293,7 +293,8 @@ async def recopy(scan: Scan, routing: Routing, rpc: RpcClient, repairs: Repairs)
         if head is None or head not in scan.present.get((entry["ino"], entry["index"]), {}):
             repairs.failed.append(f"{what}: the chain's head lacks it, no copy to make from it")
             continue
-        before = (int.from_bytes(cid, "big") - 1).to_bytes(len(cid), "big")
+        n = int.from_bytes(cid, "big")  # the scrub page starts after its predecessor
+        before = (n - 1).to_bytes(len(cid), "big") if n else None
         for target in entry["missing_on"]:
             stub = StorageStub(rpc, routing.target_address(target), timeout=SCRUB_TIMEOUT)
             try:
