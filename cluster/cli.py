@@ -45,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "format": ("shufflefs.cluster.lifecycle", "cli_format"),
     "status": ("shufflefs.cluster.admin", "cli_status"),
     "scrub": ("shufflefs.cluster.scrub", "cli_scrub"),
+    "fsck": ("shufflefs.cluster.fsck", "cli_fsck"),
     "target": ("shufflefs.cluster.targets", "cli_target"),
     "node": ("shufflefs.cluster.nodes", "cli_node"),
     "rebalance": ("shufflefs.cluster.cli_jobs", "cli_rebalance"),
@@ -238,6 +239,18 @@ def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentP
     )
     p.add_argument("--config", help=config_help)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "fsck",
+        help="check the namespace against the chunks on every storage target",
+        description="Report orphan chunks (no file accounts for them), missing and "
+        "under-replicated chunks, and chunks longer than their file; --repair removes "
+        "orphans and re-copies under-replicated chunks from the chain's head. Exit 1 if "
+        "problems remain. Run it while no writes are in flight.",
+    )
+    p.add_argument("--config", help=config_help)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--repair", action="store_true", help="fix what can be fixed, then check again")
 
     p = sub.add_parser("target", help="storage targets (`shufflefs target add`)")
     actions = p.add_subparsers(dest="target_command", metavar="ACTION", required=True)

@@ -9,19 +9,23 @@ once every chain has confirmed.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from typing import TypeVar
 
 from shufflefs.metadata.checks import U64_MAX
-from shufflefs.metadata.protocol import Layout
+from shufflefs.metadata.protocol import FilesPage, Layout
 from shufflefs.metadata.records import (
     C_JOB,
     DB_GC,
+    DB_INODES,
     DB_TRUNCATES,
     GcJob,
     TruncateJob,
     gc_job,
     gc_record,
+    is_reg,
+    layout_of,
     read_u64,
     truncate_job,
     truncate_record,
@@ -29,6 +33,9 @@ from shufflefs.metadata.records import (
     unpack,
 )
 from shufflefs.metadata.txn import Transactions, Tx
+from shufflefs.rpc.errors import FsError
+
+FILES_PAGE_MAX = 4096  # regular files per `files_page`
 
 J = TypeVar("J", GcJob, TruncateJob)
 
@@ -75,6 +82,31 @@ class JobQueue:
     def gc_jobs(self, after: int = 0, limit: int = 256) -> list[GcJob]:
         """Freed files whose chunks are still to be deleted, by inode."""
         return self.txns.read(lambda tx: _page(tx, DB_GC, after, limit, gc_job))
+
+    def files_page(self, after: int = 0, limit: int = 1024) -> FilesPage:
+        """Every regular file's (inode, size, layout) with inode numbers above
+        *after*, named or not (an unlinked file still open keeps its chunks):
+        what `shufflefs fsck` checks the storage targets against. One read
+        transaction per page, never a write."""
+        if limit < 1:
+            raise FsError(errno.EINVAL, f"limit {limit} < 1")
+        limit = min(limit, FILES_PAGE_MAX)
+
+        def body(tx: Tx) -> FilesPage:
+            files: list[tuple[int, int, Layout]] = []
+            first = max(after, 0) + 1
+            if first > U64_MAX:
+                return {"files": files, "more": False}
+            for key, raw in tx.prefix_items(DB_INODES, b"", u64(first)):
+                if len(files) == limit:
+                    return {"files": files, "more": True}
+                rec = unpack(raw)
+                layout = layout_of(rec) if is_reg(rec) else None
+                if layout is not None:
+                    files.append((read_u64(key), int(rec["size"]), layout))
+            return {"files": files, "more": False}
+
+        return self.txns.read(body)
 
     def gc_done(self, ino: int) -> None:
         self.txns.write(lambda tx: tx.delete(DB_GC, u64(ino)))

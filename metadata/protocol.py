@@ -85,6 +85,21 @@ class ReaddirLayoutsPage(TypedDict):
     more: bool
 
 
+class FilesPage(TypedDict):
+    files: list[tuple[int, int, Layout]]  # (inode, size, layout) of regular files, by inode
+    more: bool  # another page follows: call again with after = the last inode
+
+
+class PendingJob(TypedDict):
+    """A GC or truncate job the metadata server still owes storage
+    (metadata/jobs.py): its chunks past *size* on *layout* are about to go
+    (a GC job's size is 0: every chunk)."""
+
+    ino: int
+    size: int
+    layout: Layout
+
+
 class Session(TypedDict):
     session: int
     lease: float  # seconds: renew well before; an expired session's handles are closed
@@ -345,6 +360,21 @@ class MetaStub:
         without opening each (read-only: no write transaction)."""
         result: ReaddirLayoutsPage = await self._call(
             "readdir_layouts", ino=ino, after=after, limit=limit
+        )
+        return result
+
+    async def list_files(self, after: int = 0, limit: int = 1024) -> FilesPage:
+        """Every regular file's (inode, size, layout) by inode after *after*,
+        named or not (read-only: no write transaction; `shufflefs fsck`)."""
+        result: FilesPage = await self._call("list_files", after=after, limit=limit)
+        return result
+
+    async def pending_jobs(
+        self, kind: Literal["gc", "truncate"], after: int = 0, limit: int = 256
+    ) -> list[PendingJob]:
+        """A page of the GC or truncate jobs not yet carried out, by inode."""
+        result: list[PendingJob] = await self._call(
+            "pending_jobs", kind=kind, after=after, limit=limit
         )
         return result
 

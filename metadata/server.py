@@ -27,10 +27,12 @@ from shufflefs.metadata.files import opens_for_writing
 from shufflefs.metadata.gc import SessionReaper, StorageJobs
 from shufflefs.metadata.protocol import (
     Attr,
+    FilesPage,
     FsStats,
     Layout,
     MountInfo,
     OpenResult,
+    PendingJob,
     ReaddirLayoutsPage,
     ReaddirPage,
     Session,
@@ -517,6 +519,27 @@ class MetaService:
         self, ino: int, after: bytes | None = None, limit: int = 256
     ) -> ReaddirLayoutsPage:
         return self.store.readdir_layouts(ino, after, limit)
+
+    @rpc_method(inline=True)
+    async def list_files(self, after: int = 0, limit: int = 1024) -> FilesPage:
+        return self.store.files_page(after, limit)
+
+    @rpc_method(inline=True)
+    async def pending_jobs(self, kind: str, after: int = 0, limit: int = 256) -> list[PendingJob]:
+        """The GC or truncate jobs still owed to storage (`shufflefs fsck`
+        must not call their chunks orphans)."""
+        limit = max(1, min(limit, 4096))
+        if kind == "gc":
+            return [
+                {"ino": j["ino"], "size": 0, "layout": j["layout"]}
+                for j in self.store.gc_jobs(after, limit)
+            ]
+        if kind == "truncate":
+            return [
+                {"ino": j["ino"], "size": j["size"], "layout": j["layout"]}
+                for j in self.store.truncate_jobs(after, limit)
+            ]
+        raise FsError(errno.EINVAL, f"unknown job kind {kind!r} (gc or truncate)")
 
     @rpc_method(inline=True)
     async def statfs(self) -> FsStats:
