@@ -219,7 +219,7 @@ class MetaRole:
             )
             if through > self.txns.position().trimmed_seq:
                 dropped = await trio.to_thread.run_sync(self.txns.trim_log, through)
-                log.debug("log trimmed through %d (%d entries)", through, dropped)
+                log.info("log trimmed through %d (%d entries)", through, dropped)
 
     def epoch_seen_by_follower(self, epoch: int) -> None:
         if self.role == PRIMARY and self.epoch == epoch:

@@ -427,6 +427,18 @@ class ProcessCluster:
         """`shufflefs down`: unmount, stop every service."""
         shufflefs("down", "--data-dir", str(self.data_dir), check=check)
 
+    @contextmanager
+    def running(self, *, serving: bool = True) -> Iterator[ProcessCluster]:
+        """Up (and, unless told, every target serving) for the `with`, then
+        down, also when starting failed halfway."""
+        try:
+            self.up()
+            if serving:
+                self.all_serving()
+            yield self
+        finally:
+            self.down()
+
     # ---- single services ---------------------------------------------------------
 
     def service(self, name: str) -> procs.ServiceProcess:

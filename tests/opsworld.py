@@ -28,12 +28,8 @@ def ops_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessClu
     require_fuse()
     base = tmp_path_factory.mktemp("ops")
     c = ProcessCluster(base / "data", base / "mnt", mgmtd_settings=HEARTBEAT_FAST)
-    c.up()
-    try:
-        c.all_serving()
+    with c.running():
         yield c
-    finally:
-        c.down()
 
 
 def samples(url: str) -> dict[str, list[Any]]:

@@ -8,12 +8,12 @@ import errno
 import itertools
 
 import pytest
+from chain_states import cluster, register
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shufflefs.cluster import drain
 from shufflefs.cluster.placement import pair_counts, plan_chains
-from shufflefs.cluster.protocol import ClusterConfig
 from shufflefs.cluster.state import SERVING, SYNCING, ClusterState
 from shufflefs.rpc.errors import FsError
 
@@ -67,42 +67,6 @@ def test_new_chains_even_out_the_existing_ones() -> None:
 def test_bad_replicas() -> None:
     with pytest.raises(ValueError):
         plan_chains({1: [1]}, 0)
-
-
-def cluster(initial_nodes: int) -> ClusterState:
-    return ClusterState.new(
-        ClusterConfig(
-            chunk_size=1 << 20,
-            stripe=16,
-            replicas=3,
-            min_replicas=2,
-            heartbeat_interval=1.0,
-            heartbeat_timeout=10.0,
-            initial_nodes=initial_nodes,
-        )
-    )
-
-
-def register(state: ClusterState, node: int, targets: int) -> None:
-    state.register(
-        None,
-        "storage",
-        f"127.0.0.1:{9000 + node}",
-        f"host{node}",
-        100 + node,
-        None,
-        [
-            {
-                "target_id": None,
-                "path": f"/d{node}/t{k}",
-                "capacity": 1 << 30,
-                "free": 1 << 30,
-                "device": node,
-            }
-            for k in range(targets)
-        ],
-        0.0,
-    )
 
 
 def test_the_first_table_waits_for_the_initial_nodes() -> None:

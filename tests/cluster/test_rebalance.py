@@ -10,36 +10,12 @@ import io
 from collections import Counter
 
 import pytest
+from chain_states import cluster, register
 
 from shufflefs.cluster import drain, jobs, rebalance
 from shufflefs.cluster.progress import Progress
-from shufflefs.cluster.protocol import ClusterConfig
 from shufflefs.cluster.state import SERVING, SYNCING, ClusterState
 from shufflefs.rpc.errors import FsError
-
-
-def cluster(initial_nodes: int) -> ClusterState:
-    return ClusterState.new(
-        ClusterConfig(
-            chunk_size=1 << 20,
-            stripe=16,
-            replicas=3,
-            min_replicas=2,
-            heartbeat_interval=1.0,
-            heartbeat_timeout=10.0,
-            initial_nodes=initial_nodes,
-        )
-    )
-
-
-def register(state: ClusterState, node: int, targets: int) -> None:
-    reg = [
-        {"target_id": None, "path": f"/d{node}/t{k}", "capacity": 1 << 30, "free": 1 << 30}
-        for k in range(targets)
-    ]
-    for r in reg:
-        r["device"] = node
-    state.register(None, "storage", f"127.0.0.1:{9000 + node}", f"h{node}", node, None, reg, 0.0)  # type: ignore[arg-type]
 
 
 def four_by_three_plus_one() -> ClusterState:

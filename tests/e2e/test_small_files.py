@@ -30,11 +30,8 @@ SIZE = 110 << 10
 def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessCluster]:
     base = tmp_path_factory.mktemp("small-files")
     c = ProcessCluster(base / "data", base / "mnt", storage_nodes=1, replicas=1)
-    c.up()
-    try:
+    with c.running(serving=False):
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture(scope="module")

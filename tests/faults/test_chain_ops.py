@@ -10,7 +10,6 @@ zero wrong bytes, and afterwards every replica of every chunk is identical.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import exerciser
@@ -18,6 +17,7 @@ from clusters import ProcessCluster, assert_replicas_identical, wait_until
 
 SECONDS = 30.0  # each exerciser's run; the kill lands in its first third
 MAX_OPS = 50_000  # bounded in count too
+DEGRADED_OPS = 100  # each exerciser runs this many ops with a replica down
 
 
 def test_kill9_storage_under_two_exercisers(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
@@ -40,7 +40,14 @@ def test_kill9_storage_under_two_exercisers(fault_cluster: ProcessCluster, tmp_p
             lambda s: any(t["state"] == "offline" for t in s["targets"]),
         )
         # the exercisers go on through the degraded chains for a while...
-        time.sleep(4.0)
+        degraded = [exerciser.ops_so_far(r) for r in reports]
+        wait_until(
+            "both exercisers working on degraded chains",
+            lambda: all(
+                exerciser.ops_so_far(r) >= n + DEGRADED_OPS
+                for r, n in zip(reports, degraded, strict=True)
+            ),
+        )
         # ...and through the resync of the returning replica
         c.restart_missing()
         codes = [p.wait(SECONDS + 120) for p in procs]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from clusters import HEARTBEAT_FAST, ProcessCluster
+from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
 from harness import shufflefs
 from loadgen import content
 
@@ -41,12 +41,8 @@ def four_by_three(tmp_path: Path) -> Iterator[ProcessCluster]:
         targets_per_node=3,
         mgmtd_settings=HEARTBEAT_FAST,
     )
-    try:
-        c.up()
-        c.all_serving()
+    with c.running():
         yield c
-    finally:
-        c.down()
 
 
 def test_a_returning_node_is_resynced_from_several_nodes(four_by_three: ProcessCluster) -> None:
@@ -99,12 +95,8 @@ def four_nodes(tmp_path: Path) -> Iterator[ProcessCluster]:
         replicas=3,
         mgmtd_settings=HEARTBEAT_FAST,
     )
-    try:
-        c.up()
-        c.all_serving()
+    with c.running():
         yield c
-    finally:
-        c.down()
 
 
 def read_loop(path: Path, expected: bytes, stop: threading.Event, report: dict[str, int]) -> None:
@@ -166,8 +158,11 @@ def test_drain_under_reads_then_remove(four_nodes: ProcessCluster, tmp_path: Pat
     refused = shufflefs("node", "drain", str(other), *config, check=False)
     assert refused.returncode != 0 and "no spare target" in refused.stderr
     assert c.status()["chains"] == after["chains"]
+    daemon = next(f"storage{i}" for i in range(1, 5) if c.storage_node_of(f"storage{i}") == victim)
     shufflefs("node", "remove", str(victim), *config)
-    time.sleep(2)  # its daemon, still running, tries to register again: refused
+    # its daemon, still running, tries to register again: refused, it stops
+    wait_until("the removed node's daemon to stop", lambda: c.pid(daemon) is None, timeout=30)
+    assert "was removed from this cluster" in c.log(daemon)
     assert victim not in {n["id"] for n in c.status()["nodes"]}
     assert data.read_bytes() == expected
     print(f"DRAIN: node {victim} drained under {report['reads']} reads, none failed")
