@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -67,6 +68,16 @@ class Routing:
             for t in self.chain(chain_id)["targets"]
             if t in self.targets and self.targets[t]["state"] == "serving"
         ]
+
+    @functools.cached_property
+    def serving_ids(self) -> frozenset[int]:
+        """Every target that serves reads: serving, in a chain."""
+        return frozenset(
+            t
+            for c in self.chains.values()
+            for t in c["targets"]
+            if t in self.targets and self.targets[t]["state"] == "serving"
+        )
 
     def all_chain_targets(self, chain_id: int) -> list[TargetInfo]:
         return [self.targets[t] for t in self.chain(chain_id)["targets"] if t in self.targets]

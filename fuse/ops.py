@@ -154,7 +154,10 @@ class ShuffleOps(pyfuse3.Operations):
         self.dirs: dict[int, DirHandle] = {}
         self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
         self._next_dir = 1
-        self.prefetch = Prefetcher(fs, self.options.prefetch_memory)
+        # inode -> bytes from offset 0 handed to the kernel without a gap, for
+        # the version in `cached`: what its page cache holds unless it evicted
+        self.read_through: dict[int, int] = {}
+        self.prefetch = Prefetcher(fs, self.options.prefetch_memory, self.kernel_holds)
 
     # ---- conversions ----------------------------------------------------------
 
@@ -213,6 +216,7 @@ class ShuffleOps(pyfuse3.Operations):
             else:
                 self.lookups.pop(ino, None)
                 self.cached.pop(ino, None)
+                self.read_through.pop(ino, None)
                 self.reported.pop(ino, None)
                 self.kernel_size.pop(ino, None)
                 self.no_caps.pop(ino, None)
@@ -245,6 +249,7 @@ class ShuffleOps(pyfuse3.Operations):
         )
         if fields.update_size:
             self.cached.pop(inode, None)
+            self.read_through.pop(inode, None)
             self.prefetch.changed(inode)
         return self.entry(new)
 
@@ -345,6 +350,8 @@ class ShuffleOps(pyfuse3.Operations):
             except OSError as exc:
                 log.debug("invalidate_inode(%d): %s", ino, exc)
         self.cached[ino] = version
+        if not keep:
+            self.read_through.pop(ino, None)
         # An O_APPEND write goes to the kernel's cached i_size, which it does
         # not refresh first (only with the writeback cache): if that size is
         # not the real one, `write` puts such a handle's writes at the real
@@ -388,10 +395,19 @@ class ShuffleOps(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytearray | memoryview:  # type: ignore[override]
         # pyfuse3 replies from any contiguous buffer (its stub says bytes):
         # the bytes go to the kernel without a copy into a bytes object
-        ahead = self.prefetch.read(self.fs.file(fh).ino, off, size)
-        if ahead is not None:
-            return ahead
-        return await self.fs.read(fh, off, size)
+        ino = self.fs.file(fh).ino
+        ahead = self.prefetch.read(ino, off, size)
+        got = ahead if ahead is not None else await self.fs.read(fh, off, size)
+        through = self.read_through.get(ino, 0)
+        if off <= through < off + len(got):
+            self.read_through[ino] = off + len(got)
+        return got
+
+    def kernel_holds(self, ino: int, version: tuple[int, int, int], end: int) -> bool:
+        """Does the kernel's page cache hold *ino*'s bytes up to *end* at
+        *version*? (As far as this mount can know: the kernel may have
+        evicted pages since; then a read is just not prefetched.)"""
+        return self.cached.get(ino) == version and self.read_through.get(ino, 0) >= end
 
     @fuse_errors
     @mutation
@@ -431,6 +447,7 @@ class ShuffleOps(pyfuse3.Operations):
         f = self.fs.files.get(fh)
         if f is not None and f.writable:
             self.cached.pop(f.ino, None)
+            self.read_through.pop(f.ino, None)
         if f is not None:
             self.prefetch.released(f.ino)
         await self.fs.release(fh)

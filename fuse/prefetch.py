@@ -50,6 +50,7 @@ import os
 import posixpath
 import stat
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -94,7 +95,7 @@ class Hint:
     name: tuple[int, bytes] | None = None  # (parent inode, name) when hinted by path
     # from a directory listing: read without an open (else opened for them)
     layout: Layout | None = None
-    version: Version | None = None
+    version: Version | None = None  # as listed or looked up (the layout's, if listed)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Counters:
     invalidated: int = 0  # entries dropped because their file changed
     expired: int = 0  # entries dropped unread after ENTRY_TTL
     failed: int = 0  # ranges whose read failed (the reader will read them itself)
+    resident: int = 0  # hints skipped: the kernel's page cache holds those bytes
     fetched_bytes: int = 0
     served_bytes: int = 0
 
@@ -171,10 +173,18 @@ def parse_hint(value: bytes) -> list[tuple[bytes, int, int | None]]:
     return items
 
 
+def nothing_held(ino: int, version: Version, end: int) -> bool:
+    return False
+
+
 @dataclass
 class Prefetcher:
     fs: FileSystem
     budget: int = DEFAULT_MEMORY
+    # does the kernel's page cache already hold (ino, version) up to a byte
+    # offset? Such hints are skipped: a warm epoch would otherwise fetch every
+    # sample again into a cache no read consults (the kernel answers them)
+    kernel_holds: Callable[[int, Version, int], bool] = nothing_held
     # ino -> the byte ranges held of it (all of one version)
     entries: OrderedDict[int, list[Entry]] = field(default_factory=OrderedDict)
     names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
@@ -228,7 +238,7 @@ class Prefetcher:
         self._check_enabled()
         if not stat.S_ISREG(attr["mode"]):
             raise FsError(errno.EINVAL, "prefetch: not a regular file")
-        self._queue(Hint(attr["ino"], 0, None))
+        self._queue(Hint(attr["ino"], 0, None, version=version_of(attr)))
         return b"queued"
 
     def status(self) -> bytes:
@@ -288,7 +298,7 @@ class Prefetcher:
                 if not stat.S_ISREG(attr["mode"]):
                     shown = os.fsdecode(posixpath.join(head, name))
                     raise FsError(errno.EISDIR, f"prefetch hint: {shown} is not a regular file")
-                hints.append(Hint(attr["ino"], off, length, key))
+                hints.append(Hint(attr["ino"], off, length, key, version=version_of(attr)))
             else:
                 ino, version, layout = listing.files[name]
                 hints.append(Hint(ino, off, length, key, layout, version))
@@ -381,11 +391,20 @@ class Prefetcher:
             if len(groups.get(hint.ino, ())) >= MAX_RANGES_PER_READ:
                 break
             self.pending.popleft()
-            if not self._covered(hint.ino, hint.offset, hint.length):
+            if self._in_kernel(hint):
+                self.counters.resident += 1
+            elif not self._covered(hint.ino, hint.offset, hint.length):
                 groups.setdefault(hint.ino, []).append(hint)
                 if hint.version is not None:
                     size += hint.version[0] if hint.length is None else hint.length
         return list(groups.items())
+
+    def _in_kernel(self, hint: Hint) -> bool:
+        if hint.version is None:
+            return False
+        size = hint.version[0]
+        end = size if hint.length is None else min(size, hint.offset + hint.length)
+        return self.kernel_holds(hint.ino, hint.version, end)
 
     def _covered(self, ino: int, offset: int, length: int | None) -> bool:
         for e in self.entries.get(ino, ()):

@@ -100,6 +100,18 @@ class NodeContext:
         except FsError:
             return None
 
+    def readable(self, target: int) -> bool:
+        """May *target* answer a read? Only while our routing map shows it
+        serving. A syncing target (back from the dead, still catching up),
+        one mgmtd took offline or out of its chain may hold stale bytes, and
+        a client whose map is older than ours would read them: it is sent
+        elsewhere (ESTALE) and refreshes its map. A lone target (no mgmtd)
+        is its own authority."""
+        if self.routing is None:
+            return True
+        routing = self.routing_now()
+        return routing is not None and target in routing.serving_ids
+
     def other_serving(self, target: int) -> list[TargetInfo]:
         """The serving replicas of *target*'s chain other than it, head first."""
         routing = self.routing_now()

@@ -110,9 +110,10 @@ class StorageService:
         by_id = self.node.by_id
         data: list[memoryview] = []
         lengths: list[int] = []
+        readable = self.node.readable
         for target, chunk, offset, length in items:
             store = by_id.get(target)
-            if store is None:
+            if store is None or not readable(target):
                 return None
             try:
                 got = store.read_nowait(chunk, offset, length)
@@ -129,17 +130,23 @@ class StorageService:
     async def read(self, items: list[ReadItem]) -> Reply:
         """Many ranges, possibly on several targets, in one request. Per item
         the delivered length or a negative errno; one payload of all bytes.
-        Only committed data is ever returned. A damaged chunk fails its item
-        with EIO (the client reads another replica) and is queued for repair.
+        Only committed data is ever returned, and only by a target that serves
+        (`NodeContext.readable`; else the item fails with ESTALE). A damaged
+        chunk fails its item with EIO (the client reads another replica) and
+        is queued for repair.
         Page-cache hits are read here; the rest in worker threads."""
         self._check_read_size(items)
         by_id = self.node.by_id
         results: list[memoryview | int] = [0] * len(items)
         slow: list[int] = []
+        readable = self.node.readable
         for i, (target, chunk, offset, length) in enumerate(items):
             store = by_id.get(target)
             if store is None:
                 results[i] = -errno.ENOENT
+                continue
+            if not readable(target):
+                results[i] = -errno.ESTALE  # not serving (in our map): try another replica
                 continue
             try:
                 data = store.read_nowait(chunk, offset, length)
@@ -195,6 +202,8 @@ class StorageService:
         includes every update that reached the replicas after this one."""
         store = self.node.store(target)
         check_chunk_id(chunk)
+        if not self.node.readable(target):
+            raise FsError(errno.ESTALE, f"target {target} is not serving: copy another replica")
         async with self.node.locks.update(target, chunk):
             try:
                 rec, data = await self.node.io(store.read_full, chunk)

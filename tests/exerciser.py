@@ -37,11 +37,17 @@ KINDS = (
     ("reopen", 8),
     ("otrunc", 2),
 )
-HISTORY = 12  # operations kept to explain a failure
+HISTORY = 12  # operations (and states of the model) kept to explain a failure
+MUTATIONS = {"write", "truncate", "otrunc"}
 
 
 class Mismatch(Exception):
     """The file disagrees with the model."""
+
+    def __init__(self, text: str, offset: int = 0, got: bytes = b"") -> None:
+        super().__init__(text)
+        self.offset = offset
+        self.got = got
 
 
 class Exerciser:
@@ -52,6 +58,9 @@ class Exerciser:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.counts = {kind: 0 for kind, _ in KINDS}
         self.history: list[str] = []
+        # the model before each of the last mutations, newest last: what a
+        # wrong read returned, if it is an older state of the file
+        self.past: list[bytes] = []
         self._kinds = [k for k, _ in KINDS]
         self._weights = [w for _, w in KINDS]
 
@@ -60,6 +69,9 @@ class Exerciser:
 
     def step(self) -> None:
         kind = self.rng.choices(self._kinds, self._weights)[0]
+        if kind in MUTATIONS:
+            self.past.append(bytes(self.model))
+            del self.past[:-HISTORY]
         getattr(self, f"do_{kind}")()
         self.counts[kind] += 1
 
@@ -81,7 +93,9 @@ class Exerciser:
             )
             raise Mismatch(
                 f"{what}: {len(got)} bytes at {offset} differ from the model "
-                f"(model size {len(self.model)}, first bad byte at {first})"
+                f"(model size {len(self.model)}, first bad byte at {first})",
+                offset,
+                got,
             )
 
     def do_write(self) -> None:
@@ -101,7 +115,9 @@ class Exerciser:
         got = os.pread(self.fd, length, offset)
         if len(got) != max(0, min(length, len(self.model) - offset)):
             raise Mismatch(
-                f"read {offset}+{length}: got {len(got)} bytes, model size {len(self.model)}"
+                f"read {offset}+{length}: got {len(got)} bytes, model size {len(self.model)}",
+                offset,
+                got,
             )
         self._check("read", offset, got)
 
@@ -143,6 +159,46 @@ class Exerciser:
         self.fd = os.open(self.path, os.O_RDWR | os.O_TRUNC)
         del self.model[:]
 
+    def diagnose(self, exc: Mismatch) -> dict[str, Any]:
+        """What kind of wrong a mismatch is: which bytes, whether they are
+        zeros or an older state of the file, and whether reading again (the
+        same descriptor, a new one, O_DIRECT past every cache) still sees them."""
+        offset, got = exc.offset, exc.got
+        want = bytes(self.model[offset : offset + len(got)])
+        bad = [i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b]
+        out: dict[str, Any] = {"offset": offset, "length": len(got), "model_size": len(self.model)}
+        if bad:
+            out.update(
+                first_bad=offset + bad[0],
+                last_bad=offset + bad[-1],
+                bad_bytes=len(bad),
+                bad_are_zero=all(got[i] == 0 for i in bad),
+            )
+        for back, old in enumerate(reversed(self.past), start=1):
+            if old[offset : offset + len(got)] == got:
+                out["equals_model_ops_ago"] = back  # mutations ago
+                break
+        try:
+            out["reread_same_fd_ok"] = os.pread(self.fd, len(got), offset) == want
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                out["reread_new_fd_ok"] = os.pread(fd, len(got), offset) == want
+            finally:
+                os.close(fd)
+            start = offset & ~4095
+            end = (offset + len(got) + 4095) & ~4095
+            buf = mmap.mmap(-1, end - start)
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                n = os.preadv(fd, [buf], start)
+            finally:
+                os.close(fd)
+            direct = bytes(buf[offset - start : min(n, offset - start + len(got))])
+            out["reread_direct_ok"] = direct == want
+        except OSError as read_exc:
+            out["reread_error"] = str(read_exc)
+        return out
+
     def verify_all(self) -> None:
         """The whole file, once at the end."""
         self._note("final read of the whole file")
@@ -163,6 +219,7 @@ def run(path: str, seed: int, max_ops: int, seconds: float, report: str) -> dict
     ops = wrong = 0
     longest = 0.0
     errors: list[str] = []
+    diagnosis: dict[str, Any] = {}
     deadline = time.monotonic() + seconds
     next_progress = 0.0
     try:
@@ -176,6 +233,7 @@ def run(path: str, seed: int, max_ops: int, seconds: float, report: str) -> dict
             except Mismatch as exc:
                 wrong += 1
                 errors.append(f"op {ops}: {exc}")
+                diagnosis = ex.diagnose(exc)
                 break
             except OSError as exc:
                 errors.append(f"op {ops}: {ex.history[-1]}: {exc}")
@@ -188,6 +246,7 @@ def run(path: str, seed: int, max_ops: int, seconds: float, report: str) -> dict
             except Mismatch as exc:
                 wrong += 1
                 errors.append(str(exc))
+                diagnosis = ex.diagnose(exc)
             except OSError as exc:
                 errors.append(f"final read: {exc}")
     finally:
@@ -201,6 +260,7 @@ def run(path: str, seed: int, max_ops: int, seconds: float, report: str) -> dict
         "counts": ex.counts,
         "size": len(ex.model),
         "history": ex.history if errors else [],
+        "diagnosis": diagnosis,
     }
     Path(report).write_text(json.dumps(result))
     return result

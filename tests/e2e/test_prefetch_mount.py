@@ -3,7 +3,8 @@
 A second mount of the shared cluster with reads through the storage daemons
 only (``no_local_reads``) and a small budget takes hints by xattr. Hinted
 files are then read with every storage daemon stopped (SIGSTOP): nothing
-reaches storage. A huge hint stream keeps the cache under its budget;
+reaches storage; hinted again, once the kernel holds them, they are not
+fetched at all. A huge hint stream keeps the cache under its budget;
 a change on the other mount, or a write, truncate or unlink through this
 one, drops the cached bytes; bad hints get their errno and change nothing.
 """
@@ -127,6 +128,12 @@ def test_hinted_files_are_read_without_reaching_storage(
     assert after["hits"] >= before["hits"] + 10
     assert after["served_bytes"] - before["served_bytes"] == 10 * SIZE
     assert (here / "f11").read_bytes() == data[11]
+    # read through this mount, the files are in the kernel's page cache: hints
+    # for them again (a warm epoch) fetch nothing
+    hint(pmnt, [f"{mnt.name}/f{i}" for i in (*range(10), 11)])
+    again = wait_fetched(pmnt, after["fetched"])
+    assert again["resident"] == after["resident"] + 11, again
+    assert again["fetched"] == after["fetched"]
 
 
 def test_memory_stays_under_the_budget_with_a_huge_hint_stream(mnt: Path, pmnt: Path) -> None:

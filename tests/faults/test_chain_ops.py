@@ -59,6 +59,12 @@ def test_kill9_storage_under_two_exercisers(fault_cluster: ProcessCluster, tmp_p
     results = [exerciser.result(r) for r in reports]
     for r in results:
         print(f"exerciser: {r}")
+    c.all_serving()
+    if any(r["errors"] for r in results):  # were the replicas apart, or the reader wrong?
+        try:
+            print(f"after the failure: {assert_replicas_identical(c)} chunks identical")
+        except AssertionError as exc:
+            print(f"after the failure the replicas differ: {exc}")
     for r, before in zip(results, at_kill, strict=True):
         assert r["errors"] == [] and r["wrong"] == 0, r
         assert r["ops"] > before + 50, "the exerciser did not run on after the kill"
@@ -66,5 +72,4 @@ def test_kill9_storage_under_two_exercisers(fault_cluster: ProcessCluster, tmp_p
     assert codes == [0, 0]
     longest = max(r["longest_s"] for r in results)
     print(f"STALL under kill -9 of a storage daemon: longest op {longest:.2f}s")
-    c.all_serving()
     assert assert_replicas_identical(c) > 0

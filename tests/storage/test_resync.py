@@ -80,6 +80,15 @@ async def test_resync_after_missed_updates_with_writes_going_on(
             await cluster.sync_maps()
             assert cluster.routing.current.targets[tail]["state"] == "syncing"
             tail_service = tail_node.service
+            # a client whose map still shows the tail serving is sent elsewhere:
+            # until the resync is done it holds stale bytes (and no copy is
+            # made from it either)
+            missed = chunk_id(20, 0)
+            lengths, _ = await cluster.stub_for(tail).read([(tail, missed, 0, CS)])
+            assert lengths == [-errno.ESTALE]
+            with pytest.raises(FsError) as refused:
+                await cluster.stub_for(tail).read_chunk(tail, missed)
+            assert refused.value.errno == errno.ESTALE
 
             def forwarded() -> int:
                 sync = tail_service.resyncer.states.get(tail)
