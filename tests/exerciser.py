@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +62,9 @@ class Exerciser:
         # the model before each of the last mutations, newest last: what a
         # wrong read returned, if it is an older state of the file
         self.past: list[bytes] = []
+        # the model when a SIGUSR1 came (a test sends one when it kills a server)
+        self.marked: bytes | None = None
+        self.mark_wanted = False
         self._kinds = [k for k, _ in KINDS]
         self._weights = [w for _, w in KINDS]
 
@@ -69,6 +73,8 @@ class Exerciser:
 
     def step(self) -> None:
         kind = self.rng.choices(self._kinds, self._weights)[0]
+        if self.mark_wanted:
+            self.marked, self.mark_wanted = bytes(self.model), False
         if kind in MUTATIONS:
             self.past.append(bytes(self.model))
             del self.past[:-HISTORY]
@@ -178,6 +184,8 @@ class Exerciser:
             if old[offset : offset + len(got)] == got:
                 out["equals_model_ops_ago"] = back  # mutations ago
                 break
+        if self.marked is not None:
+            out["equals_model_at_signal"] = self.marked[offset : offset + len(got)] == got
         try:
             out["reread_same_fd_ok"] = os.pread(self.fd, len(got), offset) == want
             fd = os.open(self.path, os.O_RDONLY)
@@ -216,6 +224,11 @@ def _progress(report: str, ops: int) -> None:
 
 def run(path: str, seed: int, max_ops: int, seconds: float, report: str) -> dict[str, Any]:
     ex = Exerciser(path, seed)
+
+    def mark(signum: int, frame: object) -> None:
+        ex.mark_wanted = True
+
+    signal.signal(signal.SIGUSR1, mark)
     ops = wrong = 0
     longest = 0.0
     errors: list[str] = []

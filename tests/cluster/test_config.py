@@ -1,5 +1,5 @@
 """mgmtd's config is checked when it loads; every command finds the client
-config the same way."""
+config the same way; the three-host example configs of the docs load."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import pytest
 from shufflefs.cluster.config import (
     CONFIG_ENV,
     DEFAULT_CLIENT_CONFIG,
+    ClientConfig,
     MgmtdConfig,
     find_client_config,
 )
+from shufflefs.metadata.config import MetaConfig
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
+from shufflefs.storage.config import StorageConfig
 
 GOOD = 'listen = "127.0.0.1:0"\ndata_dir = "d"\nsecret_file = "s"\n'
 
@@ -51,3 +54,21 @@ def test_client_config_lookup_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CONFIG_ENV, "/env/client.toml")
     assert find_client_config(None) == Path("/env/client.toml")
     assert find_client_config("/flag/client.toml") == Path("/flag/client.toml")
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples" / "three-hosts"
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("mgmtd.toml", MgmtdConfig),
+        ("meta.toml", MetaConfig),
+        ("storage-1.toml", StorageConfig),
+        ("client.toml", ClientConfig),
+    ],
+)
+def test_the_three_host_examples_load(name: str, cls: type) -> None:
+    """The configs docs/operations.md deploys are ones the services accept."""
+    config = load_config(EXAMPLES / name, cls)
+    assert "10.0.0." in str(vars(config))

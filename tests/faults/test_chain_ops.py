@@ -10,6 +10,7 @@ zero wrong bytes, and afterwards every replica of every chunk is identical.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import exerciser
@@ -35,6 +36,8 @@ def test_kill9_storage_under_two_exercisers(fault_cluster: ProcessCluster, tmp_p
         )
         at_kill = [exerciser.ops_so_far(r) for r in reports]
         c.kill("storage2")
+        for p in procs:  # the model at the kill, to tell stale bytes in a failure
+            p.send_signal(signal.SIGUSR1)
         c.wait_for(
             "storage2's target offline",
             lambda s: any(t["state"] == "offline" for t in s["targets"]),
