@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """A metadata group of N servers (`shufflefs up --meta-servers N`, real
-processes, durable commits): create latency at C concurrent clients, then
-the failover stall: kill -9 of the primary until a create (retried through
-`MetaClient`, as the mount does) succeeds again.
+processes, durable commits): create latency at C concurrent clients;
+read-only operations per second (lookup + getattr through `MetaClient`,
+spread over every server of the group as the mount spreads them) from
+--read-procs client processes; then the failover stall: kill -9 of the
+primary until a create (retried through `MetaClient`, as the mount does)
+succeeds again.
 
     .venv/bin/python bench/meta_group.py --meta-servers 1 3 --clients 1 8 --seconds 3
 
@@ -14,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +37,7 @@ from shufflefs.cluster import lifecycle
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.metadata.protocol import ROOT_INODE, Attr, MetaStub
 from shufflefs.rpc import open_rpc_client
 from shufflefs.rpc.retry import retrying
 
@@ -91,11 +97,90 @@ async def measure(data_dir: Path, clients: int, seconds: float, kill: bool) -> d
     return row
 
 
+async def lookup(parent: int, name: bytes, m: MetaStub) -> Attr:
+    return await m.lookup(parent, name)
+
+
+async def getattr_(ino: int, m: MetaStub) -> Attr:
+    return await m.getattr(ino)
+
+
+async def create(parent: int, name: bytes, session: int, m: MetaStub) -> Any:
+    return await m.create(parent, name, 0o644, FLAGS, 0, 0, session)
+
+
+READ_FILES = 200
+READ_TASKS = 16  # concurrent reads per reader process
+
+
+async def reader(data_dir: Path, seconds: float, files: int) -> int:
+    """One reader process: lookups and getattrs for *seconds*; how many."""
+    config, secret = load_client_config(data_dir / "client.toml")
+    async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
+        cache = RoutingCache(rpc, config.mgmtd, poll_interval=1.0)
+        await cache.start(nursery)
+        meta = MetaClient(rpc, cache)
+        d = await meta.call_read("lookup", lambda m: m.lookup(ROOT_INODE, b"reads"))
+        done = 0
+        deadline = trio.current_time() + seconds
+
+        async def task(k: int) -> None:
+            nonlocal done
+            i = k
+            while trio.current_time() < deadline:
+                name = b"r%05d" % (i % files)
+                attr = await meta.call_read("lookup", functools.partial(lookup, d["ino"], name))
+                await meta.call_read("getattr", functools.partial(getattr_, attr["ino"]))
+                done += 2
+                i += READ_TASKS
+
+        async with trio.open_nursery() as inner:
+            for k in range(READ_TASKS):
+                inner.start_soon(task, k)
+        nursery.cancel_scope.cancel()
+    return done
+
+
+async def make_read_files(data_dir: Path, files: int) -> None:
+    config, secret = load_client_config(data_dir / "client.toml")
+    async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
+        cache = RoutingCache(rpc, config.mgmtd)
+        await cache.start(nursery)
+        meta = MetaClient(rpc, cache)
+        session = await meta.call_at_most_once("s", lambda m: m.session_open("r", "h", 1))
+        d = await meta.call_at_most_once(
+            "mkdir", lambda m: m.mkdir(ROOT_INODE, b"reads", 0o755, 0, 0)
+        )
+        for i in range(files):
+            await meta.call_at_most_once(
+                "create", functools.partial(create, d["ino"], b"r%05d" % i, session["session"])
+            )
+        nursery.cancel_scope.cancel()
+
+
+def measure_reads(data_dir: Path, procs: int, seconds: float) -> dict[str, Any]:
+    trio.run(make_read_files, data_dir, READ_FILES)
+    readers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--reader", str(data_dir), str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(procs)
+    ]
+    total = sum(int(r.communicate(timeout=seconds + 60)[0]) for r in readers)
+    return {"read_procs": procs, "reads_per_s": round(total / seconds)}
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--reader":
+        print(trio.run(reader, Path(sys.argv[2]), float(sys.argv[3]), READ_FILES))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--meta-servers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--read-procs", type=int, default=4, help="0: no read phase")
     parser.add_argument("--dir", type=Path, default=None)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="meta-group-", dir=args.dir or "/var/tmp"))
@@ -105,6 +190,9 @@ def main() -> None:
             with open(os.devnull, "w") as quiet:
                 lifecycle.up(data_dir, None, storage_nodes=1, meta_servers=n, out=quiet)
             try:
+                if args.read_procs:
+                    row = measure_reads(data_dir, args.read_procs, args.seconds)
+                    print(json.dumps({"meta_servers": n, **row}))
                 for i, c in enumerate(args.clients):
                     last = i == len(args.clients) - 1 and n > 1
                     row = trio.run(measure, data_dir, c, args.seconds, last)

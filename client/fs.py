@@ -130,7 +130,7 @@ class FileSystem:
             mount=self.options.mount,
         )
         self.open_cache = OpenCache(
-            self._server_getattr,
+            self.fresh_attr,
             lambda ino, flags: self.session.call("open", lambda m, s: m.open(ino, flags, s)),
             self._release_handle,
             trust=self.options.trust_open_cache,
@@ -199,14 +199,18 @@ class FileSystem:
         return attr
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
-        return self.overlay(
-            await self.meta.call_idempotent("lookup", lambda m: m.lookup(parent, name))
-        )
+        return self.overlay(await self.meta.call_read("lookup", lambda m: m.lookup(parent, name)))
 
     async def getattr(self, ino: int) -> Attr:
         return self.overlay(await self._server_getattr(ino))
 
     async def _server_getattr(self, ino: int) -> Attr:
+        return await self.meta.call_read("getattr", lambda m: m.getattr(ino))
+
+    async def fresh_attr(self, ino: int) -> Attr:
+        """Attributes from the primary (a follower may not have applied
+        another client's change yet): what an open revalidates a cached file
+        with (close-to-open)."""
         return await self.meta.call_idempotent("getattr", lambda m: m.getattr(ino))
 
     async def setattr(
@@ -243,7 +247,7 @@ class FileSystem:
 
     async def statfs(self) -> tuple[Capacity, FsStats]:
         capacity = await self.routing.mgmtd.capacity()
-        stats = await self.meta.call_idempotent("statfs", lambda m: m.statfs())
+        stats = await self.meta.call_read("statfs", lambda m: m.statfs())
         return capacity, stats
 
     # ---- namespace ------------------------------------------------------------
@@ -272,7 +276,7 @@ class FileSystem:
         return self.overlay(attr)
 
     async def readlink(self, ino: int) -> bytes:
-        return await self.meta.call_idempotent("readlink", lambda m: m.readlink(ino))
+        return await self.meta.call_read("readlink", lambda m: m.readlink(ino))
 
     async def unlink(self, parent: int, name: bytes) -> None:
         await self.meta.call_at_most_once("unlink", lambda m: m.unlink(parent, name))
@@ -290,27 +294,27 @@ class FileSystem:
     async def readdir_layouts(
         self, ino: int, after: bytes | None, limit: int
     ) -> ReaddirLayoutsPage:
-        page = await self.meta.call_idempotent(
+        page = await self.meta.call_read(
             "readdir_layouts", lambda m: m.readdir_layouts(ino, after, limit)
         )
         page["entries"] = [(n, self.overlay(a), lay) for n, a, lay in page["entries"]]
         return page
 
     async def readdir(self, ino: int, after: bytes | None, limit: int) -> ReaddirPage:
-        page = await self.meta.call_idempotent("readdir", lambda m: m.readdir(ino, after, limit))
+        page = await self.meta.call_read("readdir", lambda m: m.readdir(ino, after, limit))
         return {
             "entries": [(name, self.overlay(attr)) for name, attr in page["entries"]],
             "more": page["more"],
         }
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
-        return await self.meta.call_idempotent("getxattr", lambda m: m.getxattr(ino, name))
+        return await self.meta.call_read("getxattr", lambda m: m.getxattr(ino, name))
 
     async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         await self.meta.call_at_most_once("setxattr", lambda m: m.setxattr(ino, name, value, flags))
 
     async def listxattr(self, ino: int) -> list[bytes]:
-        return await self.meta.call_idempotent("listxattr", lambda m: m.listxattr(ino))
+        return await self.meta.call_read("listxattr", lambda m: m.listxattr(ino))
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         await self.meta.call_at_most_once("removexattr", lambda m: m.removexattr(ino, name))
@@ -488,9 +492,7 @@ class FileSystem:
         p = normalize(path)
         if p == b"/":
             return await self.getattr(ROOT_INODE)
-        return self.overlay(
-            await self.meta.call_idempotent("resolve", lambda m: m.resolve(p, follow))
-        )
+        return self.overlay(await self.meta.call_read("resolve", lambda m: m.resolve(p, follow)))
 
     async def parent_of(self, path: str | bytes) -> tuple[int, bytes]:
         """(parent inode, name) of a path that need not exist."""

@@ -238,6 +238,13 @@ class ShuffleOps(pyfuse3.Operations):
         fh: int | None,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
+        # truncate(path) through a name the kernel still caches, of a file
+        # another client removed (kept alive by a handle this mount caches):
+        # ESTALE makes the kernel look the name up again and truncate what it
+        # names now, not the removed file (ftruncate of an open file comes
+        # with its fh and is not asked)
+        if fields.update_size and fh is None and (await self.fs.fresh_attr(inode))["nlink"] == 0:
+            raise FsError(errno.ESTALE, f"inode {inode} was removed")
         new = await self.fs.setattr(
             inode,
             mode=stat.S_IMODE(attr.st_mode) if fields.update_mode else None,

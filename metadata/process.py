@@ -19,6 +19,7 @@ from shufflefs.cluster.node import NodeState, advertised_address, listen_address
 from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.config import MetaConfig
+from shufflefs.metadata.follower_reads import ReadPosition
 from shufflefs.metadata.replication import ReplicationService
 from shufflefs.metadata.replication_role import MetaRole
 from shufflefs.metadata.replication_snapshot import SnapshotReceiver, send_snapshot
@@ -94,7 +95,12 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
                 may_follow=role.may_follow,
                 snapshots=SnapshotReceiver(store),
             )
-            server = RpcServer(secret, [service, replication], name="meta")
+            server = RpcServer(
+                secret,
+                [service, replication],
+                name="meta",
+                position=ReadPosition(store.txns, role, replication),
+            )
             bound = await nursery.start(server.serve, host, port)
             address = advertised_address(host, bound, advertise=config.advertise, host=config.host)
 

@@ -14,6 +14,7 @@ trusted like root. uid/gid of new inodes come from the caller.
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from typing import Any, Literal, NotRequired, TypedDict
 
 from shufflefs.rpc.client import RpcClient
@@ -160,7 +161,10 @@ MUTATIONS = frozenset(
 
 class MetaStub:
     """Typed calls to a metadata server at one address. With *request*
-    (`[client nonce, counter]`), mutations carry it as their request id."""
+    (`[client nonce, counter]`), mutations carry it as their request id.
+    With *after*, the server runs the call only once it has applied the
+    namespace log that far (a follower's read: metadata/follower_reads.py);
+    *seen* is told the log position every reply carries."""
 
     def __init__(
         self,
@@ -168,16 +172,26 @@ class MetaStub:
         address: str,
         timeout: float = 10.0,
         request: list[int] | None = None,
+        *,
+        after: int | None = None,
+        seen: Callable[[int], None] | None = None,
     ) -> None:
         self.rpc = rpc
         self.address = address
         self.timeout = timeout
         self.request = request
+        self.after = after
+        self.seen = seen
 
     async def _call(self, method: str, **args: Any) -> Any:
         if self.request is not None and method in MUTATIONS:
             args["request"] = self.request
-        return await self.rpc.call(self.address, method, args, timeout=self.timeout)
+        response = await self.rpc.request(
+            self.address, method, args, timeout=self.timeout, after=self.after
+        )
+        if self.seen is not None and response.position is not None:
+            self.seen(response.position)
+        return response.result
 
     # ---- sessions (who holds files open) ----------------------------------
 

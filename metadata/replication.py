@@ -241,6 +241,9 @@ class ReplicationService:
         self.snapshots = snapshots
         self._lock = trio.Lock()
         self.applied = _Signal()  # fired after each apply (read-your-writes waits on it)
+        # trio time of the last append or snapshot piece from a primary we follow
+        # (follower reads stop when it is too long ago: follower_reads.py)
+        self.last_contact = -1e9
 
     @rpc_method
     async def repl_append(
@@ -251,6 +254,7 @@ class ReplicationService:
         either way (a probe sends none). ESTALE for an epoch older than ours."""
         async with self._lock:
             position = await self._accept(epoch)
+            self.last_contact = trio.current_time()
             follows = (prev_seq, prev_epoch) == (position.applied_seq, position.applied_epoch)
             if payload and follows:
                 entries = unpack(bytes(payload))
@@ -281,6 +285,7 @@ class ReplicationService:
             raise FsError(errno.EOPNOTSUPP, "this server takes no snapshots")
         async with self._lock:
             await self._accept(epoch)
+            self.last_contact = trio.current_time()
             if await self.snapshots.piece(offset, bytes(payload or b""), done):
                 self.applied.fire()
             position = self.txns.position()

@@ -44,12 +44,13 @@ def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
 
 
 class _Pending:
-    __slots__ = ("done", "error", "payload", "result")
+    __slots__ = ("done", "error", "payload", "position", "result")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.result: Any = None
         self.payload: bytearray | None = None
+        self.position: int | None = None
         self.error: FsError | None = None
 
 
@@ -57,6 +58,7 @@ class _Pending:
 class Response:
     result: Any
     payload: bytearray | None
+    position: int | None = None  # the server's log position, if it keeps a log
 
 
 class PeerConnection:
@@ -86,6 +88,9 @@ class PeerConnection:
                 else:
                     waiter.result = body.get("r")
                     waiter.payload = payload
+                    position = body.get("s")
+                    if isinstance(position, int):
+                        waiter.position = position
                 waiter.done.set()
         except FsError as exc:
             self._fail_all(
@@ -116,6 +121,7 @@ class PeerConnection:
         args: dict[str, Any],
         payload: Buffer | Sequence[Buffer] | None,
         timeout: float,
+        after: int | None = None,
     ) -> Response:
         if self.broken is not None:
             raise self.broken
@@ -124,7 +130,8 @@ class PeerConnection:
         self._pending[call_id] = waiter
         try:
             with trio.move_on_after(timeout) as scope:
-                await self.stream.send_frame(framing.request_body(call_id, method, args), payload)
+                body = framing.request_body(call_id, method, args, after)
+                await self.stream.send_frame(body, payload)
                 await waiter.done.wait()
             if scope.cancelled_caught:
                 raise FsError(
@@ -137,7 +144,7 @@ class PeerConnection:
             if isinstance(error, ConnectionClosed):
                 raise ConnectionClosed(f"{method} to {self.address}: {error.message}")
             raise FsError(error.code, error.message)
-        return Response(waiter.result, waiter.payload)
+        return Response(waiter.result, waiter.payload, waiter.position)
 
 
 class RpcClient:
@@ -212,10 +219,13 @@ class RpcClient:
         args: dict[str, Any] | None = None,
         payload: Buffer | Sequence[Buffer] | None = None,
         timeout: float | None = None,
+        after: int | None = None,
     ) -> Response:
-        """Call *method* at *address*; returns the result and any raw payload."""
+        """Call *method* at *address*; returns the result, any raw payload and
+        the server's log position. *after*: the log position the server must
+        have applied before it runs the call."""
         conn = await self.connection(address)
-        return await conn.request(method, args or {}, payload, timeout or self.call_timeout)
+        return await conn.request(method, args or {}, payload, timeout or self.call_timeout, after)
 
     async def call(
         self,

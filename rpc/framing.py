@@ -82,12 +82,23 @@ def unpack_body(data: bytes | bytearray | memoryview) -> dict[Any, Any]:
     return obj
 
 
-def request_body(call_id: int, method: str, args: dict[str, Any]) -> bytes:
-    return pack_body({"k": KIND_REQUEST, "i": call_id, "m": method, "a": args})
+def request_body(
+    call_id: int, method: str, args: dict[str, Any], after: int | None = None
+) -> bytes:
+    """*after*: run the call only once the server has applied its log that
+    far (docs/protocol.md, "Log positions")."""
+    body = {"k": KIND_REQUEST, "i": call_id, "m": method, "a": args}
+    if after is not None:
+        body["s"] = after
+    return pack_body(body)
 
 
-def reply_body(call_id: int, result: Any) -> bytes:
-    return pack_body({"k": KIND_REPLY, "i": call_id, "r": result})
+def reply_body(call_id: int, result: Any, position: int | None = None) -> bytes:
+    """*position*: how far the server has applied its log (if it keeps one)."""
+    body = {"k": KIND_REPLY, "i": call_id, "r": result}
+    if position is not None:
+        body["s"] = position
+    return pack_body(body)
 
 
 def error_body(call_id: int, error: FsError) -> bytes:

@@ -18,7 +18,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -53,6 +53,19 @@ class BuiltinService:
         return dict(self.calls)
 
 
+class LogPosition(Protocol):
+    """A server that applies a replicated log (a metadata server): every
+    reply says how far (``"s"``), and a request carrying ``"s"`` runs only
+    once the server has applied that far (docs/protocol.md, "Log positions")."""
+
+    def seq(self) -> int: ...
+
+    async def reach(self, seq: int) -> None:
+        """Return once the log is applied through *seq* here, or raise
+        (FsError) if this server should not answer such a read now."""
+        ...
+
+
 class RpcServer:
     def __init__(
         self,
@@ -61,8 +74,10 @@ class RpcServer:
         *,
         name: str = "rpc",
         limits: framing.Limits = framing.DEFAULT_LIMITS,
+        position: LogPosition | None = None,
     ) -> None:
         self.secret = secret
+        self.position = position
         self.name = name
         self.limits = limits
         self.builtin = BuiltinService(name)
@@ -152,15 +167,28 @@ class RpcServer:
                 continue
             self.builtin.calls[method] += 1
             args = body.get("a", {})
-            if spec.inline:
-                await self._run_call(stream, spec, call_id, args, payload, peer, None)
-                continue
-            if spec.fast is not None and await self._try_fast(
-                stream, spec, call_id, args, payload, peer
+            after = body.get("s")
+            if after is not None and (
+                not isinstance(after, int) or isinstance(after, bool) or after < 0
             ):
+                await self._send_error(
+                    stream, call_id, FsError(errno.EBADMSG, "log position 's' is not a count")
+                )
                 continue
+            if self.position is None:
+                after = None  # a server without a log has nothing to wait for
+            if after is None:
+                if spec.inline:
+                    await self._run_call(stream, spec, call_id, args, payload, peer, None)
+                    continue
+                if spec.fast is not None and await self._try_fast(
+                    stream, spec, call_id, args, payload, peer
+                ):
+                    continue
             await inflight.acquire()
-            nursery.start_soon(self._run_call, stream, spec, call_id, args, payload, peer, inflight)
+            nursery.start_soon(
+                self._run_call, stream, spec, call_id, args, payload, peer, inflight, after
+            )
 
     async def _try_fast(
         self,
@@ -199,10 +227,12 @@ class RpcServer:
         payload: bytearray | None,
         started: float,
     ) -> None:
+        position = self.position.seq() if self.position is not None else None
         if isinstance(result, Reply):
-            body, out_payload = framing.reply_body(call_id, result.result), result.payload
+            body = framing.reply_body(call_id, result.result, position)
+            out_payload = result.payload
         else:
-            body, out_payload = framing.reply_body(call_id, result), None
+            body, out_payload = framing.reply_body(call_id, result, position), None
         try:
             await stream.send_frame(body, out_payload)
         except ConnectionClosed:
@@ -221,11 +251,14 @@ class RpcServer:
         payload: bytearray | None,
         peer: str,
         inflight: trio.Semaphore | None,
+        after: int | None = None,
     ) -> None:
         started = time.perf_counter()
         metrics = self.metrics.method(spec.name)
         try:
             try:
+                if after is not None and self.position is not None:
+                    await self.position.reach(after)
                 kwargs = spec.bind(args, payload, CallContext(peer, spec.name, call_id))
                 result = await spec.func(**kwargs)
             except FsError as exc:

@@ -145,6 +145,13 @@ def test_replaced_by_new_file_is_seen_after_open(pair: tuple[Path, Path]) -> Non
     os.unlink(a / "f")
     (a / "f").write_bytes(b"two!")
     assert read(b / "f") == (b"two!", 4)
+    # b still caches the name of the removed file ("one" was opened through
+    # it): a truncate by path cuts the file the name leads to now
+    os.unlink(a / "f")
+    (a / "f").write_bytes(b"three")
+    os.truncate(b / "f", 2)
+    assert read(a / "f") == (b"th", 2)
+    assert read(b / "f") == (b"th", 2)
 
 
 def test_metadata_changes_are_seen(pair: tuple[Path, Path]) -> None:

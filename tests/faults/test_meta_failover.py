@@ -1,4 +1,5 @@
-"""Metadata servers, plural: three of them (`up --meta-servers 3`), the
+"""Metadata servers, plural: three of them (`up --meta-servers 3`), reads
+spread over all three with read-your-writes, the
 primary killed with kill -9 during a namespace storm from two mounts, a
 follower down while the log moves on (caught up from the log, or from a
 snapshot once the log was trimmed past it).
@@ -12,6 +13,7 @@ fsck-clean and identical to the others'.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from typing import Any
 
 import hosts as test_hosts
 import pytest
+import trio
 from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
 from harness import shufflefs
 
@@ -110,8 +113,41 @@ def three(tmp_path: Path) -> Iterator[ProcessCluster]:
         yield c
 
 
+def served_by(c: ProcessCluster, method: str) -> dict[str, int]:
+    """How many *method* calls each metadata server answered so far."""
+    addresses = {name: n["address"] for name, n in metas(c).items()}
+
+    async def fetch() -> dict[str, int]:
+        async with c.rpc() as rpc:
+            out = {}
+            for name, address in addresses.items():
+                calls = await rpc.call(address, "rpc_calls", {}, timeout=5.0)
+                out[name] = calls.get(method, 0)
+            return out
+
+    return trio.run(fetch)
+
+
+def read_your_writes_on_followers(c: ProcessCluster) -> None:
+    """Listings right after each create see it, though most of them are
+    answered by followers (metadata/follower_reads.py)."""
+    d = c.mountpoint / "ryw"
+    d.mkdir()
+    before = served_by(c, "readdir")
+    names: set[str] = set()
+    for i in range(60):
+        (d / f"n{i}").write_bytes(b"x")
+        names.add(f"n{i}")
+        assert set(os.listdir(d)) == names
+    after = served_by(c, "readdir")
+    lead = primary(c)
+    by_followers = sum(after[n] - before.get(n, 0) for n in after if n != lead)
+    assert by_followers >= 30, (before, after)  # the listings spread over all three
+
+
 def test_primary_kill_during_a_storm_from_two_mounts(three: ProcessCluster, tmp_path: Path) -> None:
     c = three
+    read_your_writes_on_followers(c)
     second = tmp_path / "mnt2"
     second.mkdir()
     shufflefs("mount", "--config", str(c.client_config), str(second))

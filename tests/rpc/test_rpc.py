@@ -318,3 +318,65 @@ async def test_server_restart_fails_inflight_then_reconnects(nursery: trio.Nurse
     await nursery.start(server2.serve, "127.0.0.1", port)
     async with open_rpc_client(SECRET) as rpc:
         assert await rpc.call(addr, "add", {"a": 1}) == 1
+
+
+# ---- log positions (a replicated log's server: read-your-writes) ----------------
+
+
+class Log:
+    """A `LogPosition` whose log the test moves on by hand."""
+
+    def __init__(self) -> None:
+        self.applied = 3
+        self.moved = trio.Event()
+
+    def seq(self) -> int:
+        return self.applied
+
+    def advance(self, to: int) -> None:
+        self.applied = to
+        self.moved.set()
+        self.moved = trio.Event()
+
+    async def reach(self, seq: int) -> None:
+        with trio.move_on_after(1.0):
+            while self.applied < seq:
+                await self.moved.wait()
+            return
+        raise FsError(errno.EAGAIN, f"behind: {self.applied} < {seq}")
+
+
+async def test_replies_carry_the_position_and_requests_wait_for_theirs(
+    nursery: trio.Nursery,
+) -> None:
+    log = Log()
+    server = RpcServer(SECRET, [Echo()], name="test", position=log)
+    addr = f"127.0.0.1:{await nursery.start(server.serve, '127.0.0.1', 0)}"
+    async with open_rpc_client(SECRET) as rpc:
+        plain = await rpc.request(addr, "add", {"a": 1})
+        assert (plain.result, plain.position) == (1, 3)
+        got: list[Any] = []
+
+        async def read_after(seq: int) -> None:
+            got.append(await rpc.request(addr, "add", {"a": 2}, after=seq))
+
+        async with trio.open_nursery() as waiting:
+            waiting.start_soon(read_after, 5)
+            await trio.sleep(0.1)
+            assert got == []  # the server has applied 3 of 5: the call waits
+            log.advance(4)
+            await trio.sleep(0.05)
+            assert got == []
+            log.advance(6)
+        assert (got[0].result, got[0].position) == (2, 6)
+        with pytest.raises(FsError) as info:  # never gets there: refused, not hung
+            await rpc.request(addr, "add", {"a": 2}, after=100)
+        assert info.value.errno == errno.EAGAIN
+        # a server without a log ignores a position; a bad one is EBADMSG
+        bare = await start(nursery)
+        assert (await rpc.request(bare, "add", {"a": 1}, after=100)).position is None
+    stream = await raw_connect(addr)
+    for bad in (-1, "7", True):
+        body = msgpack.packb({"k": 0, "i": 9, "m": "add", "a": {"a": 1}, "s": bad})
+        await stream.send_all(framing.pack_header(len(body), 0) + body)
+        assert (await read_reply(stream))["e"][0] == errno.EBADMSG
