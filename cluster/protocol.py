@@ -104,6 +104,10 @@ class ClusterConfig(TypedDict):
     heartbeat_timeout: float  # a node silent this long is offline
     # the first chain table waits for this many storage nodes (0: for `replicas`)
     initial_nodes: NotRequired[int]
+    # re-replication of dead storage nodes (`cluster/replace.py`)
+    replace_offline_after: NotRequired[float]
+    replace_max_offline: NotRequired[int]
+    replace_parallel: NotRequired[int]
 
 
 class AssignResult(TypedDict):
