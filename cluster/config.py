@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,11 +72,9 @@ class MgmtdConfig:
             raise FsError(errno.EINVAL, f"{where}: election_ttl must be 2..60 seconds")
         if self.initial_nodes < 0:
             raise FsError(errno.EINVAL, f"{where}: initial_nodes must be >= 0")
-        after = self.replace_offline_after
-        if after > 0 and after < self.heartbeat_timeout:
+        if not math.isfinite(self.replace_offline_after):
             raise FsError(
-                errno.EINVAL,
-                f"{where}: replace_offline_after must be 0 (off) or at least heartbeat_timeout",
+                errno.EINVAL, f"{where}: replace_offline_after must be seconds (0 or less: off)"
             )
         if self.replace_max_offline < 1:
             raise FsError(errno.EINVAL, f"{where}: replace_max_offline must be at least 1")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
+from clusters import HEARTBEAT_FAST, ProcessCluster, assert_replicas_identical, wait_until
 from harness import shufflefs
 from loadgen import content
 
@@ -263,4 +263,104 @@ def test_rebalance_onto_an_added_node_under_reads(
     print(
         f"REBALANCE: {result['done']} moves onto node {new} ({held} memberships) "
         f"under {report['reads']} reads, none failed"
+    )
+
+
+REPLACE_AFTER = 2.0  # seconds a node stays offline before it is re-replicated
+
+
+@pytest.fixture
+def five_by_three(tmp_path: Path) -> Iterator[ProcessCluster]:
+    """5 nodes x 3 targets, 3 replicas (5 chains, no spares), dead nodes re-replicated quickly."""
+    c = ProcessCluster(
+        tmp_path / "data",
+        tmp_path / "mnt",
+        storage_nodes=5,
+        replicas=3,
+        targets_per_node=3,
+        mgmtd_settings={**HEARTBEAT_FAST, "replace_offline_after": REPLACE_AFTER},
+    )
+    with c.running():
+        yield c
+
+
+def test_a_node_that_stays_dead_is_re_replicated_from_its_partners(
+    five_by_three: ProcessCluster,
+) -> None:
+    """kill -9 of one node's daemon: after `replace_offline_after` mgmtd's
+    replace job gives each of its chains a new member on another node
+    (created there: the table has no spares), resynced from the chain's
+    survivors, while reads go on; the node is then removed, and its daemon,
+    started again, is refused and stops without serving."""
+    c = five_by_three
+    config = ["--config", str(c.client_config)]
+    expected = content(6, 30 * MiB)  # 30 chunks over the 5 chains
+    data = c.mountpoint / "train.bin"
+    data.write_bytes(expected)
+    before = c.status()
+    node_of = {t["id"]: t["node"] for t in before["targets"]}
+    daemon = "storage2"
+    victim = c.storage_node_of(daemon)
+    dead_chains = {
+        ch["id"] for ch in before["chains"] if any(node_of[t] == victim for t in ch["targets"])
+    }
+    assert len(dead_chains) == 3
+    names = [f"storage{i}" for i in range(1, 6) if f"storage{i}" != daemon]
+    logs_before = {n: len(c.log(n)) for n in names}
+
+    stop, report = threading.Event(), {"reads": 0, "failed": 0, "wrong": 0}
+    reader = threading.Thread(target=read_loop, args=(data, expected, stop, report))
+    reader.start()
+    try:
+        c.kill(daemon)
+        c.wait_for(
+            f"node {victim} re-replicated and removed",
+            lambda s: (
+                victim not in {n["id"] for n in s["nodes"]}
+                and all(t["state"] == "serving" for t in s["targets"])
+            ),
+            timeout=120,
+        )
+    finally:
+        stop.set()
+        reader.join(60)
+    assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
+
+    after = c.status()
+    node_of = {t["id"]: t["node"] for t in after["targets"]}
+    live = {n["id"] for n in after["nodes"] if n["kind"] == "storage" and n["state"] == "online"}
+    assert victim not in live and len(live) == 4
+    for ch in after["chains"]:
+        nodes = [node_of[t] for t in ch["targets"]]
+        assert len(nodes) == 3 and len(set(nodes)) == 3 and set(nodes) <= live, ch
+    assert assert_replicas_identical(c) >= 30
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == hashlib.sha256(expected).hexdigest()
+
+    # who fed the copies: the new members' resyncs, on the surviving nodes
+    new = {t for ch in after["chains"] for t in ch["targets"]} - set(
+        t for ch in before["chains"] for t in ch["targets"]
+    )
+    assert len(new) == len(dead_chains)
+    starts = [
+        m
+        for n in names
+        for m in RESYNC_START.findall(c.log(n)[logs_before[n] :])
+        if int(m[0]) in new
+    ]
+    assert {int(t) for t, _, _ in starts} == new
+    sources = {node_of[int(source)] for _, _, source in starts}
+    assert victim not in sources and len(sources) >= 2, f"re-replicated only from {sources}"
+    mgmtd_log = c.log("mgmtd")
+    assert f"re-replicating node {victim} (all its targets offline for" in mgmtd_log
+    jobs = json.loads(shufflefs("jobs", "--json", *config).stdout)["jobs"]
+    assert not [j for j in jobs if j["kind"] in ("replace", "resync")], jobs
+
+    # the dead daemon comes back: refused (it was removed), it stops, serves nothing
+    c.start(daemon, wait=False)
+    wait_until("the replaced node's daemon to stop", lambda: c.pid(daemon) is None, timeout=30)
+    assert "was removed from this cluster" in c.log(daemon)
+    assert c.status()["chains"] == after["chains"]
+    print(
+        f"REPLACE: node {victim}'s {len(dead_chains)} chains re-replicated from nodes "
+        f"{sorted(sources)} onto new targets {sorted(new)} under {report['reads']} reads"
     )
