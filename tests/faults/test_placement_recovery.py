@@ -21,7 +21,13 @@ from pathlib import Path
 
 import pytest
 import trio
-from clusters import HEARTBEAT_FAST, ProcessCluster, assert_replicas_identical, wait_until
+from clusters import (
+    HEARTBEAT_FAST,
+    ProcessCluster,
+    assert_replicas_identical,
+    replica_states,
+    wait_until,
+)
 from harness import shufflefs
 from loadgen import content
 
@@ -168,13 +174,14 @@ def test_drain_under_reads_then_remove(four_nodes: ProcessCluster, tmp_path: Pat
     print(f"DRAIN: node {victim} drained under {report['reads']} reads, none failed")
 
 
-def test_rebalance_onto_an_added_node_under_reads(
+def test_rebalance_onto_two_added_nodes_under_reads(
     four_by_three: ProcessCluster, tmp_path: Path
 ) -> None:
-    """A 5th node joins a running 4x3 cluster: its targets stay spares until
-    `shufflefs rebalance` moves chain memberships onto it, one at a time,
+    """Two nodes join a running 4x3 cluster: their targets stay spares until
+    `shufflefs rebalance` moves chain memberships onto them, one at a time,
     while reads run; `jobs` lists the job and `jobs cancel` stops one; a
-    restart of mgmtd does not lose one."""
+    restart of mgmtd does not lose one. At the end every node holds the same
+    bytes within 10 %, every replica is byte-identical, no read failed."""
     c = four_by_three
     config = ["--config", str(c.client_config)]
     expected = content(4, 24 * MiB)  # 24 chunks over the 4 chains: every target holds some
@@ -183,12 +190,13 @@ def test_rebalance_onto_an_added_node_under_reads(
     nothing = shufflefs("rebalance", *config, check=False)
     assert nothing.returncode == 1 and "nothing to rebalance" in nothing.stderr
 
-    shufflefs("up", "--data-dir", str(c.data_dir), "--storage-nodes", "5", "--no-mount")
-    new = c.storage_node_of("storage5")
+    shufflefs("up", "--data-dir", str(c.data_dir), "--storage-nodes", "6", "--no-mount")
+    added = {c.storage_node_of("storage5"), c.storage_node_of("storage6")}
     c.wait_for(
-        "storage5's 3 targets serving as spares",
-        lambda s: [t["state"] for t in s["targets"] if t["node"] == new] == ["serving"] * 3,
+        "the added nodes' 6 targets serving as spares",
+        lambda s: [t["state"] for t in s["targets"] if t["node"] in added] == ["serving"] * 6,
     )
+    assert len(c.status()["chains"]) == 4  # two nodes with spares make no chain of 3
     replicas = c.status()["config"]["replicas"]
 
     # started, listed and cancelled in one go (a move takes far longer than
@@ -244,25 +252,36 @@ def test_rebalance_onto_an_added_node_under_reads(
     out = subprocess.CompletedProcess(argv, 0, stdout, first + stderr)
     result = json.loads(out.stdout)
     assert result["id"] == first.partition(":")[0]  # the same job, carried on
-    assert result["state"] == "done" and result["done"] >= 2, result
+    assert result["state"] == "done" and result["done"] >= 4, result
     assert "moves" in out.stderr  # not a terminal: a plain progress line per change
     assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
 
     after = c.status()
     node_of = {t["id"]: t["node"] for t in after["targets"]}
     state_of = {t["id"]: t["state"] for t in after["targets"]}
-    held = sum(1 for ch in after["chains"] for t in ch["targets"] if node_of[t] == new)
-    assert held >= 2, after["chains"]
+    held = {n: 0 for n in {t["node"] for t in after["targets"]}}
     for ch in after["chains"]:
         assert len(ch["targets"]) == replicas and len({node_of[t] for t in ch["targets"]}) == 3
         assert all(state_of[t] == "serving" for t in ch["targets"]), ch
+        for t in ch["targets"]:
+            held[node_of[t]] += 1
+    assert all(held[n] >= 2 for n in added), held
+    # usage evened out: the bytes of the replicas each node holds, from the
+    # daemons' own chunk lists (every replica byte-identical to its chain's head)
+    assert assert_replicas_identical(c) == 24
+    stored = {n: 0 for n in held}
+    for ch, members in zip(after["chains"], replica_states(c).values(), strict=True):
+        for t, chunks in zip(ch["targets"], members, strict=True):
+            stored[node_of[t]] += sum(length for _, length, _ in chunks.values())
+    mean = sum(stored.values()) / len(stored)
+    assert all(abs(b - mean) <= 0.1 * mean for b in stored.values()), stored
     assert hashlib.sha256(data.read_bytes()).hexdigest() == hashlib.sha256(expected).hexdigest()
     jobs = json.loads(shufflefs("jobs", "--json", *config).stdout)["jobs"]
     assert [(j["id"], j["state"]) for j in jobs] == [(result["id"], "done")], jobs
     assert result["id"] in shufflefs("jobs", *config).stdout
     print(
-        f"REBALANCE: {result['done']} moves onto node {new} ({held} memberships) "
-        f"under {report['reads']} reads, none failed"
+        f"REBALANCE: {result['done']} moves onto nodes {sorted(added)}, memberships {held}, "
+        f"MiB per node {[b >> 20 for b in stored.values()]}, under {report['reads']} reads"
     )
 
 
