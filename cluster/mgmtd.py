@@ -295,6 +295,9 @@ class MgmtdService:
             with trio.move_on_after(PROVISION_TIMEOUT + 5):
                 target = await stub.add_target(want.path)
                 log.info("node %d created target %d at %s", want.node, target, want.path)
+                moved, _ = replace.step(self.state())  # it joins now, not at the next tick
+                if moved:
+                    await self.persist()
         except FsError as exc:
             log.warning("node %d could not create target %s: %s", want.node, want.path, exc.message)
         finally:

@@ -186,9 +186,7 @@ def step(state: ClusterState) -> tuple[bool, list[Provision]]:
             continue
         chains = drain.chains_of_node(state, node_id)
         if not chains:
-            why = state.replacing.pop(node_id)
-            log.warning("node %d re-replicated (%s): removed from the cluster", node_id, why)
-            drain.remove_node(state, node_id)
+            _finish(state, node_id)
             changed = True
             continue
         storm = len(_offline_storage(state)) > max_offline
@@ -225,7 +223,16 @@ def step(state: ClusterState) -> tuple[bool, list[Provision]]:
             moves.join(state, chain, spare, f"replacing node {node_id}")
             copying += 1
             changed = True
+        if not drain.chains_of_node(state, node_id):
+            _finish(state, node_id)  # its last chain was left just now
     return changed, wanted
+
+
+def _finish(state: ClusterState, node_id: int) -> None:
+    """The node is in no chain: removed, as `shufflefs node remove` does."""
+    why = state.replacing.pop(node_id)
+    log.warning("node %d re-replicated (%s): removed from the cluster", node_id, why)
+    drain.remove_node(state, node_id)
 
 
 def _path_for(state: ClusterState, node_id: int, dead: list[int]) -> str:
