@@ -67,6 +67,7 @@ class NodeInfo(TypedDict):
     epoch: NotRequired[int]
     applied_seq: NotRequired[int]
     draining: NotRequired[bool]  # being drained (`shufflefs node drain`); in no chain: drained
+    replacing: NotRequired[bool]  # dead, being re-replicated (`cluster/replace.py`)
 
 
 class LeaseReply(TypedDict):

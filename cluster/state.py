@@ -528,6 +528,7 @@ class ClusterState:
             state=n.state,
             last_seen=n.last_seen,
             draining=n.id in self.draining_nodes,
+            replacing=n.id in self.replacing,
         )
 
     @staticmethod

@@ -97,22 +97,28 @@ def test_no_job_while_two_nodes_are_offline() -> None:
     assert replace.due(state, T0 + 1000) == [2, 4]
 
 
+def test_a_running_rebalance_delays_the_start() -> None:
+    state = five_by_three()
+    state.rebalance = {"id": 1, "state": "running", "done": 0, "planned": 1, "move": None}
+    kill(state, 2)
+    assert replace.due(state, T0 + 100) == []
+    state.rebalance["state"] = "done"
+    assert replace.due(state, T0 + 100) == [2]
+
+
 def test_a_second_death_pauses_a_running_job() -> None:
-    state = five_by_three(replace_parallel=1)
+    state = five_by_three()
     kill(state, 2)
     for node in replace.due(state, T0 + 100):
         replace.start(state, node, T0 + 100)
-    replace.step(state)
-    joining = [
-        t for c in state.chains.values() for t in c.targets if state.targets[t].state == SYNCING
-    ]
+    _, wanted = replace.step(state)
+    assert wanted  # no spares: targets to create, one per chain of node 2
     kill(state, 5, at=T0 + 101)
     before = {c.id: list(c.targets) for c in state.chains.values()}
-    replace.step(state)
-    after = {c.id: list(c.targets) for c in state.chains.values()}
-    # nothing new joins while two nodes are offline
-    new = {t for ts in after.values() for t in ts} - {t for ts in before.values() for t in ts}
-    assert not new, (joining, before, after)
+    _, wanted = replace.step(state)
+    assert wanted == []  # nothing new is asked for or joins while two nodes are offline
+    assert {c.id: list(c.targets) for c in state.chains.values()} == before
+    assert state.replacing.keys() == {2}  # paused, not ended
 
 
 def test_a_dead_node_is_re_replicated_from_its_partners_and_removed() -> None:

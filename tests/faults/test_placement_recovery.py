@@ -288,6 +288,21 @@ def test_rebalance_onto_two_added_nodes_under_reads(
 REPLACE_AFTER = 2.0  # seconds a node stays offline before it is re-replicated
 
 
+def watch_jobs(c: ProcessCluster, stop: threading.Event, seen: dict[str, JobInfo]) -> None:
+    """mgmtd's job list every 0.1 s until *stop* (at most 120 s): each job id seen."""
+
+    async def poll() -> None:
+        async with c.rpc() as rpc:
+            mgmtd = MgmtdStub(rpc, c.mgmtd_address)
+            with trio.move_on_after(120):
+                while not stop.is_set():
+                    for job in await mgmtd.jobs():
+                        seen.setdefault(job["id"], job)
+                    await trio.sleep(0.1)
+
+    trio.run(poll)
+
+
 @pytest.fixture
 def five_by_three(tmp_path: Path) -> Iterator[ProcessCluster]:
     """5 nodes x 3 targets, 3 replicas (5 chains, no spares), dead nodes re-replicated quickly."""
@@ -329,7 +344,10 @@ def test_a_node_that_stays_dead_is_re_replicated_from_its_partners(
 
     stop, report = threading.Event(), {"reads": 0, "failed": 0, "wrong": 0}
     reader = threading.Thread(target=read_loop, args=(data, expected, stop, report))
+    seen: dict[str, JobInfo] = {}
+    watcher = threading.Thread(target=watch_jobs, args=(c, stop, seen))
     reader.start()
+    watcher.start()
     try:
         c.kill(daemon)
         c.wait_for(
@@ -343,7 +361,11 @@ def test_a_node_that_stays_dead_is_re_replicated_from_its_partners(
     finally:
         stop.set()
         reader.join(60)
+        watcher.join(60)
     assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
+    job = seen.get(f"replace-{victim}")  # listed by `shufflefs jobs` while it ran
+    assert job is not None and job["kind"] == "replace", seen
+    assert "offline for" in job["detail"] and job["state"] == "running", job
 
     after = c.status()
     node_of = {t["id"]: t["node"] for t in after["targets"]}
