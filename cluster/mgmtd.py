@@ -55,6 +55,7 @@ log = logging.getLogger("shufflefs.mgmtd")
 EXPIRY_CHECK_INTERVAL = 0.5
 UNREACHABLE_PROBE_TIMEOUT = 2.0
 PROVISION_TIMEOUT = 60.0  # a storage daemon formatting a target for a replacement
+PROVISION_RETRY = 30.0  # seconds before asking again for a target a node could not create
 
 
 class MgmtdService:
@@ -74,6 +75,7 @@ class MgmtdService:
         self._persist_lock = trio.Lock()
         self._lease_lock = trio.Lock()
         self._provisioning: set[str] = set()  # paths of targets being created for replacements
+        self._provision_failed: dict[str, float] = {}  # path -> when its creation failed
 
     def state(self) -> ClusterState:
         """The cluster state, only while this instance is the primary: every
@@ -274,6 +276,9 @@ class MgmtdService:
                 if self.step_jobs(state) or expired or due or moved:
                     await self.persist()
                 for provision in wanted:
+                    failed = self._provision_failed.get(provision.path)
+                    if failed is not None and trio.current_time() - failed < PROVISION_RETRY:
+                        continue
                     if provision.path not in self._provisioning:
                         self._provisioning.add(provision.path)
                         nursery.start_soon(self.provision, provision)
@@ -299,7 +304,14 @@ class MgmtdService:
                 if moved:
                     await self.persist()
         except FsError as exc:
-            log.warning("node %d could not create target %s: %s", want.node, want.path, exc.message)
+            self._provision_failed[want.path] = trio.current_time()
+            log.warning(
+                "node %d could not create target %s (asked again in %.0fs): %s",
+                want.node,
+                want.path,
+                PROVISION_RETRY,
+                exc.message,
+            )
         finally:
             self._provisioning.discard(want.path)
 

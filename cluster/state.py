@@ -142,6 +142,8 @@ class ClusterState:
         for n in rec["nodes"]:
             node = Node(**n)
             node.last_seen = now  # a grace period: nodes get one timeout to heartbeat us
+            if node.state != "online" and not node.offline_since:
+                node.offline_since = now  # a record from before it was kept: count from now
             state.nodes[node.id] = node
         for t in rec["targets"]:
             state.targets[t["id"]] = Target(**t)
