@@ -105,7 +105,9 @@ def render_status(status: RoutingInfo, capacity: Capacity, out: Any = sys.stdout
     node_in_chains = {t["node"] for t in status["targets"] if t["id"] in in_chains}
     for n in status["nodes"]:
         ago = "now" if n["kind"] == "mgmtd" else f"{max(0.0, now - n['last_seen']):.1f}s ago"
-        if n.get("draining"):  # `shufflefs node drain`
+        if n.get("replacing"):  # dead for `replace_offline_after`
+            ago += "  re-replicating (see `shufflefs jobs`)"
+        elif n.get("draining"):  # `shufflefs node drain`
             ago += "  draining" if n["id"] in node_in_chains else "  drained (remove it)"
         role = f"  {n['role']}" if "role" in n else ""
         if n["kind"] == "meta" and "role" in n:

@@ -310,11 +310,12 @@ def add_storage_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def job_id(text: str) -> str:
-    """A cancellable job's id: drain-NODE or rebalance-N (see `shufflefs jobs`)."""
+    """A cancellable job's id: drain-NODE, replace-NODE or rebalance-N (`shufflefs jobs`)."""
     kind, _, number = text.partition("-")
-    if kind not in ("drain", "rebalance") or not number.isdigit() or int(number) < 1:
+    if kind not in ("drain", "replace", "rebalance") or not number.isdigit() or int(number) < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a cancellable job id: drain-NODE or rebalance-N (`shufflefs jobs`)"
+            f"{text!r} is not a cancellable job id: drain-NODE, replace-NODE or rebalance-N "
+            "(`shufflefs jobs`)"
         )
     return f"{kind}-{int(number)}"
 
@@ -348,12 +349,14 @@ def add_jobs_parsers(
     actions = p.add_subparsers(dest="jobs_command", metavar="ACTION")
     a = actions.add_parser(
         "cancel",
-        help="cancel a drain or the rebalance",
+        help="cancel a drain, a re-replication or the rebalance",
         description="No new moves start; the move in flight is rolled back (its newcomer has "
         "not served yet, so the chain is as it was), or completed if the newcomer already "
         "serves. A resync cannot be cancelled.",
     )
-    a.add_argument("id", type=job_id, help="drain-NODE or rebalance-N (see `shufflefs jobs`)")
+    a.add_argument(
+        "id", type=job_id, help="drain-NODE, replace-NODE or rebalance-N (see `shufflefs jobs`)"
+    )
     a.add_argument("--config", help=config_help)
     a.add_argument("--json", action="store_true", help="print one JSON object")
 

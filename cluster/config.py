@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,13 @@ class MgmtdConfig:
     # the first chain table waits for this many storage nodes to register
     # (0: builds as soon as `replicas` nodes are there); `format` sets it
     initial_nodes: int = 0
+    # re-replicate a storage node all of whose targets stayed offline this
+    # many seconds (0 or less: never); not while more than
+    # `replace_max_offline` storage nodes are offline; at most
+    # `replace_parallel` of its chains copying at once (`cluster/replace.py`)
+    replace_offline_after: float = 600.0
+    replace_max_offline: int = 1
+    replace_parallel: int = 4
 
     @property
     def effective_min_replicas(self) -> int:
@@ -64,6 +72,14 @@ class MgmtdConfig:
             raise FsError(errno.EINVAL, f"{where}: election_ttl must be 2..60 seconds")
         if self.initial_nodes < 0:
             raise FsError(errno.EINVAL, f"{where}: initial_nodes must be >= 0")
+        if not math.isfinite(self.replace_offline_after):
+            raise FsError(
+                errno.EINVAL, f"{where}: replace_offline_after must be seconds (0 or less: off)"
+            )
+        if self.replace_max_offline < 1:
+            raise FsError(errno.EINVAL, f"{where}: replace_max_offline must be at least 1")
+        if not 1 <= self.replace_parallel <= 1024:
+            raise FsError(errno.EINVAL, f"{where}: replace_parallel must be 1..1024")
 
 
 CONFIG_ENV = "SHUFFLEFS_CONFIG"

@@ -93,6 +93,8 @@ def step(state: ClusterState) -> bool:
     """Move every draining node one step on; True if anything changed."""
     changed = False
     for node_id in sorted(state.draining_nodes):
+        if node_id in state.replacing:
+            continue  # a dead node's: `cluster/replace.py` moves it on
         for chain in chains_of_node(state, node_id):
             mine = [t for t in chain.targets if state.targets[t].node == node_id]
             if any(

@@ -1,9 +1,10 @@
 """mgmtd's background jobs, for `shufflefs jobs`: drains (`cluster/drain.py`),
-the rebalance (`cluster/rebalance.py`) and the resyncs of syncing targets.
+re-replications of dead nodes (`cluster/replace.py`), the rebalance
+(`cluster/rebalance.py`) and the resyncs of syncing targets.
 
 A job id names what the job works on, so it is the same after a restart of
-mgmtd: ``drain-NODE``, ``rebalance-N`` (numbered in mgmtd's persisted
-state), ``resync-TARGET``. Drains and rebalances can be cancelled; a resync
+mgmtd: ``drain-NODE``, ``replace-NODE``, ``rebalance-N`` (numbered in mgmtd's persisted
+state), ``resync-TARGET``. Drains, replacements and rebalances can be cancelled; a resync
 cannot (it is how a replica comes back; drain or remove its node instead).
 """
 
@@ -12,12 +13,12 @@ from __future__ import annotations
 import errno
 import re
 
-from shufflefs.cluster import drain, rebalance
+from shufflefs.cluster import drain, rebalance, replace
 from shufflefs.cluster.protocol import JobInfo
 from shufflefs.cluster.state import SYNCING, WAITING, ClusterState
 from shufflefs.rpc.errors import FsError
 
-JOB_ID = re.compile(r"(drain|rebalance|resync)-([1-9][0-9]*)")
+JOB_ID = re.compile(r"(drain|replace|rebalance|resync)-([1-9][0-9]*)")
 
 
 def jobs(state: ClusterState) -> list[JobInfo]:
@@ -29,14 +30,16 @@ def jobs(state: ClusterState) -> list[JobInfo]:
         if not left:
             continue  # drained: waits for `shufflefs node remove`, nothing runs
         total = max(state.drain_chains.get(node, left), left)
+        kind = "replace" if node in state.replacing else "drain"
+        why = f" ({state.replacing[node]})" if kind == "replace" else ""
         out.append(
             JobInfo(
-                id=f"drain-{node}",
-                kind="drain",
+                id=f"{kind}-{node}",
+                kind=kind,
                 state="running",
                 done=total - left,
                 left=left,
-                detail=f"node {node}: {left} of {total} chains left",
+                detail=f"node {node}: {left} of {total} chains left{why}",
             )
         )
     job = state.rebalance
@@ -85,6 +88,20 @@ def cancel(state: ClusterState, job_id: str) -> JobInfo:
             errno.EINVAL,
             "a resync cannot be cancelled (it brings a replica back); drain its node "
             "instead (`shufflefs node drain`)",
+        )
+    if kind == "drain" and number in state.replacing:
+        raise FsError(
+            errno.ENOENT, f"node {number} is being replaced, not drained: cancel replace-{number}"
+        )
+    if kind == "replace":
+        left = replace.cancel(state, number)
+        return JobInfo(
+            id=job_id,
+            kind="replace",
+            state="cancelled",
+            done=0,
+            left=len(left),
+            detail=f"node {number} stays in chains {left} (not replaced again until it was back)",
         )
     if kind == "drain":
         left = drain.cancel(state, number)

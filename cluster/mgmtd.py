@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from shufflefs.cluster import drain, jobs, rebalance
+from shufflefs.cluster import drain, jobs, rebalance, replace
 from shufflefs.cluster.config import MgmtdConfig
 from shufflefs.cluster.coordination import Coordination, EmbeddedCoordination, open_coordination
 from shufflefs.cluster.meta_leases import MetaLeases
@@ -48,11 +48,14 @@ from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import hostname, run_service, setup_logging
 from shufflefs.rpc.schema import rpc_method
 from shufflefs.rpc.server import RpcServer
+from shufflefs.storage.protocol import StorageStub
 
 log = logging.getLogger("shufflefs.mgmtd")
 
 EXPIRY_CHECK_INTERVAL = 0.5
 UNREACHABLE_PROBE_TIMEOUT = 2.0
+PROVISION_TIMEOUT = 60.0  # a storage daemon formatting a target for a replacement
+PROVISION_RETRY = 30.0  # seconds before asking again for a target a node could not create
 
 
 class MgmtdService:
@@ -71,6 +74,8 @@ class MgmtdService:
         self.node_id: int | None = None  # mgmtd's own node entry, once primary
         self._persist_lock = trio.Lock()
         self._lease_lock = trio.Lock()
+        self._provisioning: set[str] = set()  # paths of targets being created for replacements
+        self._provision_failed: dict[str, float] = {}  # path -> when its creation failed
 
     def state(self) -> ClusterState:
         """The cluster state, only while this instance is the primary: every
@@ -176,9 +181,11 @@ class MgmtdService:
 
     @staticmethod
     def step_jobs(state: ClusterState) -> bool:
-        """Move drains and the rebalance on (at most one of them has a move in flight)."""
+        """Move drains, replacements and the rebalance on (a rebalance never
+        runs beside the others)."""
         drained = drain.step(state)
-        return rebalance.step(state) or drained
+        replaced, _ = replace.step(state)  # targets to create: `watch_heartbeats`
+        return rebalance.step(state) or drained or replaced
 
     @rpc_method
     async def drain_node(self, node_id: int) -> list[int]:
@@ -255,12 +262,58 @@ class MgmtdService:
         return self.state().capacity()
 
     async def watch_heartbeats(self) -> None:
-        while self._state is not None:
-            await trio.sleep(EXPIRY_CHECK_INTERVAL)
-            state = self.state()
-            expired = state.expire(time.time())
-            if self.step_jobs(state) or expired:  # jobs resume after any restart
-                await self.persist()
+        async with trio.open_nursery() as nursery:
+            while self._state is not None:
+                await trio.sleep(EXPIRY_CHECK_INTERVAL)
+                state = self.state()
+                now = time.time()
+                expired = state.expire(now)
+                due = replace.due(state, now)
+                for node_id in due:
+                    replace.start(state, node_id, now)
+                moved, wanted = replace.step(state)
+                # jobs resume after any restart
+                if self.step_jobs(state) or expired or due or moved:
+                    await self.persist()
+                for provision in wanted:
+                    failed = self._provision_failed.get(provision.path)
+                    if failed is not None and trio.current_time() - failed < PROVISION_RETRY:
+                        continue
+                    if provision.path not in self._provisioning:
+                        self._provisioning.add(provision.path)
+                        nursery.start_soon(self.provision, provision)
+
+    async def provision(self, want: replace.Provision) -> None:
+        """Have storage node *want.node* create a target for a replacement; it
+        registers it (a spare), and the next step puts it into the chain."""
+        try:
+            node = self.state().nodes.get(want.node)
+            if node is None or self.rpc is None:
+                return
+            log.info(
+                "creating target %s on node %d for chain %d (replacement)",
+                want.path,
+                want.node,
+                want.chain,
+            )
+            stub = StorageStub(self.rpc, node.address, timeout=PROVISION_TIMEOUT)
+            with trio.move_on_after(PROVISION_TIMEOUT + 5):
+                target = await stub.add_target(want.path)
+                log.info("node %d created target %d at %s", want.node, target, want.path)
+                moved, _ = replace.step(self.state())  # it joins now, not at the next tick
+                if moved:
+                    await self.persist()
+        except FsError as exc:
+            self._provision_failed[want.path] = trio.current_time()
+            log.warning(
+                "node %d could not create target %s (asked again in %.0fs): %s",
+                want.node,
+                want.path,
+                PROVISION_RETRY,
+                exc.message,
+            )
+        finally:
+            self._provisioning.discard(want.path)
 
 
 def cluster_config(config: MgmtdConfig) -> ClusterConfig:
@@ -272,6 +325,9 @@ def cluster_config(config: MgmtdConfig) -> ClusterConfig:
         heartbeat_interval=config.heartbeat_interval,
         heartbeat_timeout=config.heartbeat_timeout,
         initial_nodes=config.initial_nodes,
+        replace_offline_after=config.replace_offline_after,
+        replace_max_offline=config.replace_max_offline,
+        replace_parallel=config.replace_parallel,
     )
 
 

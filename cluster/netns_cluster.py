@@ -40,6 +40,7 @@ def format_on_hosts(
     replicas: int,
     chunk_size: int,
     mgmtd_settings: dict[str, object] | None = None,
+    targets_per_node: int = 1,
 ) -> ClusterLayout:
     """Format *local* with storage node i on host i (1..storage_nodes) and
     mgmtd and the metadata server on the bridge address."""
@@ -52,6 +53,7 @@ def format_on_hosts(
         storage_hosts=[hosts.address(i) for i in nodes],
         storage_netns=[hosts.netns(i) for i in nodes],
         mgmtd_settings=mgmtd_settings,
+        targets_per_node=targets_per_node,
     )
 
 
@@ -91,8 +93,10 @@ class RemoteCluster:
         chunk_size: int = launcher.DEFAULT_CHUNK_SIZE,
         link_rate: int | None = None,
         mgmtd_settings: dict[str, object] | None = None,
+        targets_per_node: int = 1,
     ) -> None:
         self.workdir = workdir
+        self.targets_per_node = targets_per_node
         self.storage_hosts = storage_hosts
         self.reader_hosts = reader_hosts
         self.replicas = replicas
@@ -127,6 +131,7 @@ class RemoteCluster:
                 self.replicas,
                 self.chunk_size,
                 self.mgmtd_settings,
+                self.targets_per_node,
             )
             lifecycle.up(self.local.dir, None, out=io.StringIO())
         except BaseException:

@@ -67,6 +67,7 @@ class NodeInfo(TypedDict):
     epoch: NotRequired[int]
     applied_seq: NotRequired[int]
     draining: NotRequired[bool]  # being drained (`shufflefs node drain`); in no chain: drained
+    replacing: NotRequired[bool]  # dead, being re-replicated (`cluster/replace.py`)
 
 
 class LeaseReply(TypedDict):
@@ -104,6 +105,10 @@ class ClusterConfig(TypedDict):
     heartbeat_timeout: float  # a node silent this long is offline
     # the first chain table waits for this many storage nodes (0: for `replicas`)
     initial_nodes: NotRequired[int]
+    # re-replication of dead storage nodes (`cluster/replace.py`)
+    replace_offline_after: NotRequired[float]
+    replace_max_offline: NotRequired[int]
+    replace_parallel: NotRequired[int]
 
 
 class AssignResult(TypedDict):

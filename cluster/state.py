@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ class Node:
     pid: int
     state: str = "online"
     last_seen: float = 0.0
+    offline_since: float = 0.0  # wall clock; kept across mgmtd restarts (`cluster/replace.py`)
 
 
 @dataclass
@@ -96,6 +98,10 @@ class ClusterState:
     drain_chains: dict[int, int] = field(default_factory=dict)  # node -> chains it had to leave
     rebalance: dict[str, Any] | None = None  # the last rebalance job (`cluster/rebalance.py`)
     next_job: int = 1
+    # dead nodes being re-replicated (node -> why) and those whose job was
+    # cancelled (not started again until they were back), `cluster/replace.py`
+    replacing: dict[int, str] = field(default_factory=dict)
+    replace_cancelled: set[int] = field(default_factory=set)
 
     @classmethod
     def new(cls, config: ClusterConfig) -> ClusterState:
@@ -119,6 +125,8 @@ class ClusterState:
             "drain_chains": [[n, c] for n, c in sorted(self.drain_chains.items())],
             "rebalance": self.rebalance,
             "next_job": self.next_job,
+            "replacing": [[n, why] for n, why in sorted(self.replacing.items())],
+            "replace_cancelled": sorted(self.replace_cancelled),
         }
 
     @classmethod
@@ -134,6 +142,8 @@ class ClusterState:
         for n in rec["nodes"]:
             node = Node(**n)
             node.last_seen = now  # a grace period: nodes get one timeout to heartbeat us
+            if node.state != "online" and not node.offline_since:
+                node.offline_since = now  # a record from before it was kept: count from now
             state.nodes[node.id] = node
         for t in rec["targets"]:
             state.targets[t["id"]] = Target(**t)
@@ -144,6 +154,8 @@ class ClusterState:
         state.drain_chains = {int(n): int(c) for n, c in rec.get("drain_chains", [])}
         state.rebalance = rec.get("rebalance")
         state.next_job = rec.get("next_job", 1)
+        state.replacing = {int(n): str(why) for n, why in rec.get("replacing", [])}
+        state.replace_cancelled = set(rec.get("replace_cancelled", []))
         return state
 
     # ---- changes ------------------------------------------------------------
@@ -211,7 +223,7 @@ class ClusterState:
         node.state, node.last_seen = "online", now
         for other in self.nodes.values():  # an old incarnation at the same address is gone
             if other.id != node.id and other.address == address and other.state == "online":
-                self._set_offline(other, f"address {address} taken by node {node.id}")
+                self._set_offline(other, f"address {address} taken by node {node.id}", now)
         target_ids = [self._register_target(node, t) for t in targets]
         self.build_chains()
         self.bump(f"{kind} node {node.id} registered at {address} pid {pid}")
@@ -409,6 +421,8 @@ class ClusterState:
         storage = [n for n in self.nodes.values() if n.kind == "storage" and n.state == "online"]
         if not self.chains and len(storage) < self.config.get("initial_nodes", 0):
             return []
+        if self.replacing:
+            return []  # the targets a replacement creates are for the chains it fills
         placed = {t for c in self.chains.values() for t in c.targets}
         free: dict[int, list[int]] = {}
         for t in sorted(self.targets.values(), key=lambda t: t.id):
@@ -458,7 +472,7 @@ class ClusterState:
             if n.state == "online" and n.kind != "mgmtd" and now - n.last_seen > timeout
         ]
         for node in gone:
-            self._set_offline(node, f"no heartbeat for {now - node.last_seen:.1f}s")
+            self._set_offline(node, f"no heartbeat for {now - node.last_seen:.1f}s", now)
         if gone:
             self.bump("nodes offline: " + ", ".join(str(n.id) for n in gone))
         return [n.id for n in gone]
@@ -471,9 +485,10 @@ class ClusterState:
         self.bump(f"node {node_id} offline: {why}")
         return True
 
-    def _set_offline(self, node: Node, why: str) -> None:
+    def _set_offline(self, node: Node, why: str, now: float | None = None) -> None:
         log.warning("node %d (%s at %s) offline: %s", node.id, node.kind, node.address, why)
         node.state = "offline"
+        node.offline_since = time.time() if now is None else now
         for target in self.targets.values():
             if target.node != node.id or target.state == OFFLINE:
                 continue
@@ -515,6 +530,7 @@ class ClusterState:
             state=n.state,
             last_seen=n.last_seen,
             draining=n.id in self.draining_nodes,
+            replacing=n.id in self.replacing,
         )
 
     @staticmethod

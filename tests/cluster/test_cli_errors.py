@@ -245,6 +245,7 @@ CLUSTER_DOWN: list[Case] = [
     case("jobs cancel", "--config", "--config", "{CFG}", "rebalance-1", code=UNREACHABLE),
     case("jobs cancel", "id", "resync-3"),  # a resync is not cancellable
     case("jobs cancel", "id", "rebalance-0"),
+    case("jobs cancel", "id", "replace-x"),
     case("jobs cancel", "id"),  # required
     case("jobs cancel", "--json", "--json=1", "drain-1"),
     *bad_client_configs("mount", "{W}/emptydir"),
@@ -580,6 +581,7 @@ CLUSTER_UP: list[Case] = [
     case("rebalance", "--wait", "--wait", *UPC, code=FAILED),
     case("jobs cancel", "id", *UPC, "rebalance-9", code=FAILED),  # no such job
     case("jobs cancel", "id", *UPC, "drain-{SNODE}", code=FAILED),  # not draining
+    case("jobs cancel", "id", *UPC, "replace-{SNODE}", code=FAILED),  # not being replaced
     case("mount", "mountpoint", "--config", "{UPCFG}", "{UPMNT}", code=FAILED),
     case("mount", "-o", "--config", "{UPCFG}", "-o", "bogus", "{W}/emptydir"),
     case("mount", "mountpoint", "--config", "{UPCFG}", "{W}/afile"),

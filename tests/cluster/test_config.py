@@ -29,6 +29,10 @@ GOOD = 'listen = "127.0.0.1:0"\ndata_dir = "d"\nsecret_file = "s"\n'
         ('advertise = "no-port"\n', "advertise"),
         ("chunk_size = 5000\n", "chunk_size"),
         ("heartbeat_interval = 20.0\n", "heartbeat_interval"),
+        ("replace_offline_after = nan\n", "replace_offline_after"),
+        ('replace_offline_after = "10m"\n', "replace_offline_after"),
+        ("replace_max_offline = 0\n", "replace_max_offline"),
+        ("replace_parallel = 0\n", "replace_parallel"),
     ],
 )
 def test_mgmtd_config_mistakes_name_the_file_and_key(tmp_path: Path, extra: str, key: str) -> None:

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import pytest
 import trio
-from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
+from clusters import (
+    HEARTBEAT_FAST,
+    ProcessCluster,
+    assert_replicas_identical,
+    replica_states,
+    wait_until,
+)
 from harness import shufflefs
 from loadgen import content
 
@@ -168,13 +174,14 @@ def test_drain_under_reads_then_remove(four_nodes: ProcessCluster, tmp_path: Pat
     print(f"DRAIN: node {victim} drained under {report['reads']} reads, none failed")
 
 
-def test_rebalance_onto_an_added_node_under_reads(
+def test_rebalance_onto_two_added_nodes_under_reads(
     four_by_three: ProcessCluster, tmp_path: Path
 ) -> None:
-    """A 5th node joins a running 4x3 cluster: its targets stay spares until
-    `shufflefs rebalance` moves chain memberships onto it, one at a time,
+    """Two nodes join a running 4x3 cluster: their targets stay spares until
+    `shufflefs rebalance` moves chain memberships onto them, one at a time,
     while reads run; `jobs` lists the job and `jobs cancel` stops one; a
-    restart of mgmtd does not lose one."""
+    restart of mgmtd does not lose one. At the end every node holds the same
+    bytes within 10 %, every replica is byte-identical, no read failed."""
     c = four_by_three
     config = ["--config", str(c.client_config)]
     expected = content(4, 24 * MiB)  # 24 chunks over the 4 chains: every target holds some
@@ -183,12 +190,13 @@ def test_rebalance_onto_an_added_node_under_reads(
     nothing = shufflefs("rebalance", *config, check=False)
     assert nothing.returncode == 1 and "nothing to rebalance" in nothing.stderr
 
-    shufflefs("up", "--data-dir", str(c.data_dir), "--storage-nodes", "5", "--no-mount")
-    new = c.storage_node_of("storage5")
+    shufflefs("up", "--data-dir", str(c.data_dir), "--storage-nodes", "6", "--no-mount")
+    added = {c.storage_node_of("storage5"), c.storage_node_of("storage6")}
     c.wait_for(
-        "storage5's 3 targets serving as spares",
-        lambda s: [t["state"] for t in s["targets"] if t["node"] == new] == ["serving"] * 3,
+        "the added nodes' 6 targets serving as spares",
+        lambda s: [t["state"] for t in s["targets"] if t["node"] in added] == ["serving"] * 6,
     )
+    assert len(c.status()["chains"]) == 4  # two nodes with spares make no chain of 3
     replicas = c.status()["config"]["replicas"]
 
     # started, listed and cancelled in one go (a move takes far longer than
@@ -244,23 +252,156 @@ def test_rebalance_onto_an_added_node_under_reads(
     out = subprocess.CompletedProcess(argv, 0, stdout, first + stderr)
     result = json.loads(out.stdout)
     assert result["id"] == first.partition(":")[0]  # the same job, carried on
-    assert result["state"] == "done" and result["done"] >= 2, result
+    assert result["state"] == "done" and result["done"] >= 4, result
     assert "moves" in out.stderr  # not a terminal: a plain progress line per change
     assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
 
     after = c.status()
     node_of = {t["id"]: t["node"] for t in after["targets"]}
     state_of = {t["id"]: t["state"] for t in after["targets"]}
-    held = sum(1 for ch in after["chains"] for t in ch["targets"] if node_of[t] == new)
-    assert held >= 2, after["chains"]
+    held = {n: 0 for n in {t["node"] for t in after["targets"]}}
     for ch in after["chains"]:
         assert len(ch["targets"]) == replicas and len({node_of[t] for t in ch["targets"]}) == 3
         assert all(state_of[t] == "serving" for t in ch["targets"]), ch
+        for t in ch["targets"]:
+            held[node_of[t]] += 1
+    assert all(held[n] >= 2 for n in added), held
+    # usage evened out: the bytes of the replicas each node holds, from the
+    # daemons' own chunk lists (every replica byte-identical to its chain's head)
+    assert assert_replicas_identical(c) == 24
+    stored = {n: 0 for n in held}
+    for ch, members in zip(after["chains"], replica_states(c).values(), strict=True):
+        for t, chunks in zip(ch["targets"], members, strict=True):
+            stored[node_of[t]] += sum(length for _, length, _ in chunks.values())
+    mean = sum(stored.values()) / len(stored)
+    assert all(abs(b - mean) <= 0.1 * mean for b in stored.values()), stored
     assert hashlib.sha256(data.read_bytes()).hexdigest() == hashlib.sha256(expected).hexdigest()
     jobs = json.loads(shufflefs("jobs", "--json", *config).stdout)["jobs"]
     assert [(j["id"], j["state"]) for j in jobs] == [(result["id"], "done")], jobs
     assert result["id"] in shufflefs("jobs", *config).stdout
     print(
-        f"REBALANCE: {result['done']} moves onto node {new} ({held} memberships) "
-        f"under {report['reads']} reads, none failed"
+        f"REBALANCE: {result['done']} moves onto nodes {sorted(added)}, memberships {held}, "
+        f"MiB per node {[b >> 20 for b in stored.values()]}, under {report['reads']} reads"
+    )
+
+
+REPLACE_AFTER = 2.0  # seconds a node stays offline before it is re-replicated
+
+
+def watch_jobs(c: ProcessCluster, stop: threading.Event, seen: dict[str, JobInfo]) -> None:
+    """mgmtd's job list every 0.1 s until *stop* (at most 120 s): each job id seen."""
+
+    async def poll() -> None:
+        async with c.rpc() as rpc:
+            mgmtd = MgmtdStub(rpc, c.mgmtd_address)
+            with trio.move_on_after(120):
+                while not stop.is_set():
+                    for job in await mgmtd.jobs():
+                        seen.setdefault(job["id"], job)
+                    await trio.sleep(0.1)
+
+    trio.run(poll)
+
+
+@pytest.fixture
+def five_by_three(tmp_path: Path) -> Iterator[ProcessCluster]:
+    """5 nodes x 3 targets, 3 replicas (5 chains, no spares), dead nodes re-replicated quickly."""
+    c = ProcessCluster(
+        tmp_path / "data",
+        tmp_path / "mnt",
+        storage_nodes=5,
+        replicas=3,
+        targets_per_node=3,
+        mgmtd_settings={**HEARTBEAT_FAST, "replace_offline_after": REPLACE_AFTER},
+    )
+    with c.running():
+        yield c
+
+
+def test_a_node_that_stays_dead_is_re_replicated_from_its_partners(
+    five_by_three: ProcessCluster,
+) -> None:
+    """kill -9 of one node's daemon: after `replace_offline_after` mgmtd's
+    replace job gives each of its chains a new member on another node
+    (created there: the table has no spares), resynced from the chain's
+    survivors, while reads go on; the node is then removed, and its daemon,
+    started again, is refused and stops without serving."""
+    c = five_by_three
+    config = ["--config", str(c.client_config)]
+    expected = content(6, 30 * MiB)  # 30 chunks over the 5 chains
+    data = c.mountpoint / "train.bin"
+    data.write_bytes(expected)
+    before = c.status()
+    node_of = {t["id"]: t["node"] for t in before["targets"]}
+    daemon = "storage2"
+    victim = c.storage_node_of(daemon)
+    dead_chains = {
+        ch["id"] for ch in before["chains"] if any(node_of[t] == victim for t in ch["targets"])
+    }
+    assert len(dead_chains) == 3
+    names = [f"storage{i}" for i in range(1, 6) if f"storage{i}" != daemon]
+    logs_before = {n: len(c.log(n)) for n in names}
+
+    stop, report = threading.Event(), {"reads": 0, "failed": 0, "wrong": 0}
+    reader = threading.Thread(target=read_loop, args=(data, expected, stop, report))
+    seen: dict[str, JobInfo] = {}
+    watcher = threading.Thread(target=watch_jobs, args=(c, stop, seen))
+    reader.start()
+    watcher.start()
+    try:
+        c.kill(daemon)
+        c.wait_for(
+            f"node {victim} re-replicated and removed",
+            lambda s: (
+                victim not in {n["id"] for n in s["nodes"]}
+                and all(t["state"] == "serving" for t in s["targets"])
+            ),
+            timeout=120,
+        )
+    finally:
+        stop.set()
+        reader.join(60)
+        watcher.join(60)
+    assert report["reads"] > 0 and report["failed"] == 0 and report["wrong"] == 0, report
+    job = seen.get(f"replace-{victim}")  # listed by `shufflefs jobs` while it ran
+    assert job is not None and job["kind"] == "replace", seen
+    assert "offline for" in job["detail"] and job["state"] == "running", job
+
+    after = c.status()
+    node_of = {t["id"]: t["node"] for t in after["targets"]}
+    live = {n["id"] for n in after["nodes"] if n["kind"] == "storage" and n["state"] == "online"}
+    assert victim not in live and len(live) == 4
+    for ch in after["chains"]:
+        nodes = [node_of[t] for t in ch["targets"]]
+        assert len(nodes) == 3 and len(set(nodes)) == 3 and set(nodes) <= live, ch
+    assert assert_replicas_identical(c) >= 30
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == hashlib.sha256(expected).hexdigest()
+
+    # who fed the copies: the new members' resyncs, on the surviving nodes
+    new = {t for ch in after["chains"] for t in ch["targets"]} - set(
+        t for ch in before["chains"] for t in ch["targets"]
+    )
+    assert len(new) == len(dead_chains)
+    starts = [
+        m
+        for n in names
+        for m in RESYNC_START.findall(c.log(n)[logs_before[n] :])
+        if int(m[0]) in new
+    ]
+    assert {int(t) for t, _, _ in starts} == new
+    sources = {node_of[int(source)] for _, _, source in starts}
+    assert victim not in sources and len(sources) >= 2, f"re-replicated only from {sources}"
+    mgmtd_log = c.log("mgmtd")
+    assert f"re-replicating node {victim} (all its targets offline for" in mgmtd_log
+    jobs = json.loads(shufflefs("jobs", "--json", *config).stdout)["jobs"]
+    assert not [j for j in jobs if j["kind"] in ("replace", "resync")], jobs
+
+    # the dead daemon comes back: refused (it was removed), it stops, serves nothing
+    c.start(daemon, wait=False)
+    wait_until("the replaced node's daemon to stop", lambda: c.pid(daemon) is None, timeout=30)
+    assert "was removed from this cluster" in c.log(daemon)
+    assert c.status()["chains"] == after["chains"]
+    print(
+        f"REPLACE: node {victim}'s {len(dead_chains)} chains re-replicated from nodes "
+        f"{sorted(sources)} onto new targets {sorted(new)} under {report['reads']} reads"
     )
