@@ -272,6 +272,17 @@ class Target:
         )
 
     def close(self) -> None:
+        files, commits = self._file_sync.runner, self._record_commits
+        if commits.items:
+            log.info(
+                "group flushes target=%s file_flushes=%d file_passes=%d record_commits=%d "
+                "transactions=%d",
+                self.label,
+                files.items,
+                files.batches,
+                commits.items,
+                commits.batches,
+            )
         self._fds.close_all()
         self.env.close()
 
