@@ -109,9 +109,10 @@ REPLACE = "replace"  # whole-chunk content from another replica: a new generatio
 
 @dataclass(eq=False)
 class Staged:
-    """An update that is durable on disk but not committed: readers see the
-    committed record only, so they never see it. `ChunkStore.commit` makes it
-    visible in one LMDB transaction; `ChunkStore.abort` removes it. The
+    """An update that is durable on disk (once flushed: see `unflushed`) but
+    not committed: readers see the committed record only, so they never see
+    it. `ChunkStore.commit` makes it visible in one LMDB transaction (after
+    the flush, if still owed); `ChunkStore.abort` removes it. The
     caller serializes updates of one chunk from stage to commit (the storage
     service holds the chunk's lock); commit refuses an update whose base is
     no longer the committed record."""
