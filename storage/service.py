@@ -242,7 +242,9 @@ class StorageService:
             if place is not None:
                 place = await self.forwarding.check_min_replicas(place, target, head=True)
             try:
-                staged = await node.io(store.stage_write, chunk, offset, data, chunk_size, None)
+                staged = await node.io(
+                    store.stage_write, chunk, offset, data, chunk_size, None, False
+                )
             except FsError as exc:
                 if exc.code == errno.EIO and node.other_serving(target):
                     self.repairs.schedule(target, chunk)
@@ -285,11 +287,11 @@ class StorageService:
             place = await self.forwarding.place(target, chain, chain_version, head=False)
             sync = self.resyncer.state_at(target, place)
             if full:
-                staged = await node.io(store.stage_replace, chunk, data, chunk_size, version)
+                staged = await node.io(store.stage_replace, chunk, data, chunk_size, version, False)
             else:
                 try:
                     staged = await node.io(
-                        store.stage_write, chunk, offset, data, chunk_size, version
+                        store.stage_write, chunk, offset, data, chunk_size, version, False
                     )
                 except FsError as exc:
                     if exc.code != errno.EIO:
@@ -322,19 +324,49 @@ class StorageService:
         data: bytes | bytearray,
         full: bool,
     ) -> WriteResult:
-        """The rest of an update once staged here: forward it (if this target
-        has a successor), then commit; on any failure abort, so nothing is
-        committed here that the rest of the chain did not acknowledge."""
+        """The rest of an update once staged here (written, not yet flushed):
+        flush it here while forwarding it (if this target has a successor),
+        so the replicas' flushes overlap; commit once both are done; on any
+        failure abort, so nothing is committed here that is not durable here
+        and acknowledged by the rest of the chain."""
         try:
             if place is not None and place.successor is not None and staged.new is not None:
-                await self.forwarding.forward_update(
-                    store, staged, place, offset, chunk_size, data, full
+                await self._flush_while(
+                    store,
+                    staged,
+                    self.forwarding.forward_update(
+                        store, staged, place, offset, chunk_size, data, full
+                    ),
                 )
             return await self.node.io(store.commit, staged)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.node.io(store.abort, staged)
             raise
+
+    async def _flush_while(
+        self, store: ChunkStore, staged: Staged, forward: Awaitable[None]
+    ) -> None:
+        """Flush *staged* here while *forward* runs; raise the first error
+        of either (unwrapped from the nursery's group)."""
+        flush_error: list[FsError] = []
+
+        async def flush() -> None:
+            try:
+                await self.node.io(store.flush, staged)
+            except FsError as exc:
+                flush_error.append(exc)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(flush)
+                await forward
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        if flush_error:
+            raise flush_error[0]
 
     # ---- truncate and remove, along the chain ----------------------------------
 

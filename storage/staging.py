@@ -20,6 +20,10 @@ commit.
 
 So after a crash at any instant each chunk is, whole, either as before or as
 after the update in flight, and its checksums match.
+
+The flushes (of the bytes, then of the record commit) are group flushes
+(`storage/group_sync.py`): concurrent updates of a target share them, and
+each update still returns only once its own step is durable.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.files import fsync_dir
 from shufflefs.storage.cache import FdHandle
 from shufflefs.storage.crc import (
     CRC_TYPECODE,
@@ -42,6 +45,7 @@ from shufflefs.storage.crc import (
     first_bad_block,
     zero_block_crc,
 )
+from shufflefs.storage.group_sync import FileFlush
 from shufflefs.storage.layout import (
     ChunkRecord,
     block_count,
@@ -105,9 +109,10 @@ REPLACE = "replace"  # whole-chunk content from another replica: a new generatio
 
 @dataclass(eq=False)
 class Staged:
-    """An update that is durable on disk but not committed: readers see the
-    committed record only, so they never see it. `ChunkStore.commit` makes it
-    visible in one LMDB transaction; `ChunkStore.abort` removes it. The
+    """An update that is durable on disk (once flushed: see `unflushed`) but
+    not committed: readers see the committed record only, so they never see
+    it. `ChunkStore.commit` makes it visible in one LMDB transaction (after
+    the flush, if still owed); `ChunkStore.abort` removes it. The
     caller serializes updates of one chunk from stage to commit (the storage
     service holds the chunk's lock); commit refuses an update whose base is
     no longer the committed record."""
@@ -121,6 +126,8 @@ class Staged:
     d_used: int = 0
     d_chunks: bool = False
     done: bool = False
+    # the flush still owed before the commit (staged with flush=False)
+    unflushed: FileFlush | None = None
 
     @property
     def version(self) -> int:
@@ -154,7 +161,13 @@ class WritableTarget(Target):
             return self._commit_locked(staged)
 
     def stage_write(
-        self, cid: bytes, offset: int, data: Data, chunk_size: int, version: int | None = None
+        self,
+        cid: bytes,
+        offset: int,
+        data: Data,
+        chunk_size: int,
+        version: int | None = None,
+        flush: bool = True,
     ) -> Staged:
         """Make the chunk's next version (*data* at *offset*) durable on disk,
         invisible to readers until `commit`. *version* is the version the
@@ -162,15 +175,21 @@ class WritableTarget(Target):
         `NEED_FULL`: this replica holds another base than the sender);
         None means exactly that. Appends go in place, past the committed
         length; overwrites into a new generation file. A zero-length write
-        stages nothing (committing it changes nothing)."""
+        stages nothing (committing it changes nothing). With *flush* False
+        the bytes are written but not yet durable: `flush` (or `commit`,
+        which flushes first) makes them so; meanwhile the caller may forward
+        the update, so that replicas flush at the same time."""
         with self._lock(cid):
-            return self._stage_write_locked(cid, offset, data, chunk_size, version)
+            return self._stage_write_locked(cid, offset, data, chunk_size, version, flush)
 
-    def stage_replace(self, cid: bytes, data: Data, chunk_size: int, version: int) -> Staged:
+    def stage_replace(
+        self, cid: bytes, data: Data, chunk_size: int, version: int, flush: bool = True
+    ) -> Staged:
         """Stage *data* as the chunk's whole content at *version* (a full
         resend along the chain, a resync or a repair copies a chunk from
         another replica), in a new generation file: whatever this target held
-        before is replaced on commit, whatever its version was."""
+        before is replaced on commit, whatever its version was. *flush* as
+        for `stage_write`."""
         check_chunk_id(cid)
         check_chunk_size(chunk_size)
         if len(data) > chunk_size:
@@ -188,9 +207,7 @@ class WritableTarget(Target):
                 raise self._os_error(exc, f"replace of chunk {cid.hex()}") from None
             try:
                 _pwrite_all(fd, data, 0)
-                if self.fsync:
-                    os.fsync(fd)
-                    fsync_dir(os.path.dirname(path))
+                unflushed = self._flush_now(FileFlush(fd, True, os.path.dirname(path)), flush)
             except BaseException as exc:
                 os.close(fd)
                 with contextlib.suppress(OSError):
@@ -202,12 +219,45 @@ class WritableTarget(Target):
             new = ChunkRecord(version, generation, len(data), chunk_size, crcs)
             old_len = rec.length if rec is not None else 0
             return Staged(
-                cid, REPLACE, rec, new, fd=fd, d_used=len(data) - old_len, d_chunks=rec is None
+                cid,
+                REPLACE,
+                rec,
+                new,
+                fd=fd,
+                d_used=len(data) - old_len,
+                d_chunks=rec is None,
+                unflushed=unflushed,
             )
+
+    def flush(self, staged: Staged) -> None:
+        """Make the bytes of an update staged with ``flush=False`` durable
+        (a group flush, shared with the other updates flushing on this
+        target meanwhile). The caller still owns the update: on an error it
+        aborts it."""
+        pending = staged.unflushed
+        if pending is None or staged.done:
+            return
+        try:
+            self._file_sync.flush(pending)
+        except OSError as exc:
+            raise self._os_error(exc, f"flush of chunk {staged.cid.hex()}") from None
+        staged.unflushed = None
+
+    def _flush_now(self, pending: FileFlush, flush: bool) -> FileFlush | None:
+        """Flush *pending* now if *flush*, else return it for `flush` later
+        (nothing at all without fsync)."""
+        if not self.fsync:
+            return None
+        if not flush:
+            return pending
+        self._file_sync.flush(pending)
+        return None
 
     def commit(self, staged: Staged) -> WriteResult:
         """Make a staged update the chunk's committed state (one LMDB
-        transaction). If the commit fails the update is aborted."""
+        transaction, grouped with the commits of other chunks that arrive
+        meanwhile), its bytes flushed first if they are not yet. If the
+        commit fails the update is aborted."""
         with self._lock(staged.cid):
             return self._commit_locked(staged)
 
@@ -238,7 +288,13 @@ class WritableTarget(Target):
         return data
 
     def _stage_write_locked(
-        self, cid: bytes, offset: int, data: Data, chunk_size: int, version: int | None
+        self,
+        cid: bytes,
+        offset: int,
+        data: Data,
+        chunk_size: int,
+        version: int | None,
+        flush: bool = True,
     ) -> Staged:
         check_chunk_id(cid)
         check_chunk_size(chunk_size)
@@ -264,8 +320,8 @@ class WritableTarget(Target):
             return Staged(cid, NOOP, rec, None)
         try:
             if rec is None or offset >= rec.length:
-                return self._stage_in_place(cid, rec, offset, chunk_size, data, current + 1)
-            return self._stage_cow(cid, rec, offset, data, current + 1)
+                return self._stage_in_place(cid, rec, offset, chunk_size, data, current + 1, flush)
+            return self._stage_cow(cid, rec, offset, data, current + 1, flush)
         except FsError:
             raise
         except OSError as exc:
@@ -279,6 +335,7 @@ class WritableTarget(Target):
         chunk_size: int,
         data: Data,
         version: int,
+        flush: bool,
     ) -> Staged:
         old_len = rec.length if rec is not None else 0
         new_len = offset + len(data)
@@ -309,12 +366,8 @@ class WritableTarget(Target):
             crcs = self._updated_crcs(cid, rec, fd, offset, data, new_len)
             wrote = True
             _pwrite_all(fd, data, offset)
-            if self.fsync:
-                if rec is None:
-                    os.fsync(fd)
-                    fsync_dir(os.path.dirname(path))
-                else:
-                    os.fdatasync(fd)
+            directory = os.path.dirname(path) if rec is None else None
+            unflushed = self._flush_now(FileFlush(fd, rec is None, directory), flush)
             new = ChunkRecord(version, generation, new_len, chunk_size, crcs)
             result = Staged(
                 cid,
@@ -325,6 +378,7 @@ class WritableTarget(Target):
                 handle=handle,
                 d_used=new_len - old_len,
                 d_chunks=rec is None,
+                unflushed=unflushed,
             )
             staged = True
             return result
@@ -341,7 +395,7 @@ class WritableTarget(Target):
                         os.unlink(path)
 
     def _stage_cow(
-        self, cid: bytes, rec: ChunkRecord, offset: int, data: Data, version: int
+        self, cid: bytes, rec: ChunkRecord, offset: int, data: Data, version: int, flush: bool
     ) -> Staged:
         end = offset + len(data)
         new_len = max(rec.length, end)
@@ -360,9 +414,7 @@ class WritableTarget(Target):
                 if end < rec.length:
                     _copy_range(old.fd, fd, end, rec.length - end)
                 _pwrite_all(fd, data, offset)
-                if self.fsync:
-                    os.fsync(fd)
-                    fsync_dir(os.path.dirname(path))
+                unflushed = self._flush_now(FileFlush(fd, True, os.path.dirname(path)), flush)
             except BaseException:
                 os.close(fd)
                 with contextlib.suppress(OSError):
@@ -371,7 +423,7 @@ class WritableTarget(Target):
         finally:
             self._fds.release(old)
         new = ChunkRecord(version, generation, new_len, rec.chunk_size, crcs)
-        return Staged(cid, COW, rec, new, fd=fd, d_used=new_len - rec.length)
+        return Staged(cid, COW, rec, new, fd=fd, d_used=new_len - rec.length, unflushed=unflushed)
 
     def _commit_locked(self, staged: Staged) -> WriteResult:
         if staged.done:
@@ -385,6 +437,7 @@ class WritableTarget(Target):
                 "length": base.length if base else 0,
             }
         try:
+            self.flush(staged)  # never a record before its bytes are durable
             current = self._record(staged.cid)
             if not same_record(current, staged.base):
                 raise FsError(

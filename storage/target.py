@@ -22,6 +22,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -30,6 +31,7 @@ import lmdb
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json, write_json_durably
 from shufflefs.storage.cache import MISSING, FdCache, FdHandle, Missing, RecordCache
+from shufflefs.storage.group_sync import FileSync, GroupRunner
 from shufflefs.storage.layout import (
     CHUNKS_DIR,
     FORMAT_VERSION,
@@ -54,6 +56,16 @@ STATS_USED = b"used"
 STATS_CHUNKS = b"chunks"
 U64 = struct.Struct(">Q")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class RecordChange:
+    """One caller's part of a (grouped) record commit."""
+
+    puts: Sequence[tuple[bytes, ChunkRecord]]
+    deletes: Sequence[bytes]
+    d_used: int
+    d_chunks: int
 
 
 class Target:
@@ -107,6 +119,9 @@ class Target:
             self._fds: FdCache[tuple[bytes, int]] = FdCache(fd_cache)
             self._locks = [threading.Lock() for _ in range(LOCK_STRIPES)]
             self._commit_lock = threading.Lock()
+            # group flushes (storage/group_sync.py): the staged bytes, the record commits
+            self._file_sync = FileSync()
+            self._record_commits: GroupRunner[RecordChange] = GroupRunner(self._commit_batch)
             self._nowait = hasattr(os, "RWF_NOWAIT")
             self.used = 0
             self.chunks = 0
@@ -257,6 +272,17 @@ class Target:
         )
 
     def close(self) -> None:
+        files, commits = self._file_sync.runner, self._record_commits
+        if commits.items:
+            log.info(
+                "group flushes target=%s file_flushes=%d file_passes=%d record_commits=%d "
+                "transactions=%d",
+                self.label,
+                files.items,
+                files.batches,
+                commits.items,
+                commits.batches,
+            )
         self._fds.close_all()
         self.env.close()
 
@@ -373,16 +399,24 @@ class Target:
         d_chunks: int,
     ) -> None:
         """Apply record changes and the counters in one LMDB transaction,
-        then show them to readers (the record cache)."""
+        then show them to readers (the record cache). Changes of other
+        chunks committed meanwhile share the transaction (and its flush):
+        the caller holds the locks of its chunks, so no two changes of a
+        batch touch the same record. Returns once the transaction is
+        durable; if it fails, every change of the batch fails."""
+        self._record_commits.run(RecordChange(puts, deletes, d_used, d_chunks))
+
+    def _commit_batch(self, changes: list[RecordChange]) -> list[BaseException | None]:
         with self._commit_lock:
-            used = self.used + d_used
-            chunks = self.chunks + d_chunks
+            used = self.used + sum(c.d_used for c in changes)
+            chunks = self.chunks + sum(c.d_chunks for c in changes)
             try:
                 with self.env.begin(write=True) as txn:
-                    for cid, rec in puts:
-                        txn.put(cid, rec.encode(), db=self.db_chunks)
-                    for cid in deletes:
-                        txn.delete(cid, db=self.db_chunks)
+                    for change in changes:
+                        for cid, rec in change.puts:
+                            txn.put(cid, rec.encode(), db=self.db_chunks)
+                        for cid in change.deletes:
+                            txn.delete(cid, db=self.db_chunks)
                     txn.put(STATS_USED, U64.pack(used), db=self.db_stats)
                     txn.put(STATS_CHUNKS, U64.pack(chunks), db=self.db_stats)
             except lmdb.MapFullError:
@@ -399,10 +433,12 @@ class Target:
                 log.error("target=%s metadata commit failed: %s", self.label, exc)
                 raise FsError(errno.EIO, f"target {self.label}: metadata commit failed") from None
             self.used, self.chunks = used, chunks
-            for cid, rec in puts:
-                self._records.set(cid, rec)
-            for cid in deletes:
-                self._records.set(cid, MISSING)
+            for change in changes:
+                for cid, rec in change.puts:
+                    self._records.set(cid, rec)
+                for cid in change.deletes:
+                    self._records.set(cid, MISSING)
+        return [None] * len(changes)
 
     def _discard_file(self, cid: bytes, generation: int) -> None:
         """Delete a file that is no longer committed (if this fails, the next

@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,10 @@ import pytest
 from clusters import ProcessCluster, assert_replicas_identical
 from harness import flip, shufflefs
 from loadgen import content
+
+from shufflefs.cluster import procs
+from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 WORKERS = str(Path(__file__).parent.parent / "loadgen.py")
 MiB = 1 << 20
@@ -133,6 +138,54 @@ def test_kill9_during_writes_then_resync(fault_cluster: ProcessCluster, tmp_path
     chunks = assert_replicas_identical(c)
     assert chunks > 0
     check_acked(acklog)
+
+
+def test_kill9_every_storage_daemon_keeps_acknowledged_writes(
+    fault_cluster: ProcessCluster, tmp_path: Path
+) -> None:
+    """Group flushes (docs/storage.md): with three writers' files flushed and
+    committed in shared batches, kill -9 every storage daemon at once in the
+    middle of the writes; every file acknowledged before is then, on each
+    replica's own disk (read back from the target directory, as the daemon
+    would at its restart), whole and committed: no write was acknowledged
+    before every replica had flushed and committed it."""
+    c = fault_cluster
+    logs = [tmp_path / f"acked{i}.log" for i in range(3)]
+    writers = [start_writer(c.mountpoint / f"w{i}", 8.0, log) for i, log in enumerate(logs)]
+    deadline = time.monotonic() + 60
+    while sum(len(acked(log)) for log in logs if log.exists()) < 10:
+        assert time.monotonic() < deadline, "the writers did not get going"
+        time.sleep(0.05)
+    names = [n for n in c.names() if n.startswith("storage")]
+    pids = [c.pid(n) for n in names]
+    for pid in pids:
+        assert pid is not None
+        procs.signal_pid(pid, signal.SIGKILL)
+    killed_at = time.time()
+    for pid in pids:
+        assert pid is not None and procs.wait_exit(pid, 15.0)
+    files = [f for log in logs for f in acked(log) if f[2] < killed_at]
+    stores = [ChunkStore(p.parent) for p in sorted(c.data_dir.rglob("target.json"))]
+    assert len(stores) == len(names) == 3  # replicas 3: every target holds every chunk
+    try:
+        for path, digest, _ in files:
+            st = os.stat(path)  # the metadata server and the mount are still up
+            chunk = 1 << 20
+            for store in stores:
+                data = b"".join(
+                    bytes(store.read(chunk_id(st.st_ino, i), 0, chunk))
+                    for i in range(-(-st.st_size // chunk))
+                )
+                assert hashlib.sha256(data).hexdigest() == digest, (path, store.path)
+    finally:
+        for store in stores:
+            store.close()
+    print(f"GROUP FLUSH kill -9 of every storage daemon: {len(files)} acknowledged files whole")
+    c.restart_missing()
+    for w in writers:
+        finish(w)
+    c.all_serving()
+    assert sum(check_acked(log) for log in logs) >= len(files)
 
 
 def test_cut_host_during_reads_and_writes(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
