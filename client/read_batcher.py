@@ -33,7 +33,7 @@ import trio
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.framing import DEFAULT_LIMITS
-from shufflefs.storage.protocol import MAX_READ_ITEMS, ReadItem, StorageStub
+from shufflefs.storage.protocol import MAX_READ_ITEMS, ReadItem, read_items
 
 FRAMES_IN_FLIGHT = 1  # per node: more frames than this wait and coalesce
 # Well under the reply payload limit (64 MiB) and the daemon's item limit, so
@@ -177,13 +177,12 @@ class ReadBatcher:
             node.promote()
 
     async def _frame(self, address: str, node: NodeQueue, batch: list[QueuedRead]) -> None:
-        stub = StorageStub(self.rpc, address, timeout=self.timeout)
         items = batch[0].items if len(batch) == 1 else [it for w in batch for it in w.items]
-        timeout = min(w.timeout for w in batch)
+        timeout = batch[0].timeout if len(batch) == 1 else min(w.timeout for w in batch)
         self.frames_sent += 1
         self.reads_sent += len(batch)
         try:
-            lengths, payload = await stub.read(items, timeout=timeout)
+            lengths, payload = await read_items(self.rpc, address, items, timeout)
         except FsError as exc:
             if len(batch) > 1 and exc.code in REFUSED_AS_A_WHOLE:
                 for w in batch:  # not one read's fault: each alone gets its own answer
