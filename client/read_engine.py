@@ -179,7 +179,10 @@ class ReadJob:
                 if items:
                     slow.append((address, items))
                 continue
-            remote.extend((address, request) for request in split_requests(items))
+            if len(items) == 1:
+                remote.append((address, items))
+            else:
+                remote.extend((address, request) for request in split_requests(items))
         if slow and not remote and len(slow) == 1 and engine.reads_in_flight <= 1:
             # alone and local: wait for the disk right here; a thread hop costs
             # more than the read, and nobody else is kept waiting
