@@ -99,13 +99,33 @@ def fio_randread(path: str, size: int, jobs: int, seconds: float, netns: str | N
     )
 
 
+def warm_replicas(cluster_dir: Path) -> None:
+    """Read every chunk file of every target into the page cache. A read
+    through the mount warms one replica per chain, but concurrent reads are
+    spread over every replica by load, and the cold rows dropped the caches:
+    "storage side warm" means all of them."""
+    for path in sorted(cluster_dir.glob("storage*/**/chunks/**/*")):
+        if path.is_file():
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                while f.read(1 << 20):
+                    pass
+
+
 def fio_rows(
-    target: Target, size: int, seconds: float, reader_netns: str, compare: Path | None
+    target: Target,
+    size: int,
+    seconds: float,
+    reader_netns: str,
+    compare: Path | None,
+    cluster_dir: Path | None = None,
 ) -> list[FioRow]:
-    """The fio jobs through the mount (storage side warm), on the local copy
-    and on the --compare copy, with their ratios."""
+    """The fio jobs through the mount (storage side warm: every replica of
+    the file's chunks), on the local copy and on the --compare copy, with
+    their ratios."""
     assert target.fuse_file is not None
     read_whole(target.fuse_file)  # warms the storage daemons' page cache
+    if cluster_dir is not None:
+        warm_replicas(cluster_dir)
     places: list[tuple[str, str, str | None]] = [
         ("shufflefs", target.fuse_file, reader_netns),
         ("local", target.local_file, None),
@@ -215,7 +235,9 @@ def cli_remote(args: argparse.Namespace) -> int:
         rows = measure(args, target, file_size)
         if run_fio:
             stack.enter_context(compare_copy(target.local_file, compare))
-            fio = fio_rows(target, file_size, seconds, cluster.reader_netns(1), compare)
+            fio = fio_rows(
+                target, file_size, seconds, cluster.reader_netns(1), compare, workdir / "cluster"
+            )
     settings = {
         "file_mb": file_size // MiB,
         "seconds_per_row": seconds,

@@ -33,7 +33,7 @@ import trio
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.framing import DEFAULT_LIMITS
-from shufflefs.storage.protocol import MAX_READ_ITEMS, ReadItem, StorageStub
+from shufflefs.storage.protocol import MAX_READ_ITEMS, ReadItem, read_items
 
 FRAMES_IN_FLIGHT = 1  # per node: more frames than this wait and coalesce
 # Well under the reply payload limit (64 MiB) and the daemon's item limit, so
@@ -137,28 +137,48 @@ class ReadBatcher:
         node = self._nodes.get(address)
         if node is None:
             node = self._nodes[address] = NodeQueue()
-        me = QueuedRead(items, timeout, 0)
         if node.frames < FRAMES_IN_FLIGHT and not node.queue:
-            await self._send(address, node, [me])
-        else:
-            me.nbytes = sum(max(0, it[3]) for it in items)
-            me.wake = trio.Event()
-            node.queue.append(me)
-            try:
-                with trio.move_on_after(timeout * 2):  # the frame ahead, then ours
-                    await me.wake.wait()
-            except BaseException:
-                node.leave(me)
-                raise
-            if not me.wake.is_set():
-                node.leave(me)
-                raise FsError(errno.ETIMEDOUT, f"read to {address} timed out in its queue")
-            if me.lead and not me.done:
-                await self._send(address, node, node.take())
+            return await self._alone(address, node, items, timeout)
+        me = QueuedRead(items, timeout, 0)
+        me.nbytes = sum(max(0, it[3]) for it in items)
+        me.wake = trio.Event()
+        node.queue.append(me)
+        try:
+            with trio.move_on_after(timeout * 2):  # the frame ahead, then ours
+                await me.wake.wait()
+        except BaseException:
+            node.leave(me)
+            raise
+        if not me.wake.is_set():
+            node.leave(me)
+            raise FsError(errno.ETIMEDOUT, f"read to {address} timed out in its queue")
+        if me.lead and not me.done:
+            await self._send(address, node, node.take())
         if me.error is not None:
             raise FsError(me.error.code, me.error.message)
         assert me.result is not None
         return me.result
+
+    async def _alone(
+        self, address: str, node: NodeQueue, items: list[ReadItem], timeout: float
+    ) -> ReadReply:
+        """A read with nothing queued for its node: its own frame, at once,
+        answered to it directly (what `_frame` does for a batch of one)."""
+        node.frames += 1
+        self.frames_sent += 1
+        self.reads_sent += 1
+        try:
+            lengths, payload = await read_items(self.rpc, address, items, timeout)
+        except FsError as exc:
+            if exc.code not in REFUSED_AS_A_WHOLE:
+                node.fail_queue(exc)  # the node failed: do not wait it out again
+            raise
+        finally:
+            node.frames -= 1
+            node.promote()
+        if len(lengths) != len(items):
+            raise FsError(errno.EPROTO, f"{address} answered {len(lengths)} of {len(items)}")
+        return lengths, memoryview(payload)
 
     async def _send(self, address: str, node: NodeQueue, batch: list[QueuedRead]) -> None:
         """Send *batch* as one frame and hand out its reply. A shared frame is
@@ -177,13 +197,12 @@ class ReadBatcher:
             node.promote()
 
     async def _frame(self, address: str, node: NodeQueue, batch: list[QueuedRead]) -> None:
-        stub = StorageStub(self.rpc, address, timeout=self.timeout)
         items = batch[0].items if len(batch) == 1 else [it for w in batch for it in w.items]
-        timeout = min(w.timeout for w in batch)
+        timeout = batch[0].timeout if len(batch) == 1 else min(w.timeout for w in batch)
         self.frames_sent += 1
         self.reads_sent += len(batch)
         try:
-            lengths, payload = await stub.read(items, timeout=timeout)
+            lengths, payload = await read_items(self.rpc, address, items, timeout)
         except FsError as exc:
             if len(batch) > 1 and exc.code in REFUSED_AS_A_WHOLE:
                 for w in batch:  # not one read's fault: each alone gets its own answer

@@ -31,7 +31,7 @@ from shufflefs.client.replicas import Placed
 from shufflefs.client.storage_parts import StoragePart
 from shufflefs.cluster.routing import Routing
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.retry import TRANSIENT, retrying
+from shufflefs.rpc.retry import TRANSIENT, Backoff, retrying
 from shufflefs.rpc.transport import Buffer
 
 log = logging.getLogger("shufflefs.client.reads")
@@ -124,11 +124,26 @@ class ReadEngine(StoragePart):
         job = ReadJob(self, pieces, out)
         self.reads_in_flight += 1
         try:
+            try:  # the first round as it is: no retry loop set up for a read that succeeds
+                await job.round()
+                return
+            except FsError as exc:
+                if exc.code not in TRANSIENT:
+                    raise
+                backoff = Backoff()
+                delay = backoff.next()
+                log.info("read of %d chunk ranges failed (%s); retrying", len(pieces), exc.message)
+                try:
+                    await self.refresh_routing(exc)
+                except FsError as inner:
+                    log.debug("refreshing the routing map failed: %s", inner.message)
+                await trio.sleep(delay)
             await retrying(
                 f"read of {len(pieces)} chunk ranges",
                 job.round,
-                budget=self.retry_budget,
+                budget=self.retry_budget - delay,
                 on_failure=self.refresh_routing,
+                backoff=backoff,
             )
         finally:
             self.reads_in_flight -= 1
@@ -164,7 +179,10 @@ class ReadJob:
                 if items:
                     slow.append((address, items))
                 continue
-            remote.extend((address, request) for request in split_requests(items))
+            if len(items) == 1:
+                remote.append((address, items))
+            else:
+                remote.extend((address, request) for request in split_requests(items))
         if slow and not remote and len(slow) == 1 and engine.reads_in_flight <= 1:
             # alone and local: wait for the disk right here; a thread hop costs
             # more than the read, and nobody else is kept waiting
@@ -194,7 +212,8 @@ class ReadJob:
         # With another replica to fall back on, do not wait out the full
         # timeout on one that went silent (a cut link resets nothing).
         chain = items[0][0][0]
-        others = len(self.routing.serving_targets(chain)) > 1 + len(self.avoid[chain])
+        avoided = self.avoid.get(chain)
+        others = len(engine.replicas.serving(self.routing, chain)) > 1 + len(avoided or ())
         timeout = min(engine.timeout, FAILOVER_READ_TIMEOUT) if others else engine.timeout
         try:
             lengths, payload = await engine.batcher.read(
@@ -239,7 +258,9 @@ class ReadJob:
         self.avoid[chain].add(tid)
         self.engine.replicas.failed(self.routing, tid, exc)
         others = [
-            t for t in self.routing.serving_targets(chain) if t["id"] not in self.avoid[chain]
+            t
+            for t in self.engine.replicas.serving(self.routing, chain)
+            if t["id"] not in self.avoid[chain]
         ]
         if others or exc.code in TRANSIENT:
             self.retry.append(piece)

@@ -48,6 +48,20 @@ class Replicas:
         self._local: tuple[int, frozenset[int]] = (-1, frozenset())
         self._reported: dict[int, float] = {}  # node id -> when we last reported it
         self._salt = random.randrange(1 << 30)
+        # serving replicas per chain of one routing snapshot (immutable), so a
+        # read does not rebuild the list; reset when the snapshot changes
+        self._serving: tuple[Routing | None, dict[int, list[TargetInfo]]] = (None, {})
+
+    def serving(self, routing: Routing, chain: int) -> list[TargetInfo]:
+        """`routing.serving_targets(chain)`, memoized per snapshot (do not modify)."""
+        snapshot, memo = self._serving
+        if snapshot is not routing:
+            memo = {}
+            self._serving = (routing, memo)
+        targets = memo.get(chain)
+        if targets is None:
+            targets = memo[chain] = routing.serving_targets(chain)
+        return targets
 
     def local_targets(self, routing: Routing) -> frozenset[int]:
         """Targets on this host (cached per routing version)."""
@@ -65,13 +79,14 @@ class Replicas:
         """The serving replica with the fewest of our requests in flight,
         counting a replica on another host as REMOTE_PENALTY requests busier,
         and preferring replicas that have not failed lately."""
-        targets = routing.serving_targets(chain)
+        targets = self.serving(routing, chain)
         if not targets:
             raise FsError(errno.ENXIO, f"chain {chain} has no serving target")
+        if len(targets) == 1 and not self.suspect:
+            return targets[0]
         now = time.monotonic()
-        healthy = [
-            t for t in targets if t["id"] not in avoid and self.suspect.get(t["id"], 0) <= now
-        ]
+        suspect = self.suspect
+        healthy = [t for t in targets if t["id"] not in avoid and suspect.get(t["id"], 0) <= now]
         untried = healthy or [t for t in targets if t["id"] not in avoid] or targets
         local = self.local_targets(routing)
         # ties go to a replica that depends on this process, so readers spread
@@ -108,6 +123,10 @@ class Replicas:
         the batch gets one replica (one request); one with many has its pieces
         dealt round robin over the equally good replicas, so a big batch keeps
         every replica's disk busy instead of one."""
+        if len(pieces) == 1:  # one piece (a lone 4 KiB read): one replica, no grouping
+            piece = pieces[0]
+            t = self.pick(routing, piece[0], avoid[piece[0]] if avoid else frozenset())
+            return {routing.target_address(t["id"]): [(piece, t["id"])]}
         per_chain: dict[int, list[Piece]] = defaultdict(list)
         for piece in pieces:
             per_chain[piece[0]].append(piece)

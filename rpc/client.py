@@ -6,7 +6,11 @@ runs. Calls to a peer share its connection; the first call connects (callers
 racing to connect wait for the same attempt). A broken connection fails the
 calls in flight on it with ECONNRESET and is replaced on the next call; which
 calls are safe to retry is the caller's business (the client library knows).
-Every call has a timeout.
+Every call has a timeout: its deadline is noted with the call and enforced
+by one sweeper task per client (`RpcClient._expire`, every `EXPIRY_TICK`),
+not by a cancel scope per call: a scope (deadline registration, enter,
+exit) costs a good part of a small call, and a call times out at most one
+tick late.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ log = logging.getLogger("shufflefs.rpc.client")
 
 DEFAULT_CONNECT_TIMEOUT = 3.0
 DEFAULT_CALL_TIMEOUT = 10.0
+EXPIRY_TICK = 0.05  # seconds between sweeps for calls past their deadline
 
 
 def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
@@ -44,14 +49,26 @@ def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
 
 
 class _Pending:
-    __slots__ = ("done", "error", "payload", "position", "result")
+    __slots__ = (
+        "deadline",
+        "done",
+        "error",
+        "method",
+        "payload",
+        "position",
+        "result",
+        "timeout",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, method: str, timeout: float, deadline: float) -> None:
         self.done = trio.Event()
         self.result: Any = None
         self.payload: bytearray | None = None
         self.position: int | None = None
         self.error: FsError | None = None
+        self.method = method
+        self.timeout = timeout
+        self.deadline = deadline
 
 
 @dataclass
@@ -102,6 +119,17 @@ class PeerConnection:
         finally:
             await self.close()
 
+    def expire(self, now: float) -> None:
+        """Fail the calls past their deadline with ETIMEDOUT."""
+        late = [i for i, w in self._pending.items() if w.deadline <= now]
+        for call_id in late:
+            waiter = self._pending.pop(call_id)
+            waiter.error = FsError(
+                errno.ETIMEDOUT,
+                f"{waiter.method} to {self.address} timed out after {waiter.timeout:g}s",
+            )
+            waiter.done.set()
+
     def _fail_all(self, error: FsError) -> None:
         self.broken = error
         pending, self._pending = self._pending, {}
@@ -126,17 +154,21 @@ class PeerConnection:
         if self.broken is not None:
             raise self.broken
         call_id = next(self._ids)
-        waiter = _Pending()
+        deadline = trio.current_time() + timeout
+        waiter = _Pending(method, timeout, deadline)
         self._pending[call_id] = waiter
         try:
-            with trio.move_on_after(timeout) as scope:
-                body = framing.request_body(call_id, method, args, after)
+            body = framing.request_body(call_id, method, args, after)
+            if self.stream.send_would_wait():  # another frame is being sent: bounded wait
+                with trio.move_on_at(deadline) as scope:
+                    await self.stream.send_frame(body, payload)
+                if scope.cancelled_caught:
+                    raise FsError(
+                        errno.ETIMEDOUT, f"{method} to {self.address} timed out after {timeout:g}s"
+                    )
+            else:  # goes out at once (the rest of a partial send is bounded by the stream)
                 await self.stream.send_frame(body, payload)
-                await waiter.done.wait()
-            if scope.cancelled_caught:
-                raise FsError(
-                    errno.ETIMEDOUT, f"{method} to {self.address} timed out after {timeout:g}s"
-                )
+            await waiter.done.wait()  # a reply, a broken connection, or `expire`
         finally:
             self._pending.pop(call_id, None)
         error = waiter.error
@@ -167,6 +199,7 @@ class RpcClient:
         self._conns: dict[str, PeerConnection] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self.closed = False
+        self._sweeper: trio.CancelScope | None = None
 
     async def connection(self, address: str) -> PeerConnection:
         conn = self._conns.get(address)
@@ -180,7 +213,19 @@ class RpcClient:
             conn = await self._connect(address)
             self._conns[address] = conn
             self.nursery.start_soon(conn.reader, name=f"rpc-reader {address}")
+            if self._sweeper is None:
+                self._sweeper = trio.CancelScope()
+                self.nursery.start_soon(self._expire, self._sweeper, name="rpc-call-deadlines")
             return conn
+
+    async def _expire(self, scope: trio.CancelScope) -> None:
+        """Fail calls past their deadline (see the module docstring)."""
+        with scope:
+            while True:
+                await trio.sleep(EXPIRY_TICK)
+                now = trio.current_time()
+                for conn in list(self._conns.values()):
+                    conn.expire(now)
 
     async def _connect(self, address: str) -> PeerConnection:
         if self.closed:
@@ -247,6 +292,8 @@ class RpcClient:
 
     async def aclose(self) -> None:
         self.closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             await conn.close()

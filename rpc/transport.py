@@ -159,6 +159,10 @@ class FrameStream:
                 errno.EMSGSIZE, f"frame payload {payload_len} > limit {self.limits.max_payload}"
             )
 
+    def send_would_wait(self) -> bool:
+        """Whether `send_frame` would wait for another sender before trying."""
+        return self._send_lock.locked()
+
     async def send_frame(
         self, body: bytes, payload: Buffer | Sequence[Buffer] | None = None
     ) -> None:

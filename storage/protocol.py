@@ -111,6 +111,17 @@ class TargetStats(TypedDict):
     chunks: int
 
 
+async def read_items(
+    rpc: RpcClient, address: str, items: Sequence[ReadItem], timeout: float
+) -> tuple[list[int], bytearray]:
+    """`StorageStub.read`, without a stub (the client's read path: one call
+    per frame, no object to build). The items go as they are (msgpack packs
+    a tuple as the array a list would be)."""
+    resp = await rpc.request(address, "read", {"items": items}, timeout=timeout)
+    lengths: list[int] = resp.result["lengths"]
+    return lengths, resp.payload or bytearray()
+
+
 class StorageStub:
     """Typed calls to the storage daemon at one address."""
 
@@ -127,13 +138,7 @@ class StorageStub:
         a chunk that does not exist) or a negative errno for an item that
         failed (EIO: its checksum did not match; the bytes are never returned),
         and one payload holding the delivered bytes of all items in order."""
-        resp = await self.rpc.request(
-            self.address,
-            "read",
-            {"items": [list(i) for i in items]},
-            timeout=timeout or self.timeout,
-        )
-        return list(resp.result["lengths"]), resp.payload or bytearray()
+        return await read_items(self.rpc, self.address, items, timeout or self.timeout)
 
     async def write(
         self,
