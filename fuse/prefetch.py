@@ -31,6 +31,13 @@ accepts stored pages only for inodes it already knows (the hinted files
 mostly have not been looked up yet: ENOENT), drops them at the next open
 without keep_cache, and gives us no way to bound or account for them.
 
+Warm epochs: a hint for a file the kernel's page cache holds (read through
+this mount, whole, at the version it still has) is skipped: the kernel
+answers its reads, so fetched bytes would only sit in our cache. The mount
+cannot see the kernel evict, so when a read of a skipped file reaches it
+anyway, skipping stops for DISTRUST_SECONDS (a dataset larger than the page
+cache is prefetched every epoch, as before).
+
 Bounded: fetched plus in-flight bytes never exceed the budget (mount option
 ``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
 (the loader has moved on). A range is dropped once a read took its last
@@ -72,6 +79,7 @@ MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
 MAX_FILES_PER_READ = 256  # listed files read together (one request per storage node)
 READ_BATCH = 8 << 20  # bytes of listed files read together
 ENTRY_TTL = 120.0
+DISTRUST_SECONDS = 60.0  # no hint is skipped as held by the kernel this long after one was wrong
 # directory listings kept to resolve hinted names (one request per directory
 # and page instead of a lookup and an open per file); staleness is caught
 # where it matters: an open that sees another version drops the bytes
@@ -131,6 +139,7 @@ class Counters:
     expired: int = 0  # entries dropped unread after ENTRY_TTL
     failed: int = 0  # ranges whose read failed (the reader will read them itself)
     resident: int = 0  # hints skipped: the kernel's page cache holds those bytes
+    evicted: int = 0  # reads that reached us for a skipped hint: the kernel had dropped it
     fetched_bytes: int = 0
     served_bytes: int = 0
 
@@ -200,6 +209,10 @@ class Prefetcher:
         self._reset_at = 0
         self._changed: dict[int, int] = {}  # ino -> generation of its last change
         self._in_flight = 0
+        # hints skipped as held by the kernel, newest last; and until when
+        # none is skipped (a skipped file's read reached us: it had been evicted)
+        self._skipped: OrderedDict[int, None] = OrderedDict()
+        self._distrust_until = -1.0
         self._listed = 0  # names in listings
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -393,6 +406,10 @@ class Prefetcher:
             self.pending.popleft()
             if self._in_kernel(hint):
                 self.counters.resident += 1
+                self._skipped[hint.ino] = None
+                self._skipped.move_to_end(hint.ino)
+                if len(self._skipped) > MAX_PENDING:
+                    self._skipped.popitem(last=False)
             elif not self._covered(hint.ino, hint.offset, hint.length):
                 groups.setdefault(hint.ino, []).append(hint)
                 if hint.version is not None:
@@ -400,7 +417,11 @@ class Prefetcher:
         return list(groups.items())
 
     def _in_kernel(self, hint: Hint) -> bool:
-        if hint.version is None:
+        """Skip *hint*: the kernel holds its bytes (as far as the mount
+        knows; once a read of a skipped file reached us after all, the
+        kernel is evicting, and nothing is skipped for `DISTRUST_SECONDS`:
+        a dataset larger than the page cache is prefetched every epoch)."""
+        if hint.version is None or trio.current_time() < self._distrust_until:
             return False
         size = hint.version[0]
         end = size if hint.length is None else min(size, hint.offset + hint.length)
@@ -535,6 +556,10 @@ class Prefetcher:
     def read(self, ino: int, offset: int, size: int) -> memoryview | None:
         """The bytes of a read if one held range has all of them (clamped to
         the file's end as it was fetched), else None."""
+        if self._skipped and ino in self._skipped:  # the kernel did not have it
+            del self._skipped[ino]
+            self.counters.evicted += 1
+            self._distrust_until = trio.current_time() + DISTRUST_SECONDS
         for e in self.entries.get(ino, ()):
             end = min(offset + size, e.version[0])
             if e.offset <= offset <= end <= e.end:

@@ -1,6 +1,7 @@
 """Metadata servers, plural: three of them (`up --meta-servers 3`), reads
 spread over all three with read-your-writes, the
-primary killed with kill -9 during a namespace storm from two mounts, a
+primary killed with kill -9 during a namespace storm from two mounts and an
+fsx-like exerciser (tests/exerciser.py) on one of them, a
 follower down while the log moves on (caught up from the log, or from a
 snapshot once the log was trimmed past it).
 
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import exerciser
 import hosts as test_hosts
 import pytest
 import trio
@@ -155,16 +157,27 @@ def test_primary_kill_during_a_storm_from_two_mounts(three: ProcessCluster, tmp_
         reports = [tmp_path / "a.json", tmp_path / "b.json"]
         dirs = [c.mountpoint / "a", second / "b"]
         storms = [start_storm(d, 25.0, r) for d, r in zip(dirs, reports, strict=True)]
+        # and the fsx-like exerciser (writes, truncates, mmap, reopens: the
+        # metadata calls of a file's life) on the first mount
+        (c.mountpoint / "fsx").mkdir()
+        fsx_report = tmp_path / "fsx.json"
+        fsx = exerciser.start(c.mountpoint / "fsx" / "f", 7, 50_000, 25.0, fsx_report)
         deadline = time.monotonic() + 60
         while min(progress(r) for r in reports) < 50 and time.monotonic() < deadline:
             time.sleep(0.1)
         victim = primary(c)
+        fsx_at_kill = exerciser.ops_so_far(fsx_report)
         c.kill(victim)
         killed_at = time.monotonic()
         new = primary(c)
         assert new != victim
         for s in storms:
             assert s.wait(timeout=120) == 0
+        assert fsx.wait(timeout=120) == 0, exerciser.result(fsx_report)
+        fsx_result = exerciser.result(fsx_report)
+        assert fsx_result["errors"] == [] and fsx_result["wrong"] == 0, fsx_result
+        assert fsx_result["ops"] > fsx_at_kill + 50, "the exerciser did not run on after the kill"
+        print(f"exerciser through the metadata failover: {fsx_result}")
         results = [json.loads(r.read_text()) for r in reports]
         stall = max(r["stall"] for r in results)
         print(
