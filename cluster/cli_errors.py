@@ -23,8 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import trio
-
 from shufflefs.rpc.errors import FsError
 
 EXIT_OK = 0
@@ -172,12 +170,16 @@ def innermost(exc: BaseException) -> BaseException:
     if not isinstance(exc, BaseExceptionGroup):
         return exc
     leaves: list[BaseException] = []
+    # an exception group comes from trio, so trio is imported by now (this
+    # module does not import it: a CLI call that fails on its arguments never needs it)
+    trio = sys.modules.get("trio")
+    cancelled: type[BaseException] | tuple[()] = trio.Cancelled if trio is not None else ()
 
     def walk(e: BaseException) -> None:
         if isinstance(e, BaseExceptionGroup):
             for inner in e.exceptions:
                 walk(inner)
-        elif not isinstance(e, trio.Cancelled):
+        elif not isinstance(e, cancelled):
             leaves.append(e)
 
     walk(exc)
