@@ -83,7 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", required=True, help="the service's TOML config file")
 
     service("mgmtd", "run the cluster manager")
-    service("meta", "run a metadata server")
+    p = sub.add_parser(
+        "meta",
+        help="run a metadata server (--config), or `meta add`: one more in a local group",
+    )
+    p.add_argument(
+        "--config", help="the service's TOML config file, to run a server (default: none)"
+    )
+    actions = p.add_subparsers(dest="meta_command", metavar="ACTION")
+    a = actions.add_parser(
+        "add",
+        help="add a metadata server to a local cluster's group and wait until it caught up",
+        description="Writes its config (and the others' group_size), starts it, and waits "
+        "until it follows the primary with the primary's log position (it copies a snapshot "
+        "of the namespace first). On a real cluster, start a metadata server on the new host "
+        "instead: it registers and the group counts it.",
+    )
+    a.add_argument(
+        "--data-dir", default=DEFAULT_DATA_DIR, help="the local cluster (default: %(default)s)"
+    )
+    a.add_argument("--timeout", type=positive_float, default=120.0, help="seconds to wait at most")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
     service("storage", "run a storage daemon")
 
     nodes_type = int_in(1, MAX_LOCAL_STORAGE_NODES)
@@ -541,6 +561,7 @@ def command_label(args: argparse.Namespace) -> str:
     for action in (
         "target_command",
         "node_command",
+        "meta_command",
         "jobs_command",
         "sample_command",
         "bench_mode",
@@ -554,6 +575,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     module_name, func_name = COMMANDS[args.command]
+    if args.command == "meta":
+        if getattr(args, "meta_command", None) == "add":
+            module_name, func_name = "shufflefs.cluster.meta_add", "cli_meta_add"
+        elif not args.config:
+            parser.error("meta: --config is required to run a metadata server (or: meta add)")
 
     def run() -> int:
         check_arguments(args)

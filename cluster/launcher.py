@@ -257,25 +257,7 @@ class LocalCluster:
                 service_config_class("mgmtd"),
             )
         for i in range(1, layout.meta_servers + 1):
-            settings: dict[str, Any] = (
-                {"group_size": layout.meta_servers} if layout.meta_servers > 1 else {}
-            )
-            meta_metrics = f"{host}:{next(metrics)}"
-            if layout.meta_hosts:
-                settings["host"] = f"meta-host{i}"
-                meta_metrics = f"{layout.meta_hosts[i - 1]}:{NETNS_META_PORT + 1}"
-            configs[self.meta_dir(i) / "meta.toml"] = (
-                {
-                    "listen": layout.meta_address(i),
-                    "mgmtd": mgmtd,
-                    "data_dir": str(self.meta_dir(i) / "db"),
-                    "log_file": str(self.logs / f"{meta_name(i)}.log"),
-                    **settings,
-                    "metrics": meta_metrics,
-                    **common,
-                },
-                service_config_class("meta"),
-            )
+            configs[self.meta_dir(i) / "meta.toml"] = self._meta_settings(layout, i, next(metrics))
         for i in range(1, storage_nodes + 1):
             configs[self.storage_dir(i) / "storage.toml"] = self._storage_settings(
                 layout, i, next(metrics)
@@ -289,6 +271,63 @@ class LocalCluster:
         for path, (data, _) in configs.items():
             write_toml(path, data)
         return layout
+
+    def _meta_settings(
+        self, layout: ClusterLayout, i: int, metrics_port: int
+    ) -> tuple[dict[str, Any], type[Any]]:
+        """meta{i}/meta.toml of *layout*, its metrics at *metrics_port*."""
+        settings: dict[str, Any] = (
+            {"group_size": layout.meta_servers} if layout.meta_servers > 1 else {}
+        )
+        metrics = f"{layout.host}:{metrics_port}"
+        if layout.meta_hosts:
+            settings["host"] = f"meta-host{i}"
+            metrics = f"{layout.meta_hosts[i - 1]}:{NETNS_META_PORT + 1}"
+        data = {
+            "listen": layout.meta_address(i),
+            "mgmtd": layout.mgmtd_address,
+            "data_dir": str(self.meta_dir(i) / "db"),
+            "log_file": str(self.logs / f"{meta_name(i)}.log"),
+            **settings,
+            "metrics": metrics,
+            "secret_file": str(self.secret_file),
+            "log_level": "INFO",
+        }
+        return data, service_config_class("meta")
+
+    def add_meta_server(self) -> str:
+        """One more metadata server (configs only: `up` starts it; it
+        registers, and the primary brings it up to date with a snapshot of
+        the namespace and then the log). The others' `group_size` follows at
+        their next start (running, they count the registered servers)."""
+        layout = self.layout()
+        if layout.meta_hosts:
+            raise UsageError(
+                f"{self.dir}: its metadata servers run on their own test hosts; "
+                "meta add cannot add one to it"
+            )
+        if layout.meta_servers == 1:
+            raise UsageError(
+                f"{self.dir} has one metadata server, which runs alone without a lease; a group "
+                "is formatted with `up --meta-servers 3` (use a new --data-dir)"
+            )
+        port, metrics = free_ports(layout.host, 2)
+        layout.meta_ports = [*layout.meta_ports, port]
+        n = layout.meta_servers
+        configs = {self.meta_dir(n) / "meta.toml": self._meta_settings(layout, n, metrics)}
+        for i in range(1, n):
+            path = self.meta_dir(i) / "meta.toml"
+            data = load_checked(path, service_config_class("meta")).__dict__.copy()
+            data["group_size"] = n
+            configs[path] = (
+                {k: v for k, v in data.items() if v is not None},
+                service_config_class("meta"),
+            )
+        configs[self.layout_file] = (layout.__dict__, ClusterLayout)
+        self.check_new_configs(configs)
+        for path, (data, _) in configs.items():
+            write_toml(path, data)
+        return meta_name(n)
 
     def _storage_settings(
         self, layout: ClusterLayout, i: int, metrics_port: int

@@ -308,6 +308,8 @@ TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32",
 
 
 def _check_service(args: argparse.Namespace) -> None:
+    if getattr(args, "meta_command", None):  # `meta add`: checks its data dir itself
+        return
     config = load_checked(args.config, service_config_class(args.command))
     check_service_paths(config, str(args.config))
 

@@ -115,8 +115,9 @@ class ReplicationLog:
     def epoch_at(self, txn: Any, seq: int) -> int | None:
         """The epoch of entry *seq*; None when this log cannot tell (beyond
         its end, or trimmed away)."""
-        if seq == 0:
-            return 0
+        if seq == 0 and not self._get(txn, K_TRIMMED):
+            return 0  # the start of a log nothing was trimmed from (once trimmed,
+            # a new server at 0 lacks entries we no longer have: a snapshot)
         raw = txn.get(u64(seq), db=self.log)
         if raw is not None:
             return int(unpack(bytes(raw))[0])

@@ -192,6 +192,11 @@ CLUSTER_DOWN: list[Case] = [
     case("up", "--targets-per-node", "--data-dir", "{D}", "--no-mount", "--targets-per-node", "2"),
     case("up", "--data-dir", "--data-dir", "{D_BAD_MGMTD}", "--no-mount"),
     case("up", "--data-dir", "--data-dir", "{D_BAD_STORAGE}", "--no-mount"),
+    case("meta", "meta_command", "nope"),
+    case("meta add", "--data-dir", "--data-dir", "{W}/afile"),
+    case("meta add", "--data-dir", "--data-dir", "{D}"),  # one server: no group to grow
+    case("meta add", "--timeout", "--timeout", "-1"),
+    case("meta add", "--json", "--json=1"),
     case("down", "--data-dir", "--data-dir", "{W}/afile"),
     case("down", "--data-dir", "--data-dir", "{W}/emptydir"),
     case("down", "--data-dir", "--data-dir", "/proc/shufflefs-nope"),

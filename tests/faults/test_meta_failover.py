@@ -3,7 +3,8 @@ spread over all three with read-your-writes, the
 primary killed with kill -9 during a namespace storm from two mounts and an
 fsx-like exerciser (tests/exerciser.py) on one of them, a
 follower down while the log moves on (caught up from the log, or from a
-snapshot once the log was trimmed past it).
+snapshot once the log was trimmed past it), a fourth added by `shufflefs
+meta add`.
 
 After each: every acknowledged operation is there, none was applied twice
 (the storm would have seen EEXIST/ENOENT), the mounts saw no error, and
@@ -38,10 +39,10 @@ METAS = ("meta", "meta2", "meta3")
 TRIMMED = re.compile(r"log trimmed through (\d+)")
 
 
-def metas(c: ProcessCluster) -> dict[str, dict[str, Any]]:
+def metas(c: ProcessCluster, names: tuple[str, ...] = METAS) -> dict[str, dict[str, Any]]:
     """Each metadata server's node entry in `status --json`, by service name."""
     by_pid = {n["pid"]: n for n in c.status()["nodes"] if n["kind"] == "meta"}
-    return {name: by_pid[pid] for name in METAS if (pid := c.pid(name)) in by_pid}
+    return {name: by_pid[pid] for name in names if (pid := c.pid(name)) in by_pid}
 
 
 def primary(c: ProcessCluster) -> str:
@@ -69,8 +70,9 @@ def converged(c: ProcessCluster, names: tuple[str, ...] = METAS) -> None:
     """Wait until these servers have applied the same log position."""
 
     def same(_: Any) -> bool:
-        seqs = {n["applied_seq"] for name, n in metas(c).items() if name in names}
-        return len(seqs) == 1 and len(metas(c)) >= len(names)
+        found = metas(c, names)
+        seqs = {n["applied_seq"] for n in found.values()}
+        return len(seqs) == 1 and len(found) == len(names)
 
     c.wait_for("the metadata servers to converge", same, timeout=60)
 
@@ -94,9 +96,9 @@ def namespace_records(path: Path) -> dict[bytes, list[tuple[bytes, bytes]]]:
         )
 
 
-def assert_identical_namespaces(c: ProcessCluster) -> None:
+def assert_identical_namespaces(c: ProcessCluster, names: tuple[str, ...] = METAS) -> None:
     """Everything stopped: each server fsck-clean, all alike."""
-    records = [namespace_records(c.data_dir / d / "db" / "namespace") for d in METAS]
+    records = [namespace_records(c.data_dir / d / "db" / "namespace") for d in names]
     assert records[0][b"inodes"], "the namespace is empty"
     for other in records[1:]:
         assert other == records[0]
@@ -244,15 +246,21 @@ def test_a_follower_catches_up_from_the_log_then_from_a_snapshot(tmp_path: Path)
         assert "installed a snapshot" in c.log(follower)
         namespace_ops(work, 20, "d")  # and it follows the log again
         converged(c)
+        # a fourth server joins the group (`shufflefs meta add`): it is sent a
+        # snapshot, then follows the log like the others
+        added = json.loads(shufflefs("meta", "add", "--data-dir", str(c.data_dir), "--json").stdout)
+        assert (added["name"], added["role"], added["meta_servers"]) == ("meta4", "follower", 4)
+        namespace_ops(work, 20, "e")
+        converged(c, (*METAS, "meta4"))
         expected = sorted(
             f"{t}{i}"
-            for t, n in (("a", 100), ("b", 200), ("c", 1500), ("d", 20))
+            for t, n in (("a", 100), ("b", 200), ("c", 1500), ("d", 20), ("e", 20))
             for i in range(1, n // 2, 2)
         )
         assert sorted(p.name for p in work.iterdir()) == expected
     finally:
         c.down()
-    assert_identical_namespaces(c)
+    assert_identical_namespaces(c, (*METAS, "meta4"))
 
 
 SPLIT_BRAIN = """
