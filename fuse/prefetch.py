@@ -35,8 +35,9 @@ Warm epochs: a hint for a file the kernel's page cache holds (read through
 this mount, whole, at the version it still has) is skipped: the kernel
 answers its reads, so fetched bytes would only sit in our cache. The mount
 cannot see the kernel evict, so when a read of a skipped file reaches it
-anyway, skipping stops for DISTRUST_SECONDS (a dataset larger than the page
-cache is prefetched every epoch, as before).
+anyway, the other skipped files not read yet are fetched after all and
+skipping stops for DISTRUST_SECONDS (a dataset larger than the page cache is
+prefetched every epoch, as before).
 
 Bounded: fetched plus in-flight bytes never exceed the budget (mount option
 ``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
@@ -211,7 +212,7 @@ class Prefetcher:
         self._in_flight = 0
         # hints skipped as held by the kernel, newest last; and until when
         # none is skipped (a skipped file's read reached us: it had been evicted)
-        self._skipped: OrderedDict[int, None] = OrderedDict()
+        self._skipped: OrderedDict[int, Hint] = OrderedDict()
         self._distrust_until = -1.0
         self._listed = 0  # names in listings
 
@@ -406,7 +407,7 @@ class Prefetcher:
             self.pending.popleft()
             if self._in_kernel(hint):
                 self.counters.resident += 1
-                self._skipped[hint.ino] = None
+                self._skipped[hint.ino] = hint
                 self._skipped.move_to_end(hint.ino)
                 if len(self._skipped) > MAX_PENDING:
                     self._skipped.popitem(last=False)
@@ -560,6 +561,14 @@ class Prefetcher:
             del self._skipped[ino]
             self.counters.evicted += 1
             self._distrust_until = trio.current_time() + DISTRUST_SECONDS
+            # the other skipped files, not read yet, were likely evicted too:
+            # fetch them after all, in their order
+            self.pending.extend(self._skipped.values())
+            self._skipped.clear()
+            while len(self.pending) > MAX_PENDING:
+                self.pending.popleft()
+                self.counters.dropped += 1
+            self._notify()
         for e in self.entries.get(ino, ()):
             end = min(offset + size, e.version[0])
             if e.offset <= offset <= end <= e.end:
