@@ -8,9 +8,9 @@ calls in flight on it with ECONNRESET and is replaced on the next call; which
 calls are safe to retry is the caller's business (the client library knows).
 Every call has a timeout: its deadline is noted with the call and enforced
 by one sweeper task per client (`RpcClient._expire`, every `EXPIRY_TICK`),
-not by a cancel scope per call: a scope (deadline registration, enter,
-exit) costs a good part of a small call, and a call times out at most one
-tick late.
+and, one tick later, by the call's own wait: the sweeper lives in the
+client's nursery, and a call made while that nursery is being torn down (a
+Ctrl-C's cleanup) must still end.
 """
 
 from __future__ import annotations
@@ -168,7 +168,15 @@ class PeerConnection:
                     )
             else:  # goes out at once (the rest of a partial send is bounded by the stream)
                 await self.stream.send_frame(body, payload)
-            await waiter.done.wait()  # a reply, a broken connection, or `expire`
+            # a reply, a broken connection, or `expire`; the deadline holds here
+            # too, so a call never outlives its timeout even where the sweeper
+            # does not run (cancelled with its nursery during a teardown)
+            with trio.move_on_at(deadline + EXPIRY_TICK):
+                await waiter.done.wait()
+            if not waiter.done.is_set():
+                raise FsError(
+                    errno.ETIMEDOUT, f"{method} to {self.address} timed out after {timeout:g}s"
+                )
         finally:
             self._pending.pop(call_id, None)
         error = waiter.error
