@@ -3,6 +3,7 @@ file as a failing disk would. (Clusters are started in clusters.py.)"""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,11 @@ def flip(path: str | Path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def interruptible() -> None:
+    """`preexec_fn` of a child a test interrupts with SIGINT: the default
+    action back. A test run started as a background job (`cmd &` in a
+    non-interactive shell) ignores SIGINT, and a child inherits that: the
+    Ctrl-C the test sends would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

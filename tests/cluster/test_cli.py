@@ -30,7 +30,7 @@ from cliworld import (
     run_cli,
     shufflefs_ok,
 )
-from harness import shufflefs
+from harness import interruptible, shufflefs
 
 from shufflefs.cluster import cli_errors
 from shufflefs.cluster.cli_errors import run_reporting
@@ -225,6 +225,7 @@ def test_interrupted_command_exits_130(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=interruptible,
         )
         listener.settimeout(RUN_TIMEOUT)
         conn, _ = listener.accept()  # the command is now waiting for the service to answer

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
+from harness import interruptible
 from loadgen import content
 
 from shufflefs.cluster.netns import NETNS_DIR, enter_command, ip, namespaces_available
@@ -267,6 +268,7 @@ def test_bench_remote_interrupted_leaves_nothing(tmp_path: Path, sig: int) -> No
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
     try:
         wait_until(
