@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clusters import ProcessCluster, assert_replicas_identical
+from clusters import ProcessCluster, assert_replicas_identical, wait_until
 from harness import flip, shufflefs
 from loadgen import content
 
@@ -152,10 +152,10 @@ def test_kill9_every_storage_daemon_keeps_acknowledged_writes(
     c = fault_cluster
     logs = [tmp_path / f"acked{i}.log" for i in range(3)]
     writers = [start_writer(c.mountpoint / f"w{i}", 8.0, log) for i, log in enumerate(logs)]
-    deadline = time.monotonic() + 60
-    while sum(len(acked(log)) for log in logs if log.exists()) < 10:
-        assert time.monotonic() < deadline, "the writers did not get going"
-        time.sleep(0.05)
+    wait_until(
+        "the writers to get going",
+        lambda: sum(len(acked(log)) for log in logs if log.exists()) >= 10,
+    )
     names = [n for n in c.names() if n.startswith("storage")]
     pids = [c.pid(n) for n in names]
     for pid in pids:
