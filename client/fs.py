@@ -53,9 +53,9 @@ from shufflefs.metadata.protocol import (
     ReaddirPage,
     is_read_only_handle,
 )
+from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.runtime import hostname
 from shufflefs.rpc.transport import Buffer
 
 log = logging.getLogger("shufflefs.client")

@@ -24,9 +24,9 @@ import trio
 from shufflefs.client.layout import Piece
 from shufflefs.cluster.protocol import TargetInfo
 from shufflefs.cluster.routing import Routing, RoutingCache
+from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.retry import TRANSIENT
-from shufflefs.rpc.runtime import hostname
 
 log = logging.getLogger("shufflefs.client.replicas")
 

@@ -17,8 +17,8 @@ import trio
 
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.metadata.protocol import SESSION_EXPIRED, MetaStub, MountInfo, OpenResult
+from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.runtime import hostname
 
 log = logging.getLogger("shufflefs.client.session")
 

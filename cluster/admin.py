@@ -15,9 +15,10 @@ import trio
 from shufflefs.cluster.cli_errors import connect, explain_connection_error, innermost
 from shufflefs.cluster.metrics_registry import MetricsEndpoint, endpoints
 from shufflefs.cluster.preflight import load_client
-from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo, mgmtd_addresses
+from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import MetaStub, SessionInfo
+from shufflefs.rpc.addresses import mgmtd_addresses
 from shufflefs.rpc.client import RpcClient, open_rpc_client
 from shufflefs.rpc.errors import FsError
 

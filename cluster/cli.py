@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
 
@@ -62,6 +61,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def version_text() -> str:
+    import importlib.metadata  # 50 ms: only for --version
+
     try:
         version = importlib.metadata.version("shufflefs")
     except importlib.metadata.PackageNotFoundError:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shufflefs.cluster.node import check_addresses
-from shufflefs.rpc.auth import load_secret
+from shufflefs.rpc.cluster_secret import load_secret
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
 

@@ -34,7 +34,7 @@ import trio
 from etcd3gw import exceptions as etcd_errors
 
 from shufflefs.cluster.coordination import Coordination, Lease, check_lease_args
-from shufflefs.rpc.client import parse_address
+from shufflefs.rpc.addresses import parse_address
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.coordination.etcd")

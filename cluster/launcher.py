@@ -41,7 +41,7 @@ from shufflefs.cluster.preflight import (
     mounted_fstype,
     service_config_class,
 )
-from shufflefs.rpc.auth import generate_secret
+from shufflefs.rpc.cluster_secret import generate_secret
 from shufflefs.rpc.config import write_toml
 from shufflefs.rpc.errors import FsError
 

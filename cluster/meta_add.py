@@ -25,7 +25,7 @@ from shufflefs.cluster.cli_errors import UsageError
 from shufflefs.cluster.launcher import LocalCluster
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.rpc import open_rpc_client
-from shufflefs.rpc.auth import load_secret
+from shufflefs.rpc.cluster_secret import load_secret
 from shufflefs.rpc.errors import FsError
 
 POLL = 0.25

@@ -41,11 +41,12 @@ from shufflefs.cluster.protocol import (
 )
 from shufflefs.cluster.state import ClusterState
 from shufflefs.cluster.web import start_web
-from shufflefs.rpc.auth import load_secret
-from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
+from shufflefs.rpc.addresses import hostname, parse_address
+from shufflefs.rpc.client import RpcClient, open_rpc_client
+from shufflefs.rpc.cluster_secret import load_secret
 from shufflefs.rpc.config import load_config
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.runtime import hostname, run_service, setup_logging
+from shufflefs.rpc.runtime import run_service, setup_logging
 from shufflefs.rpc.schema import rpc_method
 from shufflefs.rpc.server import RpcServer
 from shufflefs.storage.protocol import StorageStub

@@ -15,11 +15,9 @@ import errno
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shufflefs.cluster.protocol import mgmtd_addresses
-from shufflefs.rpc.client import parse_address
+from shufflefs.rpc.addresses import hostname, mgmtd_addresses, parse_address
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json, write_json_durably
-from shufflefs.rpc.runtime import hostname
 
 NODE_FILE = "node.json"
 

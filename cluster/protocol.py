@@ -17,7 +17,8 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 import trio
 
-from shufflefs.rpc.client import RpcClient, parse_address
+from shufflefs.rpc.addresses import mgmtd_addresses
+from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import CONNECTION_FAILURES, FsError
 from shufflefs.rpc.retry import Backoff
 
@@ -153,17 +154,6 @@ class Capacity(TypedDict):
 # A standby mgmtd's answer to anything but `role`: ask the primary (named in
 # the message when known). The stub below does so by itself.
 NOT_PRIMARY = errno.EREMOTE
-
-
-def mgmtd_addresses(value: str) -> list[str]:
-    """The ``mgmtd`` setting of a config: one address, or several mgmtd
-    instances (HA) separated by commas. EINVAL if any is malformed."""
-    addresses = [a.strip() for a in value.split(",") if a.strip()]
-    if not addresses:
-        raise FsError(errno.EINVAL, "no mgmtd address given")
-    for a in addresses:
-        parse_address(a)
-    return addresses
 
 
 class MgmtdStub:

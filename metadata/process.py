@@ -25,10 +25,11 @@ from shufflefs.metadata.replication_role import MetaRole
 from shufflefs.metadata.replication_snapshot import SnapshotReceiver, send_snapshot
 from shufflefs.metadata.server import MetaService
 from shufflefs.metadata.store import NamespaceStore
-from shufflefs.rpc.auth import load_secret
+from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.client import open_rpc_client
+from shufflefs.rpc.cluster_secret import load_secret
 from shufflefs.rpc.config import load_config
-from shufflefs.rpc.runtime import hostname, run_service, setup_logging
+from shufflefs.rpc.runtime import run_service, setup_logging
 from shufflefs.rpc.server import RpcServer
 
 log = logging.getLogger("shufflefs.metadata.server")

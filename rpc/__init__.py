@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shufflefs.rpc.client import RpcClient, open_rpc_client, parse_address
+    from shufflefs.rpc.addresses import parse_address
+    from shufflefs.rpc.client import RpcClient, open_rpc_client
     from shufflefs.rpc.errors import FsError, err
     from shufflefs.rpc.framing import Limits
     from shufflefs.rpc.schema import CallContext, Reply, rpc_method
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "RpcClient": "shufflefs.rpc.client",
     "open_rpc_client": "shufflefs.rpc.client",
-    "parse_address": "shufflefs.rpc.client",
+    "parse_address": "shufflefs.rpc.addresses",
     "FsError": "shufflefs.rpc.errors",
     "err": "shufflefs.rpc.errors",
     "Limits": "shufflefs.rpc.framing",

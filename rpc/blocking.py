@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shufflefs.rpc import framing
+from shufflefs.rpc.addresses import parse_address
 from shufflefs.rpc.auth import GREETING, MAC, NONCE, proof
-from shufflefs.rpc.client import parse_address
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer, ConnectionClosed
 

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from shufflefs.rpc import framing
+from shufflefs.rpc.addresses import parse_address
 from shufflefs.rpc.auth import client_handshake
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer, ConnectionClosed, FrameStream, raw_socket
@@ -36,16 +37,6 @@ log = logging.getLogger("shufflefs.rpc.client")
 DEFAULT_CONNECT_TIMEOUT = 3.0
 DEFAULT_CALL_TIMEOUT = 10.0
 EXPIRY_TICK = 0.05  # seconds between sweeps for calls past their deadline
-
-
-def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
-    """'host:port' or '[v6]:port' -> (host, port); EINVAL if malformed. Port 0
-    (any free port) is only valid for an address to listen on."""
-    host, sep, port = address.rpartition(":")
-    lowest = 0 if listen else 1
-    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
-        raise FsError(errno.EINVAL, f"bad address {address!r}: expected host:port")
-    return host.strip("[]"), int(port)
 
 
 class _Pending:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -44,10 +43,6 @@ def setup_logging(service: str, log_file: str | None = None, level: str = "INFO"
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-
-
-def hostname() -> str:
-    return socket.gethostname()
 
 
 def final_error(raised: BaseException) -> FsError | None:

@@ -27,8 +27,9 @@ from shufflefs.cluster.node import NodeState, advertised_address, listen_address
 from shufflefs.cluster.protocol import MgmtdStub, RegisterResult
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client
-from shufflefs.rpc.auth import load_secret
-from shufflefs.rpc.runtime import hostname, run_service, setup_logging
+from shufflefs.rpc.addresses import hostname
+from shufflefs.rpc.cluster_secret import load_secret
+from shufflefs.rpc.runtime import run_service, setup_logging
 from shufflefs.storage.cache import raise_fd_limit
 from shufflefs.storage.config import StorageConfig, load_storage_config
 from shufflefs.storage.forwarding import REPORT_TIMEOUT

@@ -50,11 +50,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shufflefs.client.data.mixture import Mixture
 from shufflefs.client.data.tokens import TokenWindows
 from shufflefs.client.data.urls import client_for
 from shufflefs.client.iobench import drop_caches
@@ -62,6 +61,9 @@ from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.lifecycle import down, up
 from shufflefs.cluster.preflight import parse_size
 from shufflefs.rpc.errors import FsError
+
+if TYPE_CHECKING:  # the mixture imports torch when it is there (seconds): on first use
+    from shufflefs.client.data.mixture import Mixture
 
 log = logging.getLogger("shufflefs.bench")
 
@@ -271,6 +273,8 @@ def loader_dataset(
     else:
         groups = [paths, paths, paths]
     parts = [TokenWindows(g, **common) for g in groups]
+    from shufflefs.client.data.mixture import Mixture
+
     return Mixture(
         parts, weights=MIX_WEIGHTS, seed=args.seed, batch_size=batch, readahead=readahead
     )

@@ -35,12 +35,13 @@ import glob
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shufflefs.client.data.datasets import FileDataset, TokenWindowDataset
-from shufflefs.client.data.mixture import Mixture
 from shufflefs.client.data.quarantine import read_quarantine
 from shufflefs.client.data.urls import is_url
+
+if TYPE_CHECKING:
+    from shufflefs.client.data.mixture import Mixture
 
 SOURCE_KEYS = {"name", "paths", "files", "seq_len", "dtype", "stride", "suffixes"}
 TOP_KEYS = {
@@ -124,6 +125,11 @@ def load_mixture(
     """The mixture *path* describes, for this rank (with its quarantine file,
     if it names one and the file exists)."""
     cfg = read_mixture_config(path)
+    # The datasets import torch when it is there (seconds): only once the
+    # config has been read, so `shufflefs sample` answers a bad one at once.
+    from shufflefs.client.data.datasets import FileDataset, TokenWindowDataset
+    from shufflefs.client.data.mixture import Mixture
+
     base = Path(path).parent
     parts: list[Any] = []
     for src in cfg["source"]:

@@ -32,7 +32,7 @@ from shufflefs.metadata.protocol import (
 )
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client, rpc_method
-from shufflefs.rpc.auth import generate_secret, load_secret
+from shufflefs.rpc.cluster_secret import generate_secret, load_secret
 from shufflefs.rpc.config import load_config
 
 ROOT = ROOT_INODE
