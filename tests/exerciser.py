@@ -8,7 +8,7 @@ reads through a shared mmap, fsyncs, close + reopen and O_TRUNC reopens of
 FILE, each checked against an in-memory model of the bytes the file must
 hold. Like fsx it stops at the first error or wrong byte and says which
 operation it was, with the operations before it. Bounded by OPS operations
-and SECONDS. REPORT.progress holds the operations done so far (so a test can
+and SECONDS (or SIGUSR2: stop now). REPORT.progress holds the operations done so far (so a test can
 wait until it is under way); REPORT gets the JSON result: `ops`, `errors`
 (at most one: the failure that stopped it), `wrong`, `longest_s` (the
 slowest operation: the stall a fault caused), `counts` per kind, `size`.
@@ -225,10 +225,17 @@ def _progress(report: str, ops: int) -> None:
 def run(path: str, seed: int, max_ops: int, seconds: float, report: str) -> dict[str, Any]:
     ex = Exerciser(path, seed)
 
+    stop = False
+
     def mark(signum: int, frame: object) -> None:
         ex.mark_wanted = True
 
+    def finish(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
     signal.signal(signal.SIGUSR1, mark)
+    signal.signal(signal.SIGUSR2, finish)  # stop after this op (then the final check)
     ops = wrong = 0
     longest = 0.0
     errors: list[str] = []
@@ -236,7 +243,7 @@ def run(path: str, seed: int, max_ops: int, seconds: float, report: str) -> dict
     deadline = time.monotonic() + seconds
     next_progress = 0.0
     try:
-        while ops < max_ops and time.monotonic() < deadline:
+        while ops < max_ops and time.monotonic() < deadline and not stop:
             if time.monotonic() >= next_progress:
                 _progress(report, ops)
                 next_progress = time.monotonic() + 0.2
@@ -286,6 +293,14 @@ def start(path: Path, seed: int, ops: int, seconds: float, report: Path) -> subp
     return subprocess.Popen(
         [sys.executable, __file__, str(path), str(seed), str(ops), str(seconds), str(report)]
     )
+
+
+def finish(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Ask running exercisers to stop after their current op (SIGUSR2): a
+    test ends them once what it waited for has happened, not at a fixed time."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR2)
 
 
 def ops_so_far(report: Path) -> int:

@@ -3,7 +3,8 @@
     python loadgen.py read  FILE SEED SECONDS REPORT   # random O_DIRECT reads, checked
     python loadgen.py write DIR SECONDS ACKLOG           # files written and closed, logged
 
-Both are bounded in time. The reader checks every byte it reads against the
+Both are bounded in time, and stop early on SIGUSR2 (`stop`: a test ends
+the load once what it waited for has happened). The reader checks every byte it reads against the
 file's known content (a pure function of SEED), keeps the number of reads so
 far in REPORT.progress (so a test can wait until the load is under way), and
 at the end writes a JSON report: how many reads, how many failed (an error),
@@ -19,12 +20,27 @@ import json
 import mmap
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 
 import numpy as np
 
 BLOCK = 4096
+_stop = False
+
+
+def _stop_now(signum: int, frame: object) -> None:
+    global _stop
+    _stop = True
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    """Ask running load loops to finish now (they write their report)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR2)
 
 
 def content(seed: int, size: int) -> bytes:
@@ -49,7 +65,7 @@ def read_loop(path: str, seed: int, seconds: float, report: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     deadline = time.monotonic() + seconds
     next_progress = 0.0
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not _stop:
         if time.monotonic() >= next_progress:
             write_progress(report, reads)
             next_progress = time.monotonic() + 0.2
@@ -84,7 +100,7 @@ def write_loop(directory: str, seconds: float, acklog: str) -> None:
     deadline = time.monotonic() + seconds
     i = 0
     with open(acklog, "a") as out:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not _stop:
             data = os.urandom(((i * 7919) % 1_500_000) + 1000)
             path = os.path.join(directory, f"w{i}")
             try:
@@ -103,6 +119,7 @@ def write_loop(directory: str, seconds: float, acklog: str) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGUSR2, _stop_now)
     mode = sys.argv[1]
     if mode == "read":
         read_loop(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])

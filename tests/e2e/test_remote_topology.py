@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import loadgen
 import pytest
 from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
 from harness import interruptible
@@ -162,7 +163,7 @@ def test_storage_host_killed_and_cut_during_remote_reads(remote: Remote, tmp_pat
             "read",
             str(path),
             "31",
-            "25",
+            "90",  # at most: stopped once it has read on after the cut
             str(report),
         ]
     )
@@ -181,6 +182,13 @@ def test_storage_host_killed_and_cut_during_remote_reads(remote: Remote, tmp_pat
         )
         cut = busiest_storage_host(remote, [i for i in (1, 2, 3) if i != killed])
         hosts.cut(cut)
+        at_cut = int(progress.read_text() or 0)
+        wait_until(
+            "the read loop reading on after the cut",
+            lambda: reader.poll() is not None or int(progress.read_text() or 0) >= at_cut + 200,
+            timeout=90,
+        )
+        loadgen.stop(reader)
         assert reader.wait(120) == 0
     finally:
         if cut is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import exerciser
 from clusters import ProcessCluster, assert_replicas_identical, wait_until
 
-SECONDS = 30.0  # each exerciser's run; the kill lands in its first third
+SECONDS = 90.0  # at most: each exerciser is stopped once the resync is done and seen
 MAX_OPS = 50_000  # bounded in count too
 DEGRADED_OPS = 100  # each exerciser runs this many ops with a replica down
 
@@ -51,9 +51,22 @@ def test_kill9_storage_under_two_exercisers(fault_cluster: ProcessCluster, tmp_p
                 for r, n in zip(reports, degraded, strict=True)
             ),
         )
-        # ...and through the resync of the returning replica
+        # ...and through the resync of the returning replica, and on after it
         c.restart_missing()
-        codes = [p.wait(SECONDS + 120) for p in procs]
+        c.all_serving()
+        resynced = [exerciser.ops_so_far(r) for r in reports]
+        wait_until(
+            "both exercisers working on the resynced chains",
+            lambda: (
+                any(p.poll() is not None for p in procs)  # stopped early: an error
+                or all(
+                    exerciser.ops_so_far(r) >= n + DEGRADED_OPS
+                    for r, n in zip(reports, resynced, strict=True)
+                )
+            ),
+        )
+        exerciser.finish(procs)
+        codes = [p.wait(120) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

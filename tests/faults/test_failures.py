@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import loadgen
 import pytest
 from clusters import ProcessCluster, assert_replicas_identical, wait_until
 from harness import flip, shufflefs
@@ -30,6 +31,7 @@ from shufflefs.storage.protocol import chunk_id
 from shufflefs.storage.store import ChunkStore
 
 WORKERS = str(Path(__file__).parent.parent / "loadgen.py")
+LOAD_SECONDS = 90.0  # at most: the tests stop the load once it has run on after the fault
 MiB = 1 << 20
 
 
@@ -68,6 +70,20 @@ def finish(proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
     assert proc.wait(timeout) == 0, "load process failed"
 
 
+def reads_on(report: Path, reads: int = 100) -> None:
+    """Wait until the reader has done *reads* more reads (after a fault)."""
+    start = reads_so_far(report)
+    wait_until(f"{reads} more reads", lambda: reads_so_far(report) >= start + reads)
+
+
+def acks_after(acklog: Path, when: float, count: int = 3) -> None:
+    """Wait until *count* files were acknowledged after *when* (time.time())."""
+    wait_until(
+        f"{count} writes acknowledged after the fault",
+        lambda: len([f for f in acked(acklog) if f[2] > when]) >= count,
+    )
+
+
 def reader_report(report: Path) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(report.read_text())
     print(f"reader: {result}")
@@ -99,12 +115,14 @@ def write_dataset(cluster: ProcessCluster, name: str, size: int, seed: int) -> P
 def test_kill9_storage_during_reads(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
     c = fault_cluster
     data = write_dataset(c, "reads.bin", 48 * MiB, seed=11)
-    reader = start_reader(data, 11, 12.0, tmp_path / "r.json")
+    reader = start_reader(data, 11, LOAD_SECONDS, tmp_path / "r.json")
     under_way(report=tmp_path / "r.json")
     c.kill("storage2")
     detected = c.wait_for(
         "storage2's target offline", lambda s: any(t["state"] == "offline" for t in s["targets"])
     )
+    reads_on(tmp_path / "r.json")
+    loadgen.stop(reader)
     finish(reader)
     r = reader_report(tmp_path / "r.json")
     assert r["reads"] > 100 and r["failures"] == 0 and r["wrong"] == 0
@@ -120,10 +138,15 @@ def test_kill9_storage_during_reads(fault_cluster: ProcessCluster, tmp_path: Pat
 def test_kill9_during_writes_then_resync(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
     c = fault_cluster
     acklog = tmp_path / "acked.log"
-    writer = start_writer(c.mountpoint / "w", 14.0, acklog)
+    writer = start_writer(c.mountpoint / "w", LOAD_SECONDS, acklog)
     under_way(acklog=acklog)
     kill_time = time.time()
     c.kill("storage3")
+    c.wait_for(
+        "storage3's target offline", lambda s: any(t["state"] == "offline" for t in s["targets"])
+    )
+    acks_after(acklog, max(time.time(), kill_time + 1))
+    loadgen.stop(writer)
     finish(writer)
     after_kill = [f for f in acked(acklog) if f[2] > kill_time + 1]
     assert after_kill, "no write was acknowledged after the failover"
@@ -193,13 +216,16 @@ def test_cut_host_during_reads_and_writes(fault_cluster: ProcessCluster, tmp_pat
     if c.hosts is None:
         pytest.fail("network namespaces are unavailable here: cannot cut a host's link")
     data = write_dataset(c, "cut.bin", 32 * MiB, seed=5)
-    reader = start_reader(data, 5, 16.0, tmp_path / "r.json")
+    reader = start_reader(data, 5, LOAD_SECONDS, tmp_path / "r.json")
     acklog = tmp_path / "acked.log"
-    writer = start_writer(c.mountpoint / "w", 16.0, acklog)
+    writer = start_writer(c.mountpoint / "w", LOAD_SECONDS, acklog)
     under_way(report=tmp_path / "r.json", acklog=acklog)
     cut_time = time.time()
     c.hosts.cut(1)
     c.wait_for("host 1 offline", lambda s: any(t["state"] == "offline" for t in s["targets"]))
+    acks_after(acklog, max(time.time(), cut_time + 5))
+    reads_on(tmp_path / "r.json")
+    loadgen.stop(reader, writer)
     finish(reader)
     finish(writer)
     r = reader_report(tmp_path / "r.json")
