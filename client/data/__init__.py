@@ -12,10 +12,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shufflefs.client.data.datasets import FileDataset, TokenWindowDataset
+    from shufflefs.client.data.datasets import FileDataset, Mixture, TokenWindowDataset
     from shufflefs.client.data.files import FileSamples, ShuffleSampler
     from shufflefs.client.data.interleave import Schedule
-    from shufflefs.client.data.mixture import Mixture
+    from shufflefs.client.data.mixture import MixtureSamples
     from shufflefs.client.data.permutation import KeyedPermutation
     from shufflefs.client.data.state import combine_states
     from shufflefs.client.data.tokens import TokenWindows
@@ -28,7 +28,8 @@ _WHERE = {
     "FileSamples": "shufflefs.client.data.files",
     "ShuffleSampler": "shufflefs.client.data.files",
     "KeyedPermutation": "shufflefs.client.data.permutation",
-    "Mixture": "shufflefs.client.data.mixture",
+    "Mixture": "shufflefs.client.data.datasets",
+    "MixtureSamples": "shufflefs.client.data.mixture",
     "Schedule": "shufflefs.client.data.interleave",
     "combine_states": "shufflefs.client.data.state",
     "ShuffleLoader": "shufflefs.client.data.torch",
@@ -39,6 +40,7 @@ __all__ = [
     "FileSamples",
     "KeyedPermutation",
     "Mixture",
+    "MixtureSamples",
     "Schedule",
     "ShuffleLoader",
     "ShuffleSampler",

@@ -63,7 +63,7 @@ from shufflefs.cluster.preflight import parse_size
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:  # the mixture imports torch when it is there (seconds): on first use
-    from shufflefs.client.data.mixture import Mixture
+    from shufflefs.client.data.datasets import Mixture
 
 log = logging.getLogger("shufflefs.bench")
 
@@ -273,7 +273,7 @@ def loader_dataset(
     else:
         groups = [paths, paths, paths]
     parts = [TokenWindows(g, **common) for g in groups]
-    from shufflefs.client.data.mixture import Mixture
+    from shufflefs.client.data.datasets import Mixture
 
     return Mixture(
         parts, weights=MIX_WEIGHTS, seed=args.seed, batch_size=batch, readahead=readahead

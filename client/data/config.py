@@ -41,7 +41,9 @@ from shufflefs.client.data.quarantine import read_quarantine
 from shufflefs.client.data.urls import is_url
 
 if TYPE_CHECKING:
-    from shufflefs.client.data.mixture import Mixture
+    from shufflefs.client.data.files import FileSamples
+    from shufflefs.client.data.mixture import MixtureSamples
+    from shufflefs.client.data.tokens import TokenWindows
 
 SOURCE_KEYS = {"name", "paths", "files", "seq_len", "dtype", "stride", "suffixes"}
 TOP_KEYS = {
@@ -121,24 +123,36 @@ def load_mixture(
     batch_size: int | None = None,
     config: str | os.PathLike[str] | None = None,
     readahead: int = 4,
-) -> Mixture:
+    torch: bool = True,
+) -> MixtureSamples:
     """The mixture *path* describes, for this rank (with its quarantine file,
-    if it names one and the file exists)."""
+    if it names one and the file exists): a `Mixture` of torch datasets, or
+    with ``torch=False`` the same order over the plain classes (what the CLI
+    needs to name samples: importing torch takes seconds)."""
     cfg = read_mixture_config(path)
-    # The datasets import torch when it is there (seconds): only once the
-    # config has been read, so `shufflefs sample` answers a bad one at once.
-    from shufflefs.client.data.datasets import FileDataset, TokenWindowDataset
-    from shufflefs.client.data.mixture import Mixture
+    Files: type[FileSamples]
+    Tokens: type[TokenWindows]
+    Mix: type[MixtureSamples]
+    if torch:
+        from shufflefs.client.data.datasets import FileDataset, Mixture, TokenWindowDataset
+
+        Files, Tokens, Mix = FileDataset, TokenWindowDataset, Mixture
+    else:
+        from shufflefs.client.data.files import FileSamples
+        from shufflefs.client.data.mixture import MixtureSamples
+        from shufflefs.client.data.tokens import TokenWindows
+
+        Files, Tokens, Mix = FileSamples, TokenWindows, MixtureSamples
 
     base = Path(path).parent
     parts: list[Any] = []
     for src in cfg["source"]:
         paths = expand(list(src["paths"]), base)
         if src.get("files"):
-            parts.append(FileDataset(paths, config=config, suffixes=src.get("suffixes")))
+            parts.append(Files(paths, config=config, suffixes=src.get("suffixes")))
         else:
             parts.append(
-                TokenWindowDataset(
+                Tokens(
                     paths,
                     seq_len=int(src.get("seq_len", cfg.get("seq_len", 1024))),
                     dtype=src.get("dtype", cfg.get("dtype")),
@@ -146,7 +160,7 @@ def load_mixture(
                     config=config,
                 )
             )
-    mix = Mixture(
+    mix = Mix(
         parts,
         schedule=schedule_of(cfg, str(path)),
         seed=int(cfg.get("seed", 0)),

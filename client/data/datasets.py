@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shufflefs.client.data.files import FileSamples
+from shufflefs.client.data.mixture import MixtureSamples
 from shufflefs.client.data.tokens import TokenWindows
 
 if TYPE_CHECKING:
@@ -65,3 +66,9 @@ class FileDataset(FileSamples, MapBase):
     """`FileSamples` as a map-style torch ``Dataset``; pass
     ``sampler=ds.sampler`` (or use `ShuffleLoader`) to get the shuffle,
     sharding and resume."""
+
+
+class Mixture(MixtureSamples, IterableBase):
+    """`MixtureSamples` as a torch ``IterableDataset`` (tensors where its
+    components give tensors); inside a DataLoader worker it shards itself by
+    worker id."""

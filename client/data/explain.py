@@ -55,7 +55,7 @@ def explain_step(args: argparse.Namespace) -> list[ExplainedSample]:
 def explain_mixture_step(args: argparse.Namespace) -> list[dict[str, Any]]:
     from shufflefs.client.data.config import load_mixture
 
-    mix = load_mixture(args.mixture, 0, args.world_size, batch_size=args.batch_size)
+    mix = load_mixture(args.mixture, 0, args.world_size, batch_size=args.batch_size, torch=False)
     mix.set_epoch(args.epoch)
     mix.shard = dataclasses.replace(mix.shard, start=args.start)
     rows = mix.explain_step(args.step, args.batch_size, args.epoch)

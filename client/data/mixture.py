@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shufflefs.client.data.datasets import IterableBase
 from shufflefs.client.data.files import FileSamples
 from shufflefs.client.data.interleave import Schedule
 from shufflefs.client.data.readahead import ReadPlan, pipeline
@@ -66,7 +65,7 @@ def component_seed(seed: int, index: int) -> int:
 
 
 def _set_seed(component: Any, seed: int) -> None:
-    if isinstance(component, Mixture):
+    if isinstance(component, MixtureSamples):
         component._reseed(seed)
     elif isinstance(component, FileSamples):
         component.sampler.seed = seed
@@ -107,12 +106,15 @@ def leaf_paths(leaf: Leaf) -> list[str]:
     return list(leaf.index.paths) if isinstance(leaf, TokenWindows) else list(leaf.files)
 
 
-class Mixture(Batched, EpochState, IterableBase):
+class MixtureSamples(Batched, EpochState):
     """Datasets mixed with exact proportions, optionally changing with the
     position (*schedule*: ``[(start_position, weights), ...]`` instead of
     *weights*). Iterates like `TokenWindows` (samples, or `iter_batches`);
     batches of token windows of one shape are arrays (tensors for
-    `TokenWindowDataset` components), others lists of samples."""
+    `TokenWindowDataset` components), others lists of samples. Without torch:
+    `shufflefs.client.data.Mixture` is this as a torch ``IterableDataset``,
+    and the CLI (`sample explain`, `quarantine`) uses this one, so it does
+    not pay for importing torch."""
 
     kind = "mixture"
 
@@ -140,7 +142,7 @@ class Mixture(Batched, EpochState, IterableBase):
             raise ValueError("readahead must be >= 0 and read_size >= 1")
         self.components = list(components)
         for c in self.components:
-            if not isinstance(c, (TokenWindows, FileSamples, Mixture)):
+            if not isinstance(c, (TokenWindows, FileSamples, MixtureSamples)):
                 raise TypeError(f"a mixture component must be a dataset of this package, not {c!r}")
         if isinstance(schedule, Schedule):
             self.schedule = schedule
@@ -158,7 +160,7 @@ class Mixture(Batched, EpochState, IterableBase):
         self.leaf_base: list[int] = []  # first leaf of each component
         for c in self.components:
             self.leaf_base.append(len(self.leaves))
-            self.leaves += c.leaves if isinstance(c, Mixture) else [c]
+            self.leaves += c.leaves if isinstance(c, MixtureSamples) else [c]
         super().__init__(Shard(0, rank, world_size, drop_last), seed, batch_size)
         self._reseed(self.seed)
         self.shard = replace(self.shard, n=self._epoch_length())
@@ -236,7 +238,7 @@ class Mixture(Batched, EpochState, IterableBase):
             for e in np.unique(epochs).tolist():
                 sel = epochs == e
                 at = where[sel]
-                if isinstance(c, Mixture):
+                if isinstance(c, MixtureSamples):
                     order = np.argsort(pos[sel], kind="stable")
                     _, sub_leaf, sub_item = c._resolve(int(e), pos[sel][order])
                     leaf[at[order]] = self.leaf_base[i] + sub_leaf
@@ -352,7 +354,7 @@ class Mixture(Batched, EpochState, IterableBase):
 
     def _quarantine_in(self, component: Any, key: dict[str, Any]) -> None:
         plain = {k: v for k, v in key.items() if k != "component"}
-        if not isinstance(component, Mixture):
+        if not isinstance(component, MixtureSamples):
             component.quarantine([plain])
             return
         for i, sub in enumerate(component.components):  # a nested mixture: the one that has it

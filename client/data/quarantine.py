@@ -88,7 +88,9 @@ def cli_quarantine(args: argparse.Namespace) -> int:
         have = {json.dumps(k, sort_keys=True) for k in kept}
         new = [k for k in added if json.dumps(k, sort_keys=True) not in have]
         if args.mixture:
-            load_mixture(args.mixture, config=args.config).quarantine(kept + new)  # checks keys
+            load_mixture(args.mixture, config=args.config, torch=False).quarantine(
+                kept + new
+            )  # checks keys
         if added or removed:
             write_quarantine(target, kept + new)
     except (ValueError, OSError, KeyError, FsError) as exc:

@@ -270,7 +270,7 @@ def test_bench_loader_runs_every_row(mounted: ProcessCluster, tmp_path: Path) ->
          "--config", str(mounted.client_config), "--mountpoint", str(mounted.mountpoint),
          "--local-dir", str(tmp_path / "local"), "--remote-dir", "/bench-test",
          "--dataset-size", "6M", "--files", "2", "--seq-len", "128",
-         "--batch-sizes", "8,64", "--seconds", "0.2", "--readahead", "2",
+         "--batch-sizes", "8,64", "--seconds", "0.05", "--readahead", "2",
          "--json", "--plot", str(plot)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
