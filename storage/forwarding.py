@@ -8,6 +8,11 @@ last. A successor that cannot be reached is reported to mgmtd (which checks
 for itself and takes it out of the chain) and the caller gets ESTALE: it
 retries once the chain changed. A forward to a chain that changes meanwhile
 is cancelled at once (`routing_changed`) rather than waiting for its timeout.
+
+Every update holds its admission (`admitted`: its place, counted per chain
+and version) until it is done here, so a resync can wait out the updates a
+replica took at an older chain version (`barrier`): those never reach the
+target that syncs.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
@@ -37,6 +42,7 @@ from shufflefs.storage.store import ChunkStore
 log = logging.getLogger("shufflefs.storage.forwarding")
 
 REPORT_TIMEOUT = 8.0  # telling mgmtd a successor is unreachable, and refreshing routing after
+BARRIER_POLL = 0.005  # seconds between looks at the updates a barrier waits out
 
 
 class Forwarding:
@@ -48,6 +54,61 @@ class Forwarding:
         # forwards in flight, cancelled if their chain changes (`routing_changed`)
         self.forwards = ChainWatch()
         self.full_resends = 0  # deltas a successor refused (NEED_FULL) and got whole
+        self._admitted: dict[tuple[int, int], int] = {}  # (chain, version) -> updates here
+        self.barriers_waiting = 0  # barriers waiting out older updates (tests, debugging)
+
+    @contextlib.asynccontextmanager
+    async def admitted(
+        self, target: int, chain: int, chain_version: int, *, head: bool
+    ) -> AsyncIterator[Place | None]:
+        """`place`, and the update counted at its chain version until the
+        body is done (what `barrier` waits for)."""
+        place = await self.place(target, chain, chain_version, head=head)
+        key = (chain, chain_version)  # counted with no checkpoint after the check
+        self._admitted[key] = self._admitted.get(key, 0) + 1
+        try:
+            yield place
+        finally:
+            left = self._admitted[key] - 1
+            if left:
+                self._admitted[key] = left
+            else:
+                del self._admitted[key]
+
+    async def barrier(self, target: int, chain: int, chain_version: int, timeout: float) -> None:
+        """Return once *target* takes updates of *chain* at *chain_version*
+        (our map refreshed to it if older) and no update admitted here at an
+        older version is still going on. A syncing tail asks this of its
+        source before comparing chunks: an update the source took at the
+        version before the tail joined is not forwarded to it, and the tail
+        must see it in the source's copy, never miss it. ESTALE if the chain
+        is at another version here (after a refresh), EAGAIN if the older
+        updates are not done within *timeout*."""
+        if self.node.routing is None:
+            return
+        await self._members_at(target, chain, chain_version)
+        older = sum(n for (c, v), n in self._admitted.items() if c == chain and v < chain_version)
+        if not older:
+            return
+        log.info(
+            "sync barrier chain=%d version=%d: waiting for %d updates at older versions",
+            chain,
+            chain_version,
+            older,
+        )
+        self.barriers_waiting += 1
+        try:
+            with trio.move_on_after(timeout):
+                while any(c == chain and v < chain_version for c, v in self._admitted):
+                    await trio.sleep(BARRIER_POLL)
+                return
+        finally:
+            self.barriers_waiting -= 1
+        raise FsError(
+            errno.EAGAIN,
+            f"updates of chain {chain} at a version before {chain_version} still going on "
+            f"after {timeout:g}s",
+        )
 
     # ---- where a call stands ---------------------------------------------
 
@@ -59,9 +120,29 @@ class Forwarding:
         client's call, *head*) or not a later replica (for a forwarded one).
         A caller with a newer version than ours makes us refresh first.
         None when this node has no routing map at all (a lone target)."""
-        routing_source = self.node.routing
-        if routing_source is None:
+        if self.node.routing is None:
             return None
+        routing, members = await self._members_at(target, chain, chain_version)
+        ids = [t["id"] for t in members]
+        index = ids.index(target)
+        if head and index != 0:
+            raise FsError(
+                errno.ESTALE, f"target {target} is not the head of chain {chain} (members: {ids})"
+            )
+        if not head and index == 0:
+            raise FsError(
+                errno.ESTALE, f"target {target} is the head of chain {chain}, not a replica"
+            )
+        return Place(routing, chain, chain_version, members, index)
+
+    async def _members_at(
+        self, target: int, chain: int, chain_version: int
+    ) -> tuple[Routing, list[TargetInfo]]:
+        """Our map and *chain*'s write targets, if the chain is at exactly
+        *chain_version* here (refreshed first if the caller's is newer) and
+        *target* is one of them; ESTALE otherwise."""
+        routing_source = self.node.routing
+        assert routing_source is not None
         try:
             info = routing_source.current.chains.get(chain)
             stale = info is None or chain_version > info["version"]
@@ -85,21 +166,13 @@ class Forwarding:
                 f"chain {chain} is at version {info['version']}, the call used {chain_version}",
             )
         members = routing.write_targets(chain)
-        ids = [t["id"] for t in members]
-        if target not in ids:
+        if target not in [t["id"] for t in members]:
             raise FsError(
-                errno.ESTALE, f"target {target} takes no writes in chain {chain} (members: {ids})"
+                errno.ESTALE,
+                f"target {target} takes no writes in chain {chain} "
+                f"(members: {[t['id'] for t in members]})",
             )
-        index = ids.index(target)
-        if head and index != 0:
-            raise FsError(
-                errno.ESTALE, f"target {target} is not the head of chain {chain} (members: {ids})"
-            )
-        if not head and index == 0:
-            raise FsError(
-                errno.ESTALE, f"target {target} is the head of chain {chain}, not a replica"
-            )
-        return Place(routing, chain, chain_version, members, index)
+        return routing, members
 
     async def check_min_replicas(self, place: Place, target: int, head: bool) -> Place:
         """EROFS when fewer than min_replicas of the chain serve. Our map may

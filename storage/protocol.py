@@ -43,6 +43,7 @@ NEED_FULL = errno.EBADE
 # the head of a 3-chain waits 20 s, its middle 10 s, so the nearest live hop
 # times out first and the failure is reported by the replica next to it.
 FORWARD_TIMEOUT = 10.0
+SYNC_BARRIER_TIMEOUT = 20.0  # a source waiting out its updates at an older chain version
 
 
 def chain_call_timeout(replicas: int, forward_timeout: float = FORWARD_TIMEOUT) -> float:
@@ -302,6 +303,12 @@ class StorageStub:
         """One chunk's version, length and block checksums (ENOENT if absent)."""
         result: ChunkInfo = await self._call("chunk_info", target=target, chunk=chunk)
         return result
+
+    async def sync_barrier(self, target: int, chain: int, chain_version: int) -> None:
+        """Wait until *target* takes updates of *chain* at *chain_version* and
+        those it took at an older version are done (a syncing tail, before it
+        compares with this source)."""
+        await self._call("sync_barrier", target=target, chain=chain, chain_version=chain_version)
 
     async def list_chunks(
         self, target: int, after: bytes | None = None, limit: int = 1000

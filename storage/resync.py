@@ -162,6 +162,19 @@ class ResyncWorker:
         source = sources[-1]  # the nearest serving one upstream: spares the head
         stub = node.stub_for(source["id"], routing)
         sync = self.state(target, chain["id"], start_version)
+        # The source's map may still be at the version before we joined, and
+        # updates it takes at that version are never forwarded to us: once it
+        # is at ours and those are done, every later one reaches us.
+        try:
+            await stub.sync_barrier(source["id"], chain["id"], start_version)
+        except FsError as exc:
+            if exc.code != errno.ENOSYS:
+                raise
+            log.warning(  # an older daemon (a rolling upgrade): sync as it did
+                "resync target=%d: source %d has no sync_barrier; comparing without it",
+                target,
+                source["id"],
+            )
         stats = ResyncStats(target, chain["id"], source["id"])
         started = trio.current_time()
         log.info(

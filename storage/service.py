@@ -36,6 +36,7 @@ from shufflefs.storage.protocol import (
     FORWARD_TIMEOUT,
     MAX_READ_ITEMS,
     NEED_FULL,
+    SYNC_BARRIER_TIMEOUT,
     ChunkInfo,
     ChunkMeta,
     ChunkPage,
@@ -237,8 +238,10 @@ class StorageService:
         store = node.store(target)
         check_chunk_id(chunk)
         data = payload if payload is not None else b""
-        async with node.locks.update(target, chunk):
-            place = await self.forwarding.place(target, chain, chain_version, head=True)
+        async with (
+            node.locks.update(target, chunk),
+            self.forwarding.admitted(target, chain, chain_version, head=True) as place,
+        ):
             if place is not None:
                 place = await self.forwarding.check_min_replicas(place, target, head=True)
             try:
@@ -283,8 +286,10 @@ class StorageService:
             raise FsError(
                 errno.EINVAL, f"version {version} does not follow base_version {base_version}"
             )
-        async with node.locks.update(target, chunk):
-            place = await self.forwarding.place(target, chain, chain_version, head=False)
+        async with (
+            node.locks.update(target, chunk),
+            self.forwarding.admitted(target, chain, chain_version, head=False) as place,
+        ):
             sync = self.resyncer.state_at(target, place)
             if full:
                 staged = await node.io(store.stage_replace, chunk, data, chunk_size, version, False)
@@ -421,8 +426,10 @@ class StorageService:
             check_chunk_size(chunk_size)
             if size < 0:
                 raise FsError(errno.EINVAL, f"negative size {size}")
-        async with node.locks.whole_file(target, ino):
-            place = await self.forwarding.place(target, chain, chain_version, head=head)
+        async with (
+            node.locks.whole_file(target, ino),
+            self.forwarding.admitted(target, chain, chain_version, head=head) as place,
+        ):
             if place is not None and place.successor is not None:
                 await self.forwarding.forward_file_op(place, ino, size, chunk_size)
             if size is None:
@@ -441,6 +448,15 @@ class StorageService:
     async def chunk_info(self, target: int, chunk: bytes) -> ChunkInfo:
         store = self.node.store(target)
         return await self.node.io(store.chunk_info, chunk)
+
+    @rpc_method
+    async def sync_barrier(self, target: int, chain: int, chain_version: int) -> dict[str, int]:
+        """For a syncing tail, before it compares its chunks with this
+        replica's: *target* takes updates at *chain_version*, and the updates
+        it took at an older one are done (docs/storage.md "Resync")."""
+        self.node.store(target)  # ENOENT for a target we do not have
+        await self.forwarding.barrier(target, chain, chain_version, SYNC_BARRIER_TIMEOUT)
+        return {"chain_version": chain_version}
 
     @rpc_method
     async def list_chunks(

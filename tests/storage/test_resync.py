@@ -223,6 +223,52 @@ class InterferingSource:
         return result
 
 
+async def test_resync_waits_out_updates_its_source_took_at_the_older_chain_version(
+    cluster: ChainCluster,
+) -> None:
+    """A replica's map can lag mgmtd's by a poll: updates the source admits
+    at the chain version before the tail rejoined are never forwarded to the
+    tail, so the tail must not compare chunks until they are done there (its
+    pass starts with `sync_barrier`; found as wrong bytes under kill -9 by
+    tests/faults/test_chain_ops.py)."""
+    [chain] = cluster.chain_ids()
+    _, middle, tail = cluster.members(chain)
+    cid = chunk_id(60, 0)
+    await cluster.write(chain, cid, 0, blob(60, 4000))
+    tail_node = cluster.node_of(tail)
+    await cluster.stop_node(tail_node)
+    await cluster.sync_maps()
+    old_version = cluster.routing.current.chains[chain]["version"]
+    await cluster.write(chain, cid, 0, blob(61, 4000))  # the tail must copy it
+    forwarding = cluster.node_of(middle).service.forwarding
+    admitted, release = trio.Event(), trio.Event()
+
+    async def update_at_the_old_version() -> None:
+        async with forwarding.admitted(middle, chain, old_version, head=False):
+            admitted.set()
+            await release.wait()
+
+    assert cluster.state is not None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(update_at_the_old_version)
+        await admitted.wait()
+        await cluster.start_node(tail_node)
+        await cluster.sync_maps()
+        await eventually(lambda: forwarding.barriers_waiting == 1)
+        assert cluster.state.targets[tail].state == "syncing"
+        release.set()
+    await eventually(
+        lambda: cluster.state is not None and cluster.state.targets[tail].state == "serving"
+    )
+    await cluster.sync_maps()
+    await cluster.assert_identical(chain)
+    new_version = cluster.routing.current.chains[chain]["version"]
+    await cluster.stub_for(middle).sync_barrier(middle, chain, new_version)  # nothing to wait for
+    with pytest.raises(FsError) as refused:  # a version the source is not at
+        await cluster.stub_for(middle).sync_barrier(middle, chain, old_version)
+    assert refused.value.code == errno.ESTALE
+
+
 async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: ChainCluster) -> None:
     [chain] = cluster.chain_ids()
     head, middle, tail = cluster.members(chain)
