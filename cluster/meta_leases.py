@@ -47,6 +47,10 @@ class Report:
     at: float
 
 
+def _key(lease: Lease) -> tuple[int, int]:
+    return int(lease["holder"]), lease["epoch"]
+
+
 @dataclass
 class MetaLeases:
     """Who may become metadata primary (*now* is mgmtd's monotonic clock);
@@ -56,6 +60,9 @@ class MetaLeases:
     epoch: int = 0
     holder: int | None = None
     reports: dict[int, Report] = field(default_factory=dict)
+    # (holder, epoch) -> when this mgmtd last granted or renewed that lease,
+    # or first saw it (a new mgmtd primary)
+    heard: dict[tuple[int, int], float] = field(default_factory=dict)
 
     async def request(
         self,
@@ -75,13 +82,21 @@ class MetaLeases:
         if live is not None and live["holder"] == str(node_id):
             try:
                 live = await coordination.renew_lease(LEASE_NAME, str(node_id), live["epoch"])
+                self.heard[node_id, live["epoch"]] = now
             except FsError as exc:
                 if exc.code != errno.ESTALE:
                     raise
                 live = None  # lapsed just now: taken again below, if it may be
+        elif live is not None and now - self.heard.setdefault(_key(live), now) > self.ttl:
+            # silent for a TTL: it stopped writing at 3/4 of it; the backend
+            # keeps it longer only to outlast an mgmtd failover
+            await coordination.release_lease(LEASE_NAME, live["holder"], live["epoch"])
+            live = None
         if live is None and self._may_take(node_id, members | {node_id}, group_size, now):
+            held = self.ttl + coordination.failover_seconds
             try:
-                live = await coordination.grant_lease(LEASE_NAME, str(node_id), self.ttl)
+                live = await coordination.grant_lease(LEASE_NAME, str(node_id), held)
+                self.heard[_key(live)] = now
             except FsError as exc:
                 if exc.code != errno.EBUSY:
                     raise
