@@ -64,6 +64,9 @@ class Coordination(ABC):
         self.elected = trio.Event()  # set while this instance is the primary
         self.deposed = trio.Event()  # set when it stops being the primary
         self.primary: str | None = None  # the primary's rpc address, if known
+        # how long this backend may be without a primary when one dies (the
+        # election); a lease outlives it there (cluster/meta_leases.py)
+        self.failover_seconds = 0.0
 
     @property
     def role(self) -> str:

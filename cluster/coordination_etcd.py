@@ -62,6 +62,7 @@ class EtcdCoordination(Coordination):
             self.clients.append(etcd3gw.client(host=host, port=port, timeout=REQUEST_TIMEOUT))
         self.prefix = prefix.rstrip("/")
         self.ttl = max(2, int(ttl))
+        self.failover_seconds = self.ttl + STANDBY_POLL  # the lease lapses, a standby sees it
         self._lease_id: int | None = None  # our election lease
         self._won_revision = 0  # create revision of the primary key we made
         self._renewed = 0.0  # monotonic time of the last successful keepalive

@@ -3,10 +3,8 @@
 The lease itself (holder, epoch, expiry) lives in mgmtd's coordination
 backend (`cluster/coordination.py`: the embedded store, or etcd), under the
 name `LEASE_NAME`, so it survives an mgmtd restart or an mgmtd failover on
-etcd like the rest of the cluster state (with the default timings an mgmtd
-failover outlasts the share of the lease a holder uses, so the new mgmtd
-primary usually grants it anew: the next epoch, from etcd, never a reused
-one). What this module adds is the policy of who may take it. Every
+etcd like the rest of the cluster state. What this module adds is the
+policy of who may take it. Every
 metadata server asks for the lease every `LEASE_TTL / 4` seconds and
 reports its log position (applied seq and that entry's epoch). The
 holder's request renews it. When the lease has lapsed,
@@ -19,8 +17,18 @@ mgmtd counts a lease it finds as held for one more TTL (the embedded
 backend; etcd keeps its own clock): the holder may still act on it.
 
 The holder counts its lease from when it *sent* the request, and stops
-taking writes at 3/4 of it; mgmtd's backend counts from after it received
-it: so the old primary has stopped before anyone else can be granted it.
+taking writes at 3/4 of it; mgmtd counts from after it received it: so the
+old primary has stopped before anyone else can be granted it.
+
+Lapsed means: not renewed for a TTL by this mgmtd's clock (`heard`; a new
+mgmtd primary counts from when it first saw the lease), or gone from the
+backend. The backend keeps it longer, TTL plus its own failover time
+(`Coordination.failover_seconds`: etcd's election TTL and a standby's poll),
+so it outlasts an mgmtd failover: the holder, which asks again every 0.1 s
+while no mgmtd answers, renews it with the new mgmtd primary in the same
+epoch, instead of the group electing a primary anew (a new epoch, maybe
+another server, the clients re-routed). A dead holder's lease still goes
+on after one TTL of silence, as before.
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ class Report:
     at: float
 
 
+def _key(lease: Lease) -> tuple[int, int]:
+    return int(lease["holder"]), lease["epoch"]
+
+
 @dataclass
 class MetaLeases:
     """Who may become metadata primary (*now* is mgmtd's monotonic clock);
@@ -56,6 +68,9 @@ class MetaLeases:
     epoch: int = 0
     holder: int | None = None
     reports: dict[int, Report] = field(default_factory=dict)
+    # (holder, epoch) -> when this mgmtd last granted or renewed that lease,
+    # or first saw it (a new mgmtd primary)
+    heard: dict[tuple[int, int], float] = field(default_factory=dict)
 
     async def request(
         self,
@@ -75,13 +90,21 @@ class MetaLeases:
         if live is not None and live["holder"] == str(node_id):
             try:
                 live = await coordination.renew_lease(LEASE_NAME, str(node_id), live["epoch"])
+                self.heard[node_id, live["epoch"]] = now
             except FsError as exc:
                 if exc.code != errno.ESTALE:
                     raise
                 live = None  # lapsed just now: taken again below, if it may be
+        elif live is not None and now - self.heard.setdefault(_key(live), now) > self.ttl:
+            # silent for a TTL: it stopped writing at 3/4 of it; the backend
+            # keeps it longer only to outlast an mgmtd failover
+            await coordination.release_lease(LEASE_NAME, live["holder"], live["epoch"])
+            live = None
         if live is None and self._may_take(node_id, members | {node_id}, group_size, now):
+            held = self.ttl + coordination.failover_seconds
             try:
-                live = await coordination.grant_lease(LEASE_NAME, str(node_id), self.ttl)
+                live = await coordination.grant_lease(LEASE_NAME, str(node_id), held)
+                self.heard[_key(live)] = now
             except FsError as exc:
                 if exc.code != errno.EBUSY:
                     raise

@@ -21,7 +21,7 @@ from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.config import MetaConfig
 from shufflefs.metadata.follower_reads import ReadPosition
 from shufflefs.metadata.replication import ReplicationService
-from shufflefs.metadata.replication_role import MetaRole
+from shufflefs.metadata.replication_role import LEASE_REQUEST_TIMEOUT, MetaRole
 from shufflefs.metadata.replication_snapshot import SnapshotReceiver, send_snapshot
 from shufflefs.metadata.server import MetaService
 from shufflefs.metadata.store import NamespaceStore
@@ -79,7 +79,7 @@ async def serve(config: MetaConfig, *, task_status: Any = trio.TASK_STATUS_IGNOR
             role = MetaRole(
                 store.txns,
                 rpc,
-                MgmtdStub(rpc, config.mgmtd),
+                MgmtdStub(rpc, config.mgmtd, timeout=LEASE_REQUEST_TIMEOUT),
                 group_size=config.group_size,
                 log_keep=config.log_keep,
                 routing=lambda: cache.current,

@@ -95,6 +95,7 @@ class Replicator:
         self.resync = resync
         self.acked: dict[int, int] = {}  # follower -> the seq up to which it matches our log
         self.active = True  # False once this primary stepped down
+        self._probed: set[int] = set()  # followers whose position was just learned
         self._committed = _Signal()
         self._acked = _Signal()
 
@@ -107,11 +108,13 @@ class Replicator:
 
     def trim_point(self, keep: int) -> int:
         """Up to where the log may go: what every follower has; a follower
-        that is not in touch holds back no more than the last *keep* entries
-        (it copies a snapshot when it is back)."""
+        that is not in touch, or a member not registered yet (the group
+        is smaller than its configured size), holds back no more than the
+        last *keep* entries (it copies a snapshot when it is back)."""
         last = self.txns.last_seq
         peers = self.peers()
-        if peers and all(p in self.acked for p in peers):
+        complete = len(peers) + 1 >= self.group_size()
+        if peers and complete and all(p in self.acked for p in peers):
             return min(self.acked[p] for p in peers)
         return min([last - keep, *self.acked.values()])
 
@@ -176,7 +179,10 @@ class Replicator:
     async def _step(self, node: int, address: str, known: Position | None) -> Position:
         """One exchange with a follower: a probe, or the next batch."""
         if known is None:
+            self._probed.add(node)
             return position_of(await self._append(address, -1, 0, None))
+        probed = node in self._probed
+        self._probed.discard(node)
         with self.txns.env.begin(write=False) as txn:
             ours = self.txns.log.epoch_at(txn, known.applied_seq)
             matches = ours == known.applied_epoch and known.applied_seq <= self.txns.last_seq
@@ -198,6 +204,13 @@ class Replicator:
                 raise FsError(errno.EIO, "no snapshot source")
             await self.resync(address, self.epoch)
             return position_of(await self._append(address, -1, 0, None))
+        if probed and entries:  # (re)joined behind: which way it catches up, for the record
+            log.info(
+                "follower %s at %d is %d entries behind: catching up from the log",
+                address,
+                known.applied_seq,
+                self.txns.last_seq - known.applied_seq,
+            )
         if not entries:
             await self._committed.wait(IDLE_PROBE)
             if self.txns.last_seq == known.applied_seq:

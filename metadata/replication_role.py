@@ -39,6 +39,12 @@ LEASE_SHARE = 0.75  # of the lease a primary uses, from the moment it asked
 DURABLE_TIMEOUT = 3.0  # a mutation not held by a majority by then is answered NOT_ACKNOWLEDGED
 TRIM_INTERVAL = 2.0
 RETRY_AT_ONCE = 0.01  # seconds before re-asking for a lease granted too late to use
+# A lease request gives up after this (its grant would count from its first
+# try anyway), and a failed one is asked again soon: while mgmtd fails over,
+# the holder renews as soon as the new mgmtd primary serves, before the
+# backend's lease lapses (which would cost a new epoch, maybe another primary).
+LEASE_REQUEST_TIMEOUT = 1.0
+RETRY_FAILED = 0.1
 NOT_PRIMARY = errno.ESTALE  # transient for clients: refresh the routing map, retry
 
 
@@ -125,17 +131,16 @@ class MetaRole:
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
-                again = await self._round(nursery, duties)
+                pause = await self._round(nursery, duties)
                 if self.role == PRIMARY and trio.current_time() >= self.lease_until:
                     self._demote("lease lapsed")
-                await trio.sleep(RETRY_AT_ONCE if again else self.interval)
+                await trio.sleep(pause)
 
-    async def _round(self, nursery: trio.Nursery, duties: Callable[[], Awaitable[None]]) -> bool:
-        """One lease request; True: ask again at once (the grant came too
-        late to be of use)."""
+    async def _round(self, nursery: trio.Nursery, duties: Callable[[], Awaitable[None]]) -> float:
+        """One lease request; returns the seconds until the next."""
         me = self.node_id()
         if me is None:
-            return False
+            return self.interval
         if self.role == PRIMARY and (self.replicator is None) != self.alone():
             self._demote("the metadata group changed size")
         asked = trio.current_time()
@@ -150,7 +155,7 @@ class MetaRole:
                 self.lease_until = 0.0  # was alone, is no more: a lease is needed now
             if self.alone() and self.role != PRIMARY:
                 await self._promote(nursery, duties, position.epoch, float("inf"))
-            return False
+            return self.interval if self.alone() else RETRY_FAILED
         if reply["epoch"] > position.epoch:
             await trio.to_thread.run_sync(self.txns.raise_epoch, reply["epoch"])
         if reply["granted"]:
@@ -160,14 +165,14 @@ class MetaRole:
                 # was failing over while it was retried): promoting on it
                 # would only be undone at once; a fresh request renews it.
                 log.info("lease epoch %d granted too late to use; asking again", reply["epoch"])
-                return True
+                return RETRY_AT_ONCE
             if self.role != PRIMARY:
                 await self._promote(nursery, duties, reply["epoch"], until)
             self.lease_until = until
             self.interval = reply["ttl"] / 4
         elif self.role == PRIMARY:
             self._demote(f"the lease is node {reply['holder']}'s (epoch {reply['epoch']})")
-        return False
+        return self.interval
 
     async def _promote(
         self,

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from shufflefs.cluster.coordination import EmbeddedCoordination
+from shufflefs.cluster.meta_leases import LEASE_NAME, LEASE_TTL, MetaLeases
 from shufflefs.cluster.mgmtd import MgmtdService
 from shufflefs.cluster.protocol import NOT_PRIMARY, ClusterConfig, MgmtdStub
 from shufflefs.cluster.state import ClusterState
@@ -52,6 +53,41 @@ async def test_embedded_leases(tmp_path: Path) -> None:
         assert (await again.grant_lease("meta", "m1", 1.0))["epoch"] == 3
     finally:
         again.close()
+
+
+async def test_a_silent_metadata_primary_loses_its_lease_before_the_backend_lets_it_lapse(
+    tmp_path: Path,
+) -> None:
+    """The backend keeps the metadata primary's lease a failover longer than
+    its TTL (so it outlasts an mgmtd failover), but mgmtd hands it on once
+    the holder has not renewed for a TTL by mgmtd's own clock; a new mgmtd
+    primary counts that from when it first saw the lease."""
+    coord = EmbeddedCoordination(tmp_path / "db")
+    coord.failover_seconds = 60.0  # as etcd's, but longer than the test
+    members = {1, 2, 3}
+
+    async def ask(leases: MetaLeases, node: int, now: float) -> int | None:
+        reply, _ = await leases.request(coord, node, 5, 1, members, 3, now)
+        return reply["holder"]
+
+    try:
+        leases = MetaLeases()
+        await ask(leases, 2, 0.0)
+        assert await ask(leases, 1, 0.0) == 1  # a majority reported, none ahead
+        assert await ask(leases, 2, 2.5) == 1
+        assert await ask(leases, 1, 2.9) == 1  # renewed
+        assert await ask(leases, 2, 5.5) == 1  # silent 2.6 s: still its
+        assert await ask(leases, 3, 5.5) == 1
+        assert await ask(leases, 2, 6.0) == 2  # silent past the TTL: handed on
+        assert leases.epoch == 2
+        live = await coord.get_lease(LEASE_NAME)
+        assert live is not None and live["ttl"] == LEASE_TTL + 60.0
+        fresh = MetaLeases()  # a new mgmtd primary, node 2 silent from now on
+        assert await ask(fresh, 1, 100.0) == 2
+        assert await ask(fresh, 3, 102.0) == 2
+        assert await ask(fresh, 1, 103.5) == 1  # a TTL after it first saw the lease
+    finally:
+        coord.close()
 
 
 async def test_stub_finds_the_primary(tmp_path: Path, nursery: trio.Nursery) -> None:

@@ -188,7 +188,8 @@ def test_up_ha_mgmtd_then_metadata_primary_killed_under_load(tmp_path: Path) -> 
         assert reader.errors == [] and reader.reads > 100
         print(
             f"HA STALL: kill -9 mgmtd primary ({old_mgmtd}): longest namespace op "
-            f"{result_a['stall']:.2f}s, longest read {read_a:.2f}s; kill -9 metadata primary "
+            f"{result_a['stall']:.2f}s, longest read {read_a:.2f}s, metadata epoch "
+            f"{old_epoch} -> {epoch_before}; kill -9 metadata primary "
             f"({victim}, epoch {epoch_before} -> {epoch_after} from {new_mgmtd}): longest "
             f"namespace op {result_b['stall']:.2f}s, longest read {read_b:.2f}s; "
             f"{result_a['ops'] + result_b['ops']} namespace ops, {reader.reads} reads"

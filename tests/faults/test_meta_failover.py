@@ -2,9 +2,10 @@
 spread over all three with read-your-writes, the
 primary killed with kill -9 during a namespace storm from two mounts and an
 fsx-like exerciser (tests/exerciser.py) on one of them, a
-follower down while the log moves on (caught up from the log, or from a
-snapshot once the log was trimmed past it), a fourth added by `shufflefs
-meta add`.
+follower down for 10,000 mutations from 128 concurrent clients (caught up
+from the log, which group commit keeps to a few hundred entries) and then
+down past log trimming (caught up from a snapshot), a fourth added by
+`shufflefs meta add`.
 
 After each: every acknowledged operation is there, none was applied twice
 (the storm would have seen EEXIST/ENOENT), the mounts saw no error, and
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -28,15 +30,21 @@ import exerciser
 import hosts as test_hosts
 import pytest
 import trio
-from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
+from clusters import HEARTBEAT_FAST, ProcessCluster
 from harness import shufflefs
 
+from shufflefs.client.meta_client import MetaClient
+from shufflefs.cluster.config import load_client_config
+from shufflefs.cluster.routing import RoutingCache
+from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
 from shufflefs.metadata.records import ALL_DBS, DB_INFO
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.rpc import open_rpc_client
 
 STORM = str(Path(__file__).parent / "meta_storm.py")
 METAS = ("meta", "meta2", "meta3")
 TRIMMED = re.compile(r"log trimmed through (\d+)")
+LOG_KEEP = 1000  # the catch-up test's: a follower that missed more copies a snapshot
 
 
 def metas(c: ProcessCluster, names: tuple[str, ...] = METAS) -> dict[str, dict[str, Any]]:
@@ -211,6 +219,88 @@ def namespace_ops(directory: Path, count: int, tag: str) -> None:
         (directory / f"{tag}{i}").unlink()
 
 
+LOAD_TASKS = 128  # concurrent clients: their mutations share group commits
+LOAD_CYCLES = 18  # of 4.5 mutations: 128 x (1 + 18 x 4 + 9) + 1 = 10,497 in all
+REG = stat.S_IFREG | 0o644
+
+
+async def mutate(meta: MetaClient, method: str, *args: Any, **kwargs: Any) -> Any:
+    """One mutation through *meta*, at most once (retried with its request id)."""
+    return await meta.call_at_most_once(method, lambda m: getattr(m, method)(*args, **kwargs))
+
+
+async def load_task(meta: MetaClient, parent: int, cycles: int) -> int:
+    """One client's mutations in *parent*: per cycle a create (mknod), a
+    setattr, a rename, a mkdir and, every other cycle, an unlink. Returns
+    how many it made (the directory then holds r<odd> and d<every>)."""
+    for i in range(cycles):
+        f, r = b"f%d" % i, b"r%d" % i
+        made = await mutate(meta, "mknod", parent, f, REG, 0, 0, 0)
+        await mutate(meta, "setattr", made["ino"], mode=0o600)
+        await mutate(meta, "rename", parent, f, parent, r)
+        await mutate(meta, "mkdir", parent, b"d%d" % i, 0o755, 0, 0)
+        if i % 2 == 0:
+            await mutate(meta, "unlink", parent, r)
+    return 4 * cycles + (cycles + 1) // 2
+
+
+def load_expected(cycles: int) -> list[bytes]:
+    return sorted([b"d%d" % i for i in range(cycles)] + [b"r%d" % i for i in range(1, cycles, 2)])
+
+
+async def _meta_load(c: ProcessCluster, top: bytes, tasks: int, cycles: int) -> int:
+    config, secret = load_client_config(c.client_config)
+    async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
+        cache = RoutingCache(rpc, config.mgmtd, poll_interval=0.5)
+        await cache.start(nursery)
+        meta = MetaClient(rpc, cache)
+        root = await mutate(meta, "mkdir", ROOT_INODE, top, 0o755, 0, 0)
+        made = [1]
+
+        async def one(t: int) -> None:
+            d = await mutate(meta, "mkdir", root["ino"], b"t%d" % t, 0o755, 0, 0)
+            made.append(1 + await load_task(meta, d["ino"], cycles))
+
+        async with trio.open_nursery() as inner:
+            for t in range(tasks):
+                inner.start_soon(one, t)
+        nursery.cancel_scope.cancel()
+    return sum(made)
+
+
+def meta_load(c: ProcessCluster, top: str, tasks: int, cycles: int) -> int:
+    """Mutations through the metadata rpc from *tasks* concurrent clients
+    (one task each: MetaClient, as the mount calls), in /*top*/t<task>;
+    returns how many."""
+    return trio.run(_meta_load, c, top.encode(), tasks, cycles)
+
+
+def listing(c: ProcessCluster, name: str, top: str) -> dict[bytes, list[bytes]]:
+    """Every directory of /*top* and the names in it, read from metadata
+    server *name* itself (a follower answers from its own copy)."""
+    address = metas(c, (name,))[name]["address"]
+
+    async def read() -> dict[bytes, list[bytes]]:
+        async with c.rpc() as rpc:
+            meta = MetaStub(rpc, address)
+            root = await meta.lookup(ROOT_INODE, top.encode())
+            out: dict[bytes, list[bytes]] = {}
+            for sub, attr in (await meta.readdir(root["ino"], limit=1024))["entries"]:
+                ino = attr["ino"]
+                names: list[bytes] = []
+                after: bytes | None = None
+                while page := (await meta.readdir(ino, after, limit=1024))["entries"]:
+                    names += [n for n, _ in page]
+                    after = names[-1]
+                out[sub] = names
+            return out
+
+    return trio.run(read)
+
+
+CAUGHT_UP = re.compile(r"follower \S+ at \d+ is (\d+) entries behind: catching up from the log")
+
+
 def test_a_follower_catches_up_from_the_log_then_from_a_snapshot(tmp_path: Path) -> None:
     c = ProcessCluster(
         tmp_path / "data",
@@ -219,30 +309,57 @@ def test_a_follower_catches_up_from_the_log_then_from_a_snapshot(tmp_path: Path)
         meta_servers=3,
         mgmtd_settings=HEARTBEAT_FAST,
     )
-    for d in METAS:  # a short log: a follower that misses more is sent a snapshot
+    for d in METAS:  # a follower that misses more entries is sent a snapshot
         with (c.data_dir / d / "meta.toml").open("a") as f:
-            f.write("log_keep = 1000\n")
+            f.write(f"log_keep = {LOG_KEEP}\n")
     try:
         c.up()
         lead = primary(c)
         follower = next(name for name in METAS if name != lead)
         work = c.mountpoint / "w"
-        namespace_ops(work, 100, "a")
+        namespace_ops(work, 20, "a")
+        # down for 10,000 mutations: group commit packs them into far fewer
+        # log entries than log_keep, so the log still has every one
         c.kill(follower)
-        namespace_ops(work, 200, "b")  # fewer than log_keep: the log still has them
+        t0 = time.monotonic()
+        made = meta_load(c, "load", LOAD_TASKS, LOAD_CYCLES)
+        took = time.monotonic() - t0
+        assert made >= 10_000
+        lead_log = len(c.log(lead))
         c.start(follower)
         converged(c)
-        assert "sending a snapshot" not in c.log(lead)
+        since = c.log(lead)[lead_log:]
+        behind = [int(n) for n in CAUGHT_UP.findall(since)]
+        # the log path, every entry it missed (group commit packs 10,000
+        # mutations into a few hundred entries, far fewer than log_keep)
+        assert behind and behind[0] < LOG_KEEP, since
+        assert "snapshot" not in since
+        print(
+            f"catch-up from the log: {made} mutations from {LOAD_TASKS} clients in "
+            f"{took:.1f}s ({made / took:.0f}/s), {behind[0]} log entries"
+        )
+        expected = {b"t%d" % t: load_expected(LOAD_CYCLES) for t in range(LOAD_TASKS)}
+        assert listing(c, follower, "load") == listing(c, lead, "load") == expected
+        # down past log_keep entries: the log is trimmed past it meanwhile
         gone_at = metas(c)[follower]["applied_seq"]
         c.kill(follower)
-        namespace_ops(work, 1500, "c")  # past log_keep: trimmed while it is away
-        wait_until(
-            "the primary's log trimmed past the follower",
-            lambda: any(int(n) > gone_at for n in TRIMMED.findall(c.log(lead))),
+
+        def trimmed() -> bool:
+            return any(int(n) > gone_at for n in TRIMMED.findall(c.log(lead)))
+
+        t0 = time.monotonic()
+        rounds = 0
+        while not trimmed():  # two clients: about one log entry per mutation
+            assert rounds < 40, "the log was not trimmed past the follower"
+            meta_load(c, f"past{rounds}", 2, 12)
+            rounds += 1
+        print(
+            f"past log_keep ({LOG_KEEP}): {rounds} x 111 mutations in {time.monotonic() - t0:.1f}s"
         )
+        lead_log = len(c.log(lead))
         c.start(follower)
         converged(c)
-        assert "sending a snapshot" in c.log(lead)
+        assert "sending a snapshot" in c.log(lead)[lead_log:]
         assert "installed a snapshot" in c.log(follower)
         namespace_ops(work, 20, "d")  # and it follows the log again
         converged(c)
@@ -252,12 +369,8 @@ def test_a_follower_catches_up_from_the_log_then_from_a_snapshot(tmp_path: Path)
         assert (added["name"], added["role"], added["meta_servers"]) == ("meta4", "follower", 4)
         namespace_ops(work, 20, "e")
         converged(c, (*METAS, "meta4"))
-        expected = sorted(
-            f"{t}{i}"
-            for t, n in (("a", 100), ("b", 200), ("c", 1500), ("d", 20), ("e", 20))
-            for i in range(1, n // 2, 2)
-        )
-        assert sorted(p.name for p in work.iterdir()) == expected
+        expected_work = sorted(f"{t}{i}" for t in "ade" for i in range(1, 10, 2))
+        assert sorted(p.name for p in work.iterdir()) == expected_work
     finally:
         c.down()
     assert_identical_namespaces(c, (*METAS, "meta4"))

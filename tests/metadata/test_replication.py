@@ -199,6 +199,25 @@ async def _durable(rep: Replicator, seq: int) -> None:
     await rep.wait_durable(seq, timeout=1.5)
 
 
+async def test_the_log_is_trimmed_to_what_every_member_has(tmp_path: Path) -> None:
+    """A follower in touch holds the log back to its position; one out of
+    touch, or a member of the group not registered yet, to *keep* entries."""
+    with open_ns(tmp_path / "p") as ns:
+        await mutate(ns, 30)
+        last = ns.txns.last_seq
+        peers = {1: "a:1"}
+        rep = Replicator(
+            ns.txns, None, peers=lambda: peers, group_size=lambda: 2, epoch=1, deposed=print
+        )  # type: ignore[arg-type]
+        rep.acked[1] = last - 2
+        assert rep.trim_point(keep=5) == last - 2  # the whole group in touch
+        rep.acked.clear()
+        assert rep.trim_point(keep=5) == last - 5  # out of touch
+        rep.acked[1] = last - 2
+        rep.group_size = lambda: 3  # a third member, not registered yet
+        assert rep.trim_point(keep=5) == last - 5
+
+
 async def test_follower_refuses_an_older_epoch_and_deposes_its_sender(group: Any) -> None:
     primary, followers, (rpc, links, nursery) = group
     addr = links.addresses[1]
