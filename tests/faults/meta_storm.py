@@ -3,7 +3,8 @@
 Usage: meta_storm.py DIR SECONDS REPORT
 
 Creates files (O_EXCL, with content), renames and unlinks them in DIR for
-SECONDS, keeping a model of what must be there. An operation applied twice
+SECONDS (or until SIGUSR2: a test stops it once it has run on), keeping a
+model of what must be there. An operation applied twice
 shows as an error (a retried create answering EEXIST, a retried rename or
 unlink ENOENT). Writes REPORT (JSON): the model, every error, how many
 operations ran and the longest one took (the stall), and REPORT.progress
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -24,7 +26,16 @@ def content(i: int) -> bytes:
     return (b"%08d" % i) * (64 + i % 200)
 
 
+_stop = False
+
+
+def _stop_now(signum: int, frame: object) -> None:
+    global _stop
+    _stop = True
+
+
 def main() -> int:
+    signal.signal(signal.SIGUSR2, _stop_now)
     directory, seconds, report = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
     directory.mkdir(exist_ok=True)
     rng = random.Random(str(directory))
@@ -34,7 +45,7 @@ def main() -> int:
     progress = Path(f"{report}.progress")
     end = time.monotonic() + seconds
     i = 0
-    while time.monotonic() < end and len(errors) < 20:
+    while time.monotonic() < end and len(errors) < 20 and not _stop:
         i += 1
         t0 = time.monotonic()
         try:

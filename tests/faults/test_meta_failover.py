@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import exerciser
 import hosts as test_hosts
 import pytest
 import trio
-from clusters import HEARTBEAT_FAST, ProcessCluster
+from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
 from harness import shufflefs
 
 from shufflefs.client.meta_client import MetaClient
@@ -42,6 +43,7 @@ from shufflefs.metadata.store import NamespaceStore
 from shufflefs.rpc import open_rpc_client
 
 STORM = str(Path(__file__).parent / "meta_storm.py")
+STORM_MAX = 90.0  # seconds at most: the tests stop the load once it ran on after the fault
 METAS = ("meta", "meta2", "meta3")
 TRIMMED = re.compile(r"log trimmed through (\d+)")
 LOG_KEEP = 1000  # the catch-up test's: a follower that missed more copies a snapshot
@@ -87,6 +89,12 @@ def converged(c: ProcessCluster, names: tuple[str, ...] = METAS) -> None:
 
 def start_storm(directory: Path, seconds: float, report: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, STORM, str(directory), str(seconds), str(report)])
+
+
+def stop_storms(storms: list[subprocess.Popen[bytes]]) -> None:
+    for p in storms:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR2)
 
 
 def progress(report: Path) -> int:
@@ -166,12 +174,12 @@ def test_primary_kill_during_a_storm_from_two_mounts(three: ProcessCluster, tmp_
     try:
         reports = [tmp_path / "a.json", tmp_path / "b.json"]
         dirs = [c.mountpoint / "a", second / "b"]
-        storms = [start_storm(d, 25.0, r) for d, r in zip(dirs, reports, strict=True)]
+        storms = [start_storm(d, STORM_MAX, r) for d, r in zip(dirs, reports, strict=True)]
         # and the fsx-like exerciser (writes, truncates, mmap, reopens: the
         # metadata calls of a file's life) on the first mount
         (c.mountpoint / "fsx").mkdir()
         fsx_report = tmp_path / "fsx.json"
-        fsx = exerciser.start(c.mountpoint / "fsx" / "f", 7, 50_000, 25.0, fsx_report)
+        fsx = exerciser.start(c.mountpoint / "fsx" / "f", 7, 50_000, STORM_MAX, fsx_report)
         deadline = time.monotonic() + 60
         while min(progress(r) for r in reports) < 50 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -181,6 +189,20 @@ def test_primary_kill_during_a_storm_from_two_mounts(three: ProcessCluster, tmp_
         killed_at = time.monotonic()
         new = primary(c)
         assert new != victim
+        at_new = [progress(r) for r in reports], exerciser.ops_so_far(fsx_report)
+        wait_until(  # everything runs on through the new primary for a while
+            "the storms and the exerciser going on after the failover",
+            lambda: (
+                any(p.poll() is not None for p in [*storms, fsx])  # ended early: an error
+                or (
+                    all(progress(r) >= n + 50 for r, n in zip(reports, at_new[0], strict=True))
+                    and exerciser.ops_so_far(fsx_report) >= at_new[1] + 50
+                )
+            ),
+            timeout=90,
+        )
+        stop_storms(storms)
+        exerciser.finish([fsx])
         for s in storms:
             assert s.wait(timeout=120) == 0
         assert fsx.wait(timeout=120) == 0, exerciser.result(fsx_report)
@@ -413,7 +435,7 @@ def test_the_cut_off_primary_acknowledges_nothing_and_rejoins(tmp_path: Path) ->
         )
         c.up()
         report = tmp_path / "storm.json"
-        storm = start_storm(c.mountpoint / "s", 25.0, report)
+        storm = start_storm(c.mountpoint / "s", STORM_MAX, report)
         deadline = time.monotonic() + 60
         while progress(report) < 50 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -438,6 +460,13 @@ def test_the_cut_off_primary_acknowledges_nothing_and_rejoins(tmp_path: Path) ->
             timeout=60,
         )
         assert probe.stdout.startswith("refused"), probe.stdout + probe.stderr
+        at_probe = progress(report)
+        wait_until(
+            "the storm going on through the new primary",
+            lambda: storm.poll() is not None or progress(report) >= at_probe + 50,
+            timeout=90,
+        )
+        stop_storms([storm])
         assert storm.wait(timeout=120) == 0
         result = json.loads(report.read_text())
         assert result["errors"] == [] and result["ops"] > 100
