@@ -133,9 +133,11 @@ class FileSystem:
             self.fresh_attr,
             lambda ino, flags: self.session.call("open", lambda m, s: m.open(ino, flags, s)),
             self._release_handle,
+            release_many=self._release_handles,
             trust=self.options.trust_open_cache,
             linger=self.options.open_linger,
         )
+        self._batch_release = True  # until a metadata server answers ENOSYS
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
         self._fh = itertools.count(1)
@@ -485,6 +487,24 @@ class FileSystem:
         await self.meta.call_at_most_once(
             "release", lambda m: m.release(ino, handle, self.session.id)
         )
+
+    async def _release_handles(self, pairs: list[tuple[int, int]]) -> None:
+        """Read-only handles given back in one call (`release` each from a
+        metadata server of before `release_read_only`)."""
+        if self._batch_release:
+            handles = [[ino, handle] for ino, handle in pairs]
+            try:
+                await self.meta.call_at_most_once(
+                    "release_read_only",
+                    lambda m: m.release_read_only(handles, self.session.id),
+                )
+                return
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                self._batch_release = False
+        for ino, handle in pairs:
+            await self._release_handle(ino, handle)
 
     # ---- paths (the native API) ---------------------------------------------------
 

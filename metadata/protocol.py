@@ -148,6 +148,7 @@ MUTATIONS = frozenset(
         "create",
         "open",
         "release",
+        "release_read_only",
         "unlink",
         "rmdir",
         "rename",
@@ -324,6 +325,11 @@ class MetaStub:
         Releasing a handle that is already gone (its session expired) is not
         an error; one held by another session is EBADF."""
         await self._call("release", ino=ino, handle=handle, session=session)
+
+    async def release_read_only(self, handles: list[list[int]], session: int) -> None:
+        """`release` of many read-only handles ([ino, handle] each) in one
+        call; ENOSYS from a server of before it."""
+        await self._call("release_read_only", handles=handles, session=session)
 
     async def unlink(self, parent: int, name: bytes) -> None:
         await self._call("unlink", parent=parent, name=name)

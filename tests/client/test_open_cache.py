@@ -7,7 +7,8 @@ server's own per-method request counts (`rpc_calls`) show what each open cost.
 * trust (the -o ro mount): a cached open costs nothing; a change is seen once
   attributes fetched for any reason show the new change counter;
 * a cached handle is a real handle: a file unlinked elsewhere keeps its data
-  until the handle lingers out, and session renewals report it.
+  until the handle lingers out, and session renewals report it; handles that
+  linger out together go back in one call.
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ async def test_cached_handle_keeps_an_unlinked_file_until_it_lingers_out(
     writer = await open_fs(ClientOptions(local_reads=False))
     reader = await open_fs(ClientOptions(local_reads=False, open_linger=1.0))
     ino = await put(writer, b"h", DATA)
+    other = await put(writer, b"h2", DATA)
+    before = await calls(reader)
     assert await read(reader, ino) == DATA
+    assert await read(reader, other) == DATA
     held = [[ino, h] for i, h in reader.open_cache.handles() if i == ino]
     assert held and all(p in reader._read_only_handles() for p in held)  # renewals report it
 
@@ -130,6 +134,10 @@ async def test_cached_handle_keeps_an_unlinked_file_until_it_lingers_out(
         while not await gone():
             await trio.sleep(0.1)
     assert reader.open_cache.handles() == []
+    # idle handles go back in one call per sweep (an epoch longer than the
+    # linger expires one per sample), the unlinked file's last one freeing it
+    gave_back = delta(before, await calls(reader), "release", "release_read_only")
+    assert gave_back[0] == 0 and 1 <= gave_back[1] <= 2
     mine = [s for s in await stub.sessions() if s["session"] == reader.session.id]
     assert mine and mine[0]["open_ro"] == 0 and mine[0]["mount"] is None
 

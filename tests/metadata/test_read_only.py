@@ -94,9 +94,13 @@ async def test_unlink_while_open_read_only(env: Env) -> None:
     with pytest.raises(FsError) as info:  # not the other session's to close
         await meta.release(ino, opened["handle"], env.session)
     assert info.value.code == errno.EBADF
+    with pytest.raises(FsError) as info:  # nor in a batch, whose other handles go back
+        await meta.release_read_only([[ino, opened["handle"]], [ino, again["handle"]]], env.session)
+    assert info.value.code == errno.EBADF
     await meta.release(ino, again["handle"], reader)
     assert env.store.gc_jobs() == []  # one reader left
-    await meta.release(ino, opened["handle"], reader)  # the last close frees it
+    # the last close frees it (here in a batch, as an open cache gives handles back)
+    await meta.release_read_only([[ino, opened["handle"]]], reader)
     assert [j["ino"] for j in env.store.gc_jobs()] == [ino]
     await env.service.jobs.run_once()
     assert env.storage.targets_called("remove", ino) == {CHAINS[c][0] for c in layout["chains"]}
