@@ -34,10 +34,16 @@ without keep_cache, and gives us no way to bound or account for them.
 Warm epochs: a hint for a file the kernel's page cache holds (read through
 this mount, whole, at the version it still has) is skipped: the kernel
 answers its reads, so fetched bytes would only sit in our cache. The mount
-cannot see the kernel evict, so when a read of a skipped file reaches it
-anyway, the other skipped files not read yet are fetched after all and
-skipping stops for DISTRUST_SECONDS (a dataset larger than the page cache is
-prefetched every epoch, as before).
+cannot see the kernel evict, only reads of skipped files that reach it
+anyway. A few such reads are the odd page the kernel dropped (the reads
+are small, and go to storage as any read): the hints go on being skipped.
+Once at least EVICTED_MIN of the skipped files opened lately, and one in
+EVICTED_SHARE of them, were read here, the kernel is evicting whole files:
+the other skipped files not read yet are fetched after all and skipping
+stops for DISTRUST_SECONDS (a dataset larger than the page cache is
+prefetched every epoch, as before). (One such read used to be enough: on a
+machine whose page cache loses a page now and then, every warm epoch was
+fetched whole into memory no read consulted, slower than no hints at all.)
 
 Bounded: fetched plus in-flight bytes never exceed the budget (mount option
 ``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
@@ -79,6 +85,9 @@ MAX_FILES_PER_READ = 256  # listed files read together (one request per storage 
 READ_BATCH = 8 << 20  # bytes of listed files read together
 ENTRY_TTL = 120.0  # seconds an unread entry keeps its room when room is needed
 DISTRUST_SECONDS = 60.0  # no hint is skipped as held by the kernel this long after one was wrong
+EVICTED_MIN = 4  # reads of skipped files that reached the mount before it distrusts...
+EVICTED_SHARE = 4  # ...if also one in this many of the skipped files opened lately
+SKIP_WINDOW = 256  # skipped files opened, beyond which both counts are halved ("lately")
 
 
 @dataclass
@@ -140,6 +149,8 @@ class Prefetcher:
         # none is skipped (a skipped file's read reached us: it had been evicted)
         self._skipped: OrderedDict[int, Hint] = OrderedDict()
         self._distrust_until = -1.0
+        self._skipped_opened = 0  # skipped files opened lately
+        self._skipped_missed = 0  # ... of which a read reached the mount
         self.resolver = HintResolver(self.fs)
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -394,6 +405,11 @@ class Prefetcher:
 
     def opened(self, attr: Attr) -> None:
         """An open saw *attr*: data of another version is dropped."""
+        if self._skipped and attr["ino"] in self._skipped:
+            self._skipped_opened += 1
+            if self._skipped_opened > SKIP_WINDOW:
+                self._skipped_opened //= 2
+                self._skipped_missed //= 2
         held = self.entries.get(attr["ino"])
         if held and held[0].version != version_of(attr):
             self._drop(attr["ino"])
@@ -402,18 +418,20 @@ class Prefetcher:
     def read(self, ino: int, offset: int, size: int) -> memoryview | None:
         """The bytes of a read if one held range has all of them (clamped to
         the file's end as it was fetched), else None."""
-        if self._skipped and ino in self._skipped:  # the kernel did not have it
+        if self._skipped and ino in self._skipped:  # the kernel did not have it all
             del self._skipped[ino]
             self.counters.evicted += 1
-            self._distrust_until = trio.current_time() + DISTRUST_SECONDS
-            # the other skipped files, not read yet, were likely evicted too:
-            # fetch them after all, in their order
-            self.pending.extend(self._skipped.values())
-            self._skipped.clear()
-            while len(self.pending) > MAX_PENDING:
-                self.pending.popleft()
-                self.counters.dropped += 1
-            self._notify()
+            self._skipped_missed += 1
+            if self._evicting():
+                self._distrust_until = trio.current_time() + DISTRUST_SECONDS
+                # the other skipped files, not read yet, were likely evicted
+                # too: fetch them after all, in their order
+                self.pending.extend(self._skipped.values())
+                self._skipped.clear()
+                while len(self.pending) > MAX_PENDING:
+                    self.pending.popleft()
+                    self.counters.dropped += 1
+                self._notify()
         for e in self.entries.get(ino, ()):
             end = min(offset + size, e.version[0])
             if e.offset <= offset <= end <= e.end:
@@ -426,8 +444,17 @@ class Prefetcher:
                 return out
         return None
 
+    def _evicting(self) -> bool:
+        """Do the skipped files' reads that reached the mount show the kernel
+        evicting whole files (not the odd page)?"""
+        missed = self._skipped_missed
+        return missed >= EVICTED_MIN and missed * EVICTED_SHARE >= self._skipped_opened
+
     def released(self, ino: int) -> None:
-        """A handle was closed: the ranges it read from have served their samples."""
+        """A handle was closed: the ranges it read from have served their
+        samples (and a skipped file read from the page cache is taken)."""
+        if self._skipped:
+            self._skipped.pop(ino, None)
         self._drop(ino, only_served=True)
 
     def changed(self, ino: int) -> None:
