@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import trio
 
+from shufflefs.client.attr_batch import AttrBatcher
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.open_cache import CachedOpen, OpenCache
@@ -129,6 +130,10 @@ class FileSystem:
             self._read_only_handles,
             mount=self.options.mount,
         )
+        self.attr_batch = AttrBatcher(
+            lambda ino: self.meta.call_idempotent("getattr", lambda m: m.getattr(ino)),
+            self._primary_getattrs,
+        )
         self.open_cache = OpenCache(
             self.fresh_attr,
             lambda ino, flags: self.session.call("open", lambda m, s: m.open(ino, flags, s)),
@@ -212,8 +217,12 @@ class FileSystem:
     async def fresh_attr(self, ino: int) -> Attr:
         """Attributes from the primary (a follower may not have applied
         another client's change yet): what an open revalidates a cached file
-        with (close-to-open)."""
-        return await self.meta.call_idempotent("getattr", lambda m: m.getattr(ino))
+        with (close-to-open); concurrent ones go in one call
+        (client/attr_batch.py)."""
+        return await self.attr_batch.get(ino)
+
+    async def _primary_getattrs(self, inos: list[int]) -> list[Attr | None]:
+        return await self.meta.call_idempotent("getattrs", lambda m: m.getattrs(inos))
 
     async def setattr(
         self,

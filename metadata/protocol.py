@@ -231,6 +231,13 @@ class MetaStub:
         result: Attr = await self._call("getattr", ino=ino)
         return result
 
+    async def getattrs(self, inos: list[int]) -> list[Attr | None]:
+        """`getattr` of many inodes from one read snapshot (None: no such
+        inode; at most READDIR_MAX): what a client's concurrent opens
+        revalidate with together. ENOSYS from a server of before it."""
+        result: list[Attr | None] = await self._call("getattrs", inos=inos)
+        return result
+
     async def resolve(self, path: bytes, follow: bool = True) -> Attr:
         """Walk an absolute path from the root in one call, following symlinks
         in the middle (and at the end when *follow*); ELOOP after 40."""

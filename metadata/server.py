@@ -271,6 +271,10 @@ class MetaService:
         return self.store.getattr(ino)
 
     @rpc_method(inline=True)
+    async def getattrs(self, inos: list[int]) -> list[Attr | None]:
+        return self.store.getattrs(inos)
+
+    @rpc_method(inline=True)
     async def resolve(self, path: bytes, follow: bool = True) -> Attr:
         return self.store.resolve(path, follow)
 

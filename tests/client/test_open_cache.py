@@ -3,7 +3,8 @@ against the real metadata server and storage daemons in this process; the
 server's own per-method request counts (`rpc_calls`) show what each open cost.
 
 * revalidate (the read-write mount): a cached open costs one getattr and no
-  open/release; a change closed elsewhere is seen by the next open;
+  open/release (overlapping ones share a getattrs call); a change closed
+  elsewhere is seen by the next open;
 * trust (the -o ro mount): a cached open costs nothing; a change is seen once
   attributes fetched for any reason show the new change counter;
 * a cached handle is a real handle: a file unlinked elsewhere keeps its data
@@ -79,6 +80,32 @@ async def test_revalidated_open_costs_one_getattr_and_sees_closed_changes(
     assert await read(reader, ino) == DATA.upper()
     # the revalidation, then a fresh open (and the stale handle given back)
     assert delta(before, await calls(reader), "getattr", "open", "release") == (1, 1, 1)
+
+
+async def test_concurrent_revalidations_go_in_one_call_and_see_closed_changes(
+    open_fs: OpenFs,
+) -> None:
+    """Opens that overlap (a loader's workers) revalidate in one `getattrs`
+    call (client/attr_batch.py), each still seeing what was closed before it."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    inos = [await put(writer, b"c%d" % i, DATA) for i in range(8)]
+    for ino in inos:
+        assert await read(reader, ino) == DATA
+    await put(writer, b"c3", DATA.upper())  # closed before the opens below
+    got: dict[int, bytes] = {}
+
+    async def one(ino: int) -> None:
+        got[ino] = await read(reader, ino)
+
+    before = await calls(reader)
+    async with trio.open_nursery() as nursery:
+        for ino in inos:
+            nursery.start_soon(one, ino)
+    single, batched = delta(before, await calls(reader), "getattr", "getattrs")
+    assert got == {ino: DATA.upper() if ino == inos[3] else DATA for ino in inos}
+    assert batched >= 1 and single + batched <= 3, (single, batched)
+    assert reader.attr_batch.asked >= 5
 
 
 async def test_trusted_open_costs_nothing_until_attributes_show_a_change(

@@ -1,5 +1,5 @@
 """Read-only work writes nothing: no LMDB write transaction for lookups,
-attributes, listings, xattr reads, statfs or a read-only open and its
+attributes (one inode's or many's), listings, xattr reads, statfs or a read-only open and its
 release; yet a file unlinked while open read-only keeps its data until the
 last close, across a metadata server restart too (docs/metadata.md,
 "Read-only handles")."""
@@ -44,6 +44,11 @@ async def test_read_only_work_takes_no_write_transaction(env: Env) -> None:
 
     assert (await meta.lookup(d["ino"], b"f"))["ino"] == ino
     assert (await meta.getattr(ino))["size"] == 4096
+    many = await meta.getattrs([ino, 1 << 40, d["ino"]])  # (None: no such inode)
+    assert [a and a["ino"] for a in many] == [ino, None, d["ino"]]
+    with pytest.raises(FsError) as info:
+        await meta.getattrs([ino] * 1025)
+    assert info.value.code == errno.E2BIG
     assert (await meta.resolve(b"/d/l"))["ino"] == ino
     assert [n for n, _ in (await meta.readdir(d["ino"]))["entries"]] == [b"f", b"l"]
     assert await meta.readlink(link["ino"]) == b"f"
