@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import trio
 
-from shufflefs.client.attr_batch import AttrBatcher
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
+from shufflefs.client.open_batch import Batcher
 from shufflefs.client.open_cache import CachedOpen, OpenCache
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
@@ -130,13 +130,20 @@ class FileSystem:
             self._read_only_handles,
             mount=self.options.mount,
         )
-        self.attr_batch = AttrBatcher(
+        # the metadata calls of concurrent read-only opens, batched (client/open_batch.py)
+        self.attr_batch: Batcher[int, Attr] = Batcher(
             lambda ino: self.meta.call_idempotent("getattr", lambda m: m.getattr(ino)),
             self._primary_getattrs,
+            "getattr",
+        )
+        self.open_batch: Batcher[tuple[int, int], OpenResult] = Batcher(
+            lambda key: self.session.call("open", lambda m, s: m.open(key[0], key[1], s)),
+            self._open_read_only,
+            "open",
         )
         self.open_cache = OpenCache(
             self.fresh_attr,
-            lambda ino, flags: self.session.call("open", lambda m, s: m.open(ino, flags, s)),
+            lambda ino, flags: self.open_batch.get((ino, flags)),
             self._release_handle,
             release_many=self._release_handles,
             trust=self.options.trust_open_cache,
@@ -218,11 +225,15 @@ class FileSystem:
         """Attributes from the primary (a follower may not have applied
         another client's change yet): what an open revalidates a cached file
         with (close-to-open); concurrent ones go in one call
-        (client/attr_batch.py)."""
+        (client/open_batch.py)."""
         return await self.attr_batch.get(ino)
 
     async def _primary_getattrs(self, inos: list[int]) -> list[Attr | None]:
         return await self.meta.call_idempotent("getattrs", lambda m: m.getattrs(inos))
+
+    async def _open_read_only(self, keys: list[tuple[int, int]]) -> list[OpenResult | None]:
+        opens = [[ino, flags] for ino, flags in keys]
+        return await self.session.call("open_read_only", lambda m, s: m.open_read_only(opens, s))
 
     async def setattr(
         self,

@@ -327,6 +327,16 @@ class MetaStub:
         result: OpenResult = await self._call("open", ino=ino, flags=flags, session=session)
         return result
 
+    async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:
+        """`open` of many [ino, flags] that neither write nor truncate, each
+        with a handle of its own (None: no such inode; at most READDIR_MAX);
+        any other failure fails the call (no handle is kept then). ENOSYS
+        from a server of before it."""
+        result: list[OpenResult | None] = await self._call(
+            "open_read_only", opens=opens, session=session
+        )
+        return result
+
     async def release(self, ino: int, handle: int, session: int) -> None:
         """Close a handle; the last close of an unlinked file frees it.
         Releasing a handle that is already gone (its session expired) is not

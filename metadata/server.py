@@ -26,6 +26,7 @@ from shufflefs.metadata import request_ids
 from shufflefs.metadata.files import opens_for_writing
 from shufflefs.metadata.gc import SessionReaper, StorageJobs
 from shufflefs.metadata.protocol import (
+    READDIR_MAX,
     Attr,
     FilesPage,
     FsStats,
@@ -406,6 +407,33 @@ class MetaService:
             "open", self.store.open, request=request, ino=ino, flags=flags, session=session
         )
         return await self._settle_open(result, flags, session)
+
+    @rpc_method
+    async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:
+        """Read-only opens of many [ino, flags] in one call (None: no such
+        inode), each with a handle of its own: what a client's overlapping
+        opens send together (client/open_batch.py). Any other failure fails
+        the call, and the handles taken for it are given back first."""
+        if len(opens) > READDIR_MAX:
+            raise FsError(errno.E2BIG, f"open_read_only: {len(opens)} opens, at most {READDIR_MAX}")
+        out: list[OpenResult | None] = []
+        try:
+            for pair in opens:
+                if len(pair) != 2 or opens_for_writing(pair[1]):
+                    raise FsError(errno.EINVAL, f"open_read_only: not [ino, flags]: {pair}")
+                try:
+                    out.append(await self._open_read_only(pair[0], pair[1], session))
+                except FsError as exc:
+                    if exc.code != errno.ENOENT:
+                        raise
+                    out.append(None)
+        except FsError:
+            taken = [res["handle"] for res in out if res is not None]
+            orphans = [i for h in taken if (i := self.store.release_read_only(h, session))]
+            if orphans:
+                await self._mutate("open_read_only", self.store.free_orphans, inos=orphans)
+            raise
+        return out
 
     async def _open_read_only(self, ino: int, flags: int, session: int) -> OpenResult:
         """No write transaction: a read snapshot and an in-memory handle.

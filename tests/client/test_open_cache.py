@@ -86,7 +86,8 @@ async def test_concurrent_revalidations_go_in_one_call_and_see_closed_changes(
     open_fs: OpenFs,
 ) -> None:
     """Opens that overlap (a loader's workers) revalidate in one `getattrs`
-    call (client/attr_batch.py), each still seeing what was closed before it."""
+    call (client/open_batch.py), each still seeing what was closed before it;
+    so do the opens once the handles lingered out (`open_read_only`)."""
     writer = await open_fs(ClientOptions(local_reads=False))
     reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
     inos = [await put(writer, b"c%d" % i, DATA) for i in range(8)]
@@ -95,8 +96,11 @@ async def test_concurrent_revalidations_go_in_one_call_and_see_closed_changes(
     await put(writer, b"c3", DATA.upper())  # closed before the opens below
     got: dict[int, bytes] = {}
 
+    async def one_of(fs: FileSystem, ino: int) -> None:
+        got[ino] = await read(fs, ino)
+
     async def one(ino: int) -> None:
-        got[ino] = await read(reader, ino)
+        await one_of(reader, ino)
 
     before = await calls(reader)
     async with trio.open_nursery() as nursery:
@@ -106,6 +110,25 @@ async def test_concurrent_revalidations_go_in_one_call_and_see_closed_changes(
     assert got == {ino: DATA.upper() if ino == inos[3] else DATA for ino in inos}
     assert batched >= 1 and single + batched <= 3, (single, batched)
     assert reader.attr_batch.asked >= 5
+
+    # handles lingered out (an epoch longer than handle_linger): the opens
+    # go together the same way, each with a handle of its own
+    brief = await open_fs(ClientOptions(local_reads=False, open_linger=0.2))
+    for ino in inos:
+        await read(brief, ino)
+    with trio.fail_after(10):
+        while brief.open_cache.entries:
+            await trio.sleep(0.1)
+    await put(writer, b"c5", DATA.upper())
+    got.clear()
+    before = await calls(brief)
+    async with trio.open_nursery() as nursery:
+        for ino in [*inos, inos[0]]:  # inos[0] twice: two handles
+            nursery.start_soon(lambda ino: one_of(brief, ino), ino)
+    single, batched = delta(before, await calls(brief), "open", "open_read_only")
+    assert got == {ino: DATA.upper() if ino in (inos[3], inos[5]) else DATA for ino in inos}
+    assert batched >= 1 and single + batched <= 3, (single, batched)
+    assert brief.open_batch.asked >= 6
 
 
 async def test_trusted_open_costs_nothing_until_attributes_show_a_change(

@@ -60,6 +60,14 @@ async def test_read_only_work_takes_no_write_transaction(env: Env) -> None:
         assert is_read_only_handle(opened["handle"])
         assert opened["attr"]["ino"] == target
         await meta.release(target, opened["handle"], env.session)
+    many_opens = [[ino, os.O_RDONLY], [1 << 40, os.O_RDONLY], [ino, os.O_RDONLY]]
+    both = await meta.open_read_only(many_opens, env.session)  # (None: no such inode)
+    assert both[1] is None and both[0] and both[2]
+    assert both[0]["handle"] != both[2]["handle"]  # a handle each
+    await meta.release_read_only([[ino, r["handle"]] for r in both if r], env.session)
+    with pytest.raises(FsError) as info:
+        await meta.open_read_only([[ino, os.O_RDONLY], [ino, os.O_RDWR]], env.session)
+    assert info.value.code == errno.EINVAL and env.store.read_only.held() == set()
     assert await env.service.reaper.reap_once() == []
     assert writes(env.store) == before
     assert env.store.counts()["handles"] == 0  # nothing durable either
