@@ -36,6 +36,7 @@ import trio
 
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
+from shufflefs.client.open_batch import Batcher
 from shufflefs.client.open_cache import CachedOpen, OpenCache
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
@@ -129,13 +130,26 @@ class FileSystem:
             self._read_only_handles,
             mount=self.options.mount,
         )
+        # the metadata calls of concurrent read-only opens, batched (client/open_batch.py)
+        self.attr_batch: Batcher[int, Attr] = Batcher(
+            lambda ino: self.meta.call_idempotent("getattr", lambda m: m.getattr(ino)),
+            self._primary_getattrs,
+            "getattr",
+        )
+        self.open_batch: Batcher[tuple[int, int], OpenResult] = Batcher(
+            lambda key: self.session.call("open", lambda m, s: m.open(key[0], key[1], s)),
+            self._open_read_only,
+            "open",
+        )
         self.open_cache = OpenCache(
             self.fresh_attr,
-            lambda ino, flags: self.session.call("open", lambda m, s: m.open(ino, flags, s)),
+            lambda ino, flags: self.open_batch.get((ino, flags)),
             self._release_handle,
+            release_many=self._release_handles,
             trust=self.options.trust_open_cache,
             linger=self.options.open_linger,
         )
+        self._batch_release = True  # until a metadata server answers ENOSYS
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
         self._fh = itertools.count(1)
@@ -210,8 +224,16 @@ class FileSystem:
     async def fresh_attr(self, ino: int) -> Attr:
         """Attributes from the primary (a follower may not have applied
         another client's change yet): what an open revalidates a cached file
-        with (close-to-open)."""
-        return await self.meta.call_idempotent("getattr", lambda m: m.getattr(ino))
+        with (close-to-open); concurrent ones go in one call
+        (client/open_batch.py)."""
+        return await self.attr_batch.get(ino)
+
+    async def _primary_getattrs(self, inos: list[int]) -> list[Attr | None]:
+        return await self.meta.call_idempotent("getattrs", lambda m: m.getattrs(inos))
+
+    async def _open_read_only(self, keys: list[tuple[int, int]]) -> list[OpenResult | None]:
+        opens = [[ino, flags] for ino, flags in keys]
+        return await self.session.call("open_read_only", lambda m, s: m.open_read_only(opens, s))
 
     async def setattr(
         self,
@@ -485,6 +507,24 @@ class FileSystem:
         await self.meta.call_at_most_once(
             "release", lambda m: m.release(ino, handle, self.session.id)
         )
+
+    async def _release_handles(self, pairs: list[tuple[int, int]]) -> None:
+        """Read-only handles given back in one call (`release` each from a
+        metadata server of before `release_read_only`)."""
+        if self._batch_release:
+            handles = [[ino, handle] for ino, handle in pairs]
+            try:
+                await self.meta.call_at_most_once(
+                    "release_read_only",
+                    lambda m: m.release_read_only(handles, self.session.id),
+                )
+                return
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                self._batch_release = False
+        for ino, handle in pairs:
+            await self._release_handle(ino, handle)
 
     # ---- paths (the native API) ---------------------------------------------------
 

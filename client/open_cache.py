@@ -59,6 +59,7 @@ class OpenCache:
         open_fresh: Callable[[int, int], Awaitable[OpenResult]],
         release: Callable[[int, int], Awaitable[None]],
         *,
+        release_many: Callable[[list[tuple[int, int]]], Awaitable[None]] | None = None,
         trust: bool,
         linger: float,
         limit: int = DEFAULT_LIMIT,
@@ -66,6 +67,7 @@ class OpenCache:
         self._getattr = getattr
         self._open = open_fresh
         self._release = release  # (ino, handle): give a read-only handle back
+        self._release_many = release_many  # [(ino, handle)]: the same, one round trip
         self.trust = trust
         self.linger = linger
         self.limit = limit
@@ -153,10 +155,15 @@ class OpenCache:
         over = max(0, len(self.entries) - self.limit)
         expired = [e for i, e in enumerate(idle) if i < over or now - e.idle_since >= self.linger]
         unused, self._unused = self._unused, []
-        for entry in expired:
-            await self._drop(entry)
-        for entry in unused:
-            await self._release(entry.ino, entry.handle)
+        back = [e for e in expired if self._forget(e)] + unused
+        if self._release_many is not None and back:
+            # one round trip for them all: an epoch longer than `linger`
+            # expires a handle per sample, which would otherwise cost the
+            # metadata server (and this client) a `release` call each
+            await self._release_many([(e.ino, e.handle) for e in back])
+        else:
+            for entry in back:
+                await self._release(entry.ino, entry.handle)
         return len(expired) + len(unused)
 
     async def run(self) -> None:

@@ -12,13 +12,16 @@ import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import trio
 
 from shufflefs.client.meta_client import MetaClient
-from shufflefs.metadata.protocol import SESSION_EXPIRED, MetaStub, MountInfo, OpenResult
+from shufflefs.metadata.protocol import SESSION_EXPIRED, MetaStub, MountInfo
 from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.errors import FsError
+
+T = TypeVar("T")
 
 log = logging.getLogger("shufflefs.client.session")
 
@@ -81,9 +84,7 @@ class Session:
             await self._open()
             await self._reopen()
 
-    async def call(
-        self, what: str, call: Callable[[MetaStub, int], Awaitable[OpenResult]]
-    ) -> OpenResult:
+    async def call(self, what: str, call: Callable[[MetaStub, int], Awaitable[T]]) -> T:
         """An open/create under our session, renewing a lost session once."""
         session = self.id
         try:

@@ -34,10 +34,16 @@ without keep_cache, and gives us no way to bound or account for them.
 Warm epochs: a hint for a file the kernel's page cache holds (read through
 this mount, whole, at the version it still has) is skipped: the kernel
 answers its reads, so fetched bytes would only sit in our cache. The mount
-cannot see the kernel evict, so when a read of a skipped file reaches it
-anyway, the other skipped files not read yet are fetched after all and
-skipping stops for DISTRUST_SECONDS (a dataset larger than the page cache is
-prefetched every epoch, as before).
+cannot see the kernel evict, only reads of skipped files that reach it
+anyway. A few such reads are the odd page the kernel dropped (the reads
+are small, and go to storage as any read): the hints go on being skipped.
+Once at least EVICTED_MIN of the skipped files opened lately, and one in
+EVICTED_SHARE of them, were read here, the kernel is evicting whole files:
+the other skipped files not read yet are fetched after all and skipping
+stops for DISTRUST_SECONDS (a dataset larger than the page cache is
+prefetched every epoch, as before). (One such read used to be enough: on a
+machine whose page cache loses a page now and then, every warm epoch was
+fetched whole into memory no read consulted, slower than no hints at all.)
 
 Bounded: fetched plus in-flight bytes never exceed the budget (mount option
 ``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
@@ -55,7 +61,6 @@ import errno
 import json
 import logging
 import os
-import posixpath
 import stat
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -64,56 +69,25 @@ from dataclasses import dataclass, field
 import trio
 
 from shufflefs.client.fs import FileSystem
-from shufflefs.metadata.protocol import READDIR_MAX, Attr, Layout
+from shufflefs.fuse.prefetch_hints import Hint, HintResolver, Version, parse_hint, version_of
+from shufflefs.metadata.protocol import Attr, Layout
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse.prefetch")
 
 PREFETCH_XATTR = b"user.shufflefs.prefetch"
 DEFAULT_MEMORY = 256 << 20
-MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
 MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
 FETCHERS = 8  # ranges read concurrently
-MAX_PARALLEL_RESOLVES = 64
 PAGE = 4096
 MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
 MAX_FILES_PER_READ = 256  # listed files read together (one request per storage node)
 READ_BATCH = 8 << 20  # bytes of listed files read together
-ENTRY_TTL = 120.0
+ENTRY_TTL = 120.0  # seconds an unread entry keeps its room when room is needed
 DISTRUST_SECONDS = 60.0  # no hint is skipped as held by the kernel this long after one was wrong
-# directory listings kept to resolve hinted names (one request per directory
-# and page instead of a lookup and an open per file); staleness is caught
-# where it matters: an open that sees another version drops the bytes
-LISTING_TTL = 30.0
-MAX_LISTED = (
-    1 << 20
-)  # names kept over all listings  # seconds an unread entry keeps its room when room is needed
-
-Version = tuple[int, int, int]  # (size, mtime, ctime): what close-to-open compares
-
-
-def version_of(attr: Attr) -> Version:
-    return (attr["size"], attr["mtime"], attr["ctime"])
-
-
-@dataclass
-class Hint:
-    ino: int
-    offset: int
-    length: int | None  # None: to the end of the file
-    name: tuple[int, bytes] | None = None  # (parent inode, name) when hinted by path
-    # from a directory listing: read without an open (else opened for them)
-    layout: Layout | None = None
-    version: Version | None = None  # as listed or looked up (the layout's, if listed)
-
-
-@dataclass
-class Listing:
-    """A directory's files as `readdir_layouts` gave them, kept LISTING_TTL."""
-
-    ino: int
-    listed_at: float
-    files: dict[bytes, tuple[int, Version, Layout]]  # name -> (ino, version, layout)
+EVICTED_MIN = 4  # reads of skipped files that reached the mount before it distrusts...
+EVICTED_SHARE = 4  # ...if also one in this many of the skipped files opened lately
+SKIP_WINDOW = 256  # skipped files opened, beyond which both counts are halved ("lately")
 
 
 @dataclass
@@ -145,44 +119,6 @@ class Counters:
     served_bytes: int = 0
 
 
-def parse_hint(value: bytes) -> list[tuple[bytes, int, int | None]]:
-    """(path, offset, length) items of a setxattr value; EINVAL/E2BIG."""
-    text = value.strip()
-    items: list[tuple[bytes, int, int | None]] = []
-    if text.startswith(b"["):
-        try:
-            decoded = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise FsError(errno.EINVAL, f"prefetch hint: not JSON ({exc})") from None
-        if len(decoded) > MAX_HINT_ITEMS:
-            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
-        for item in decoded:
-            if isinstance(item, str):
-                items.append((os.fsencode(item), 0, None))
-            elif (
-                isinstance(item, list)
-                and len(item) == 3
-                and isinstance(item[0], str)
-                and all(type(x) is int for x in item[1:])
-                and item[1] >= 0
-                and item[2] >= 0
-            ):
-                items.append((os.fsencode(item[0]), item[1], item[2]))
-            else:
-                raise FsError(
-                    errno.EINVAL, f"prefetch hint: {item!r} is not a path or [path, offset, length]"
-                )
-    else:
-        lines = [line for line in text.split(b"\n") if line.strip()]
-        if len(lines) > MAX_HINT_ITEMS:
-            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
-        items = [(line.rstrip(b"\r"), 0, None) for line in lines]
-    for path, _, _ in items:
-        if not path or b"\0" in path:
-            raise FsError(errno.EINVAL, "prefetch hint: an empty path or a NUL in a path")
-    return items
-
-
 def nothing_held(ino: int, version: Version, end: int) -> bool:
     return False
 
@@ -199,7 +135,6 @@ class Prefetcher:
     entries: OrderedDict[int, list[Entry]] = field(default_factory=OrderedDict)
     names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
     pending: deque[Hint] = field(default_factory=deque)
-    listings: OrderedDict[bytes, Listing] = field(default_factory=OrderedDict)  # dir path ->
     counters: Counters = field(default_factory=Counters)
     held: int = 0  # bytes in entries plus bytes of reads in flight
     running: bool = False
@@ -214,7 +149,9 @@ class Prefetcher:
         # none is skipped (a skipped file's read reached us: it had been evicted)
         self._skipped: OrderedDict[int, Hint] = OrderedDict()
         self._distrust_until = -1.0
-        self._listed = 0  # names in listings
+        self._skipped_opened = 0  # skipped files opened lately
+        self._skipped_missed = 0  # ... of which a read reached the mount
+        self.resolver = HintResolver(self.fs)
 
     async def start(self, nursery: trio.Nursery) -> None:
         if self.budget <= 0:
@@ -241,7 +178,7 @@ class Prefetcher:
                 raise FsError(
                     errno.E2BIG, f"prefetch hint: a range of {length} bytes > budget {self.budget}"
                 )
-        hints = await self._resolve(items)
+        hints = await self.resolver.resolve(items)
         for h in hints:
             self._queue(h)
 
@@ -268,87 +205,6 @@ class Prefetcher:
     def _check_enabled(self) -> None:
         if not self.running:
             raise FsError(errno.EOPNOTSUPP, "prefetch is off on this mount (prefetch_memory=0)")
-
-    async def _resolve(self, items: list[tuple[bytes, int, int | None]]) -> list[Hint]:
-        """Every path to an inode, by a listing of its directory (kept for
-        LISTING_TTL), or a lookup for a name the listing lacks; the first
-        failure (ENOENT, ENOTDIR, EISDIR...) fails the whole batch."""
-        split = []
-        for path, off, length in items:
-            head, name = posixpath.split(posixpath.normpath(b"/" + path))
-            if not name:
-                raise FsError(errno.EISDIR, "prefetch hint: the mount root is a directory")
-            split.append((head, name, off, length))
-        listings: dict[bytes, Listing] = {}
-        for head in dict.fromkeys(head for head, _, _, _ in split):
-            listings[head] = await self._listing(head)
-        hints = []
-        limit = trio.CapacityLimiter(MAX_PARALLEL_RESOLVES)
-        looked_up: dict[tuple[int, bytes], Attr] = {}
-        missing = {
-            (listings[head].ino, name)
-            for head, name, _, _ in split
-            if name not in listings[head].files
-        }
-        if missing:  # new since the listing, or not a regular file, or absent
-
-            async def lookup(parent: int, name: bytes) -> None:
-                async with limit:
-                    looked_up[(parent, name)] = await self.fs.lookup(parent, name)
-
-            try:
-                async with trio.open_nursery() as nursery:
-                    for parent, name in missing:
-                        nursery.start_soon(lookup, parent, name)
-            except* FsError as group:
-                exc = group.exceptions[0]
-                assert isinstance(exc, FsError)
-                raise FsError(exc.code, f"prefetch hint: {exc.message}") from None
-        for head, name, off, length in split:
-            listing = listings[head]
-            key = (listing.ino, name)
-            if key in looked_up:
-                attr = looked_up[key]
-                if not stat.S_ISREG(attr["mode"]):
-                    shown = os.fsdecode(posixpath.join(head, name))
-                    raise FsError(errno.EISDIR, f"prefetch hint: {shown} is not a regular file")
-                hints.append(Hint(attr["ino"], off, length, key, version=version_of(attr)))
-            else:
-                ino, version, layout = listing.files[name]
-                hints.append(Hint(ino, off, length, key, layout, version))
-        return hints
-
-    async def _listing(self, head: bytes) -> Listing:
-        now = trio.current_time()
-        kept = self.listings.get(head)
-        if kept is not None and now - kept.listed_at < LISTING_TTL:
-            return kept
-        attr = await self.fs.resolve(head)
-        if not stat.S_ISDIR(attr["mode"]):
-            raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
-        files: dict[bytes, tuple[int, Version, Layout]] = {}
-        after: bytes | None = None
-        while True:
-            try:
-                page = await self.fs.readdir_layouts(attr["ino"], after, READDIR_MAX)
-            except FsError as exc:
-                if exc.code != errno.ENOSYS:
-                    raise
-                break  # a metadata server of before readdir_layouts: lookups then
-            for name, a, layout in page["entries"]:
-                if layout is not None and stat.S_ISREG(a["mode"]):
-                    files[name] = (a["ino"], version_of(a), layout)
-            if not page["more"] or not page["entries"]:
-                break
-            after = page["entries"][-1][0]
-        listing = Listing(attr["ino"], now, files)
-        self.listings.pop(head, None)
-        self.listings[head] = listing
-        self._listed += len(files) - (len(kept.files) if kept is not None else 0)
-        while self._listed > MAX_LISTED and len(self.listings) > 1:
-            _, old = self.listings.popitem(last=False)
-            self._listed -= len(old.files)
-        return listing
 
     def _queue(self, hint: Hint) -> None:
         if len(self.pending) >= MAX_PENDING:
@@ -549,6 +405,11 @@ class Prefetcher:
 
     def opened(self, attr: Attr) -> None:
         """An open saw *attr*: data of another version is dropped."""
+        if self._skipped and attr["ino"] in self._skipped:
+            self._skipped_opened += 1
+            if self._skipped_opened > SKIP_WINDOW:
+                self._skipped_opened //= 2
+                self._skipped_missed //= 2
         held = self.entries.get(attr["ino"])
         if held and held[0].version != version_of(attr):
             self._drop(attr["ino"])
@@ -557,18 +418,20 @@ class Prefetcher:
     def read(self, ino: int, offset: int, size: int) -> memoryview | None:
         """The bytes of a read if one held range has all of them (clamped to
         the file's end as it was fetched), else None."""
-        if self._skipped and ino in self._skipped:  # the kernel did not have it
+        if self._skipped and ino in self._skipped:  # the kernel did not have it all
             del self._skipped[ino]
             self.counters.evicted += 1
-            self._distrust_until = trio.current_time() + DISTRUST_SECONDS
-            # the other skipped files, not read yet, were likely evicted too:
-            # fetch them after all, in their order
-            self.pending.extend(self._skipped.values())
-            self._skipped.clear()
-            while len(self.pending) > MAX_PENDING:
-                self.pending.popleft()
-                self.counters.dropped += 1
-            self._notify()
+            self._skipped_missed += 1
+            if self._evicting():
+                self._distrust_until = trio.current_time() + DISTRUST_SECONDS
+                # the other skipped files, not read yet, were likely evicted
+                # too: fetch them after all, in their order
+                self.pending.extend(self._skipped.values())
+                self._skipped.clear()
+                while len(self.pending) > MAX_PENDING:
+                    self.pending.popleft()
+                    self.counters.dropped += 1
+                self._notify()
         for e in self.entries.get(ino, ()):
             end = min(offset + size, e.version[0])
             if e.offset <= offset <= end <= e.end:
@@ -581,8 +444,17 @@ class Prefetcher:
                 return out
         return None
 
+    def _evicting(self) -> bool:
+        """Do the skipped files' reads that reached the mount show the kernel
+        evicting whole files (not the odd page)?"""
+        missed = self._skipped_missed
+        return missed >= EVICTED_MIN and missed * EVICTED_SHARE >= self._skipped_opened
+
     def released(self, ino: int) -> None:
-        """A handle was closed: the ranges it read from have served their samples."""
+        """A handle was closed: the ranges it read from have served their
+        samples (and a skipped file read from the page cache is taken)."""
+        if self._skipped:
+            self._skipped.pop(ino, None)
         self._drop(ino, only_served=True)
 
     def changed(self, ino: int) -> None:

@@ -186,6 +186,10 @@ class FileOps:
         """Free *ino* if nothing names or holds it any more."""
         return self.txns.write(lambda tx: free_if_orphan(tx, ino))
 
+    def free_orphans(self, inos: list[int]) -> int:
+        """`free_orphan` of each of *inos* in one transaction: how many were freed."""
+        return self.txns.write(lambda tx: sum(bool(free_if_orphan(tx, ino)) for ino in inos))
+
     def setattr(
         self,
         ino: int,

@@ -127,6 +127,22 @@ class NameOps:
     def getattr(self, ino: int) -> Attr:
         return self.txns.read(lambda tx: attr_of(ino, tx.inode(ino)))
 
+    def getattrs(self, inos: list[int]) -> list[Attr | None]:
+        """Attributes of each of *inos* from one read snapshot (None: no such
+        inode); at most READDIR_MAX, E2BIG beyond."""
+        if len(inos) > READDIR_MAX:
+            raise FsError(errno.E2BIG, f"getattrs: {len(inos)} inodes, at most {READDIR_MAX}")
+
+        def one(tx: Tx, ino: int) -> Attr | None:
+            try:
+                return attr_of(ino, tx.inode(ino))
+            except FsError as exc:
+                if exc.code != errno.ENOENT:
+                    raise
+                return None
+
+        return self.txns.read(lambda tx: [one(tx, ino) for ino in inos])
+
     def resolve(self, path: bytes, follow: bool = True) -> Attr:
         """Walk an absolute path from the root, following symlinks in the
         middle and (with *follow*) at the end."""

@@ -148,6 +148,7 @@ MUTATIONS = frozenset(
         "create",
         "open",
         "release",
+        "release_read_only",
         "unlink",
         "rmdir",
         "rename",
@@ -228,6 +229,13 @@ class MetaStub:
 
     async def getattr(self, ino: int) -> Attr:
         result: Attr = await self._call("getattr", ino=ino)
+        return result
+
+    async def getattrs(self, inos: list[int]) -> list[Attr | None]:
+        """`getattr` of many inodes from one read snapshot (None: no such
+        inode; at most READDIR_MAX): what a client's concurrent opens
+        revalidate with together. ENOSYS from a server of before it."""
+        result: list[Attr | None] = await self._call("getattrs", inos=inos)
         return result
 
     async def resolve(self, path: bytes, follow: bool = True) -> Attr:
@@ -319,11 +327,26 @@ class MetaStub:
         result: OpenResult = await self._call("open", ino=ino, flags=flags, session=session)
         return result
 
+    async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:
+        """`open` of many [ino, flags] that neither write nor truncate, each
+        with a handle of its own (None: no such inode; at most READDIR_MAX);
+        any other failure fails the call (no handle is kept then). ENOSYS
+        from a server of before it."""
+        result: list[OpenResult | None] = await self._call(
+            "open_read_only", opens=opens, session=session
+        )
+        return result
+
     async def release(self, ino: int, handle: int, session: int) -> None:
         """Close a handle; the last close of an unlinked file frees it.
         Releasing a handle that is already gone (its session expired) is not
         an error; one held by another session is EBADF."""
         await self._call("release", ino=ino, handle=handle, session=session)
+
+    async def release_read_only(self, handles: list[list[int]], session: int) -> None:
+        """`release` of many read-only handles ([ino, handle] each) in one
+        call; ENOSYS from a server of before it."""
+        await self._call("release_read_only", handles=handles, session=session)
 
     async def unlink(self, parent: int, name: bytes) -> None:
         await self._call("unlink", parent=parent, name=name)

@@ -26,6 +26,7 @@ from shufflefs.metadata import request_ids
 from shufflefs.metadata.files import opens_for_writing
 from shufflefs.metadata.gc import SessionReaper, StorageJobs
 from shufflefs.metadata.protocol import (
+    READDIR_MAX,
     Attr,
     FilesPage,
     FsStats,
@@ -271,6 +272,10 @@ class MetaService:
         return self.store.getattr(ino)
 
     @rpc_method(inline=True)
+    async def getattrs(self, inos: list[int]) -> list[Attr | None]:
+        return self.store.getattrs(inos)
+
+    @rpc_method(inline=True)
     async def resolve(self, path: bytes, follow: bool = True) -> Attr:
         return self.store.resolve(path, follow)
 
@@ -403,6 +408,33 @@ class MetaService:
         )
         return await self._settle_open(result, flags, session)
 
+    @rpc_method
+    async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:
+        """Read-only opens of many [ino, flags] in one call (None: no such
+        inode), each with a handle of its own: what a client's overlapping
+        opens send together (client/open_batch.py). Any other failure fails
+        the call, and the handles taken for it are given back first."""
+        if len(opens) > READDIR_MAX:
+            raise FsError(errno.E2BIG, f"open_read_only: {len(opens)} opens, at most {READDIR_MAX}")
+        out: list[OpenResult | None] = []
+        try:
+            for pair in opens:
+                if len(pair) != 2 or opens_for_writing(pair[1]):
+                    raise FsError(errno.EINVAL, f"open_read_only: not [ino, flags]: {pair}")
+                try:
+                    out.append(await self._open_read_only(pair[0], pair[1], session))
+                except FsError as exc:
+                    if exc.code != errno.ENOENT:
+                        raise
+                    out.append(None)
+        except FsError:
+            taken = [res["handle"] for res in out if res is not None]
+            orphans = [i for h in taken if (i := self.store.release_read_only(h, session))]
+            if orphans:
+                await self._mutate("open_read_only", self.store.free_orphans, inos=orphans)
+            raise
+        return out
+
     async def _open_read_only(self, ino: int, flags: int, session: int) -> OpenResult:
         """No write transaction: a read snapshot and an in-memory handle.
         If a free of the inode is being committed, wait for the writer's
@@ -437,6 +469,36 @@ class MetaService:
         if freed:
             log.debug("last handle closed ino=%d: freed", ino)
             self.jobs.wake()
+
+    @rpc_method
+    async def release_read_only(
+        self, handles: list[list[int]], session: int, request: list[int] | None = None
+    ) -> None:
+        """Give many read-only handles back in one call: what a client's open
+        cache expires together (client/open_cache.py), one round trip instead
+        of a `release` each. Every handle is given back even if one fails
+        (EBADF: another session's); the first failure is raised after."""
+        orphans: list[int] = []
+        failure: FsError | None = None
+        for pair in handles:
+            try:
+                if len(pair) != 2 or not is_read_only_handle(pair[1]):
+                    raise FsError(errno.EINVAL, f"not an [ino, read-only handle]: {pair[:2]}")
+                orphan = self.store.release_read_only(pair[1], session)
+            except FsError as exc:
+                failure = failure or exc
+                continue
+            if orphan is not None:
+                orphans.append(orphan)
+        if orphans:
+            freed = await self._mutate(
+                "release_read_only", self.store.free_orphans, request=request, inos=orphans
+            )
+            if freed:
+                log.debug("last handles closed: freed %d inodes", freed)
+                self.jobs.wake()
+        if failure is not None:
+            raise failure
 
     @rpc_method
     async def unlink(self, parent: int, name: bytes, request: list[int] | None = None) -> None:

@@ -3,11 +3,13 @@ against the real metadata server and storage daemons in this process; the
 server's own per-method request counts (`rpc_calls`) show what each open cost.
 
 * revalidate (the read-write mount): a cached open costs one getattr and no
-  open/release; a change closed elsewhere is seen by the next open;
+  open/release (overlapping ones share a getattrs call); a change closed
+  elsewhere is seen by the next open;
 * trust (the -o ro mount): a cached open costs nothing; a change is seen once
   attributes fetched for any reason show the new change counter;
 * a cached handle is a real handle: a file unlinked elsewhere keeps its data
-  until the handle lingers out, and session renewals report it.
+  until the handle lingers out, and session renewals report it; handles that
+  linger out together go back in one call.
 """
 
 from __future__ import annotations
@@ -80,6 +82,55 @@ async def test_revalidated_open_costs_one_getattr_and_sees_closed_changes(
     assert delta(before, await calls(reader), "getattr", "open", "release") == (1, 1, 1)
 
 
+async def test_concurrent_revalidations_go_in_one_call_and_see_closed_changes(
+    open_fs: OpenFs,
+) -> None:
+    """Opens that overlap (a loader's workers) revalidate in one `getattrs`
+    call (client/open_batch.py), each still seeing what was closed before it;
+    so do the opens once the handles lingered out (`open_read_only`)."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    inos = [await put(writer, b"c%d" % i, DATA) for i in range(8)]
+    for ino in inos:
+        assert await read(reader, ino) == DATA
+    await put(writer, b"c3", DATA.upper())  # closed before the opens below
+    got: dict[int, bytes] = {}
+
+    async def one_of(fs: FileSystem, ino: int) -> None:
+        got[ino] = await read(fs, ino)
+
+    async def one(ino: int) -> None:
+        await one_of(reader, ino)
+
+    before = await calls(reader)
+    async with trio.open_nursery() as nursery:
+        for ino in inos:
+            nursery.start_soon(one, ino)
+    single, batched = delta(before, await calls(reader), "getattr", "getattrs")
+    assert got == {ino: DATA.upper() if ino == inos[3] else DATA for ino in inos}
+    assert batched >= 1 and single + batched <= 3, (single, batched)
+    assert reader.attr_batch.asked >= 5
+
+    # handles lingered out (an epoch longer than handle_linger): the opens
+    # go together the same way, each with a handle of its own
+    brief = await open_fs(ClientOptions(local_reads=False, open_linger=0.2))
+    for ino in inos:
+        await read(brief, ino)
+    with trio.fail_after(10):
+        while brief.open_cache.entries:
+            await trio.sleep(0.1)
+    await put(writer, b"c5", DATA.upper())
+    got.clear()
+    before = await calls(brief)
+    async with trio.open_nursery() as nursery:
+        for ino in [*inos, inos[0]]:  # inos[0] twice: two handles
+            nursery.start_soon(lambda ino: one_of(brief, ino), ino)
+    single, batched = delta(before, await calls(brief), "open", "open_read_only")
+    assert got == {ino: DATA.upper() if ino in (inos[3], inos[5]) else DATA for ino in inos}
+    assert batched >= 1 and single + batched <= 3, (single, batched)
+    assert brief.open_batch.asked >= 6
+
+
 async def test_trusted_open_costs_nothing_until_attributes_show_a_change(
     open_fs: OpenFs,
 ) -> None:
@@ -109,7 +160,10 @@ async def test_cached_handle_keeps_an_unlinked_file_until_it_lingers_out(
     writer = await open_fs(ClientOptions(local_reads=False))
     reader = await open_fs(ClientOptions(local_reads=False, open_linger=1.0))
     ino = await put(writer, b"h", DATA)
+    other = await put(writer, b"h2", DATA)
+    before = await calls(reader)
     assert await read(reader, ino) == DATA
+    assert await read(reader, other) == DATA
     held = [[ino, h] for i, h in reader.open_cache.handles() if i == ino]
     assert held and all(p in reader._read_only_handles() for p in held)  # renewals report it
 
@@ -130,6 +184,10 @@ async def test_cached_handle_keeps_an_unlinked_file_until_it_lingers_out(
         while not await gone():
             await trio.sleep(0.1)
     assert reader.open_cache.handles() == []
+    # idle handles go back in one call per sweep (an epoch longer than the
+    # linger expires one per sample), the unlinked file's last one freeing it
+    gave_back = delta(before, await calls(reader), "release", "release_read_only")
+    assert gave_back[0] == 0 and 1 <= gave_back[1] <= 2
     mine = [s for s in await stub.sessions() if s["session"] == reader.session.id]
     assert mine and mine[0]["open_ro"] == 0 and mine[0]["mount"] is None
 

@@ -4,7 +4,8 @@ A second mount of the shared cluster with reads through the storage daemons
 only (``no_local_reads``) and a small budget takes hints by xattr. Hinted
 files are then read with every storage daemon stopped (SIGSTOP): nothing
 reaches storage; hinted again, once the kernel holds them, they are not
-fetched at all. A huge hint stream keeps the cache under its budget;
+fetched at all, also after the kernel lost a page of one, but they are once
+it dropped them all. A huge hint stream keeps the cache under its budget;
 a change on the other mount, or a write, truncate or unlink through this
 one, drops the cached bytes; bad hints get their errno and change nothing.
 """
@@ -111,6 +112,15 @@ def read_in_child(paths: list[Path], timeout: float) -> bytes | None:
         return None
 
 
+def drop_pages(path: Path, length: int) -> None:
+    """The kernel drops the first *length* bytes of *path* from its page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def test_hinted_files_are_read_without_reaching_storage(
     mounted: ProcessCluster, mnt: Path, pmnt: Path
 ) -> None:
@@ -134,6 +144,26 @@ def test_hinted_files_are_read_without_reaching_storage(
     again = wait_fetched(pmnt, after["fetched"])
     assert again["resident"] == after["resident"] + 11, again
     assert again["fetched"] == after["fetched"]
+
+    # the kernel loses a page of f0: that one read reaches the mount, which
+    # goes on skipping (the odd page, not a kernel evicting whole files)
+    warm = [here / f"f{i}" for i in (*range(10), 11)]
+    drop_pages(here / "f0", 4096)
+    hint(pmnt, [f"{mnt.name}/{p.name}" for p in warm])
+    wait_fetched(pmnt, again["fetched"])
+    assert read_in_child(warm, timeout=20) == b"".join(data[:10]) + data[11]
+    later = status(pmnt)
+    assert later["evicted"] == again["evicted"] + 1, later
+    assert later["fetched"] == again["fetched"], later
+    # every page dropped: once a few reads of skipped files reached the
+    # mount, the skipped files not read yet are fetched after all
+    for p in warm:
+        drop_pages(p, SIZE)
+    hint(pmnt, [f"{mnt.name}/{p.name}" for p in warm])
+    wait_fetched(pmnt, later["fetched"])
+    assert read_in_child(warm, timeout=20) == b"".join(data[:10]) + data[11]
+    final = wait_fetched(pmnt, later["fetched"] + 1)
+    assert final["evicted"] > later["evicted"], final
 
 
 def test_memory_stays_under_the_budget_with_a_huge_hint_stream(mnt: Path, pmnt: Path) -> None:

@@ -1,5 +1,5 @@
 """Read-only work writes nothing: no LMDB write transaction for lookups,
-attributes, listings, xattr reads, statfs or a read-only open and its
+attributes (one inode's or many's), listings, xattr reads, statfs or a read-only open and its
 release; yet a file unlinked while open read-only keeps its data until the
 last close, across a metadata server restart too (docs/metadata.md,
 "Read-only handles")."""
@@ -44,6 +44,11 @@ async def test_read_only_work_takes_no_write_transaction(env: Env) -> None:
 
     assert (await meta.lookup(d["ino"], b"f"))["ino"] == ino
     assert (await meta.getattr(ino))["size"] == 4096
+    many = await meta.getattrs([ino, 1 << 40, d["ino"]])  # (None: no such inode)
+    assert [a and a["ino"] for a in many] == [ino, None, d["ino"]]
+    with pytest.raises(FsError) as info:
+        await meta.getattrs([ino] * 1025)
+    assert info.value.code == errno.E2BIG
     assert (await meta.resolve(b"/d/l"))["ino"] == ino
     assert [n for n, _ in (await meta.readdir(d["ino"]))["entries"]] == [b"f", b"l"]
     assert await meta.readlink(link["ino"]) == b"f"
@@ -55,6 +60,14 @@ async def test_read_only_work_takes_no_write_transaction(env: Env) -> None:
         assert is_read_only_handle(opened["handle"])
         assert opened["attr"]["ino"] == target
         await meta.release(target, opened["handle"], env.session)
+    many_opens = [[ino, os.O_RDONLY], [1 << 40, os.O_RDONLY], [ino, os.O_RDONLY]]
+    both = await meta.open_read_only(many_opens, env.session)  # (None: no such inode)
+    assert both[1] is None and both[0] and both[2]
+    assert both[0]["handle"] != both[2]["handle"]  # a handle each
+    await meta.release_read_only([[ino, r["handle"]] for r in both if r], env.session)
+    with pytest.raises(FsError) as info:
+        await meta.open_read_only([[ino, os.O_RDONLY], [ino, os.O_RDWR]], env.session)
+    assert info.value.code == errno.EINVAL and env.store.read_only.held() == set()
     assert await env.service.reaper.reap_once() == []
     assert writes(env.store) == before
     assert env.store.counts()["handles"] == 0  # nothing durable either
@@ -94,9 +107,13 @@ async def test_unlink_while_open_read_only(env: Env) -> None:
     with pytest.raises(FsError) as info:  # not the other session's to close
         await meta.release(ino, opened["handle"], env.session)
     assert info.value.code == errno.EBADF
+    with pytest.raises(FsError) as info:  # nor in a batch, whose other handles go back
+        await meta.release_read_only([[ino, opened["handle"]], [ino, again["handle"]]], env.session)
+    assert info.value.code == errno.EBADF
     await meta.release(ino, again["handle"], reader)
     assert env.store.gc_jobs() == []  # one reader left
-    await meta.release(ino, opened["handle"], reader)  # the last close frees it
+    # the last close frees it (here in a batch, as an open cache gives handles back)
+    await meta.release_read_only([[ino, opened["handle"]]], reader)
     assert [j["ino"] for j in env.store.gc_jobs()] == [ino]
     await env.service.jobs.run_once()
     assert env.storage.targets_called("remove", ino) == {CHAINS[c][0] for c in layout["chains"]}

@@ -1,0 +1,187 @@
+"""Prefetch hints: what a ``setxattr`` value says (`parse_hint`) and the
+inodes its paths name (`HintResolver`), for fuse/prefetch.py, which queues,
+fetches and serves them (the interface is described there and in
+docs/training-data.md, "Prefetch through the mount").
+
+Paths are resolved by a listing of their directory (`readdir_layouts`: one
+request per directory and page instead of a lookup and an open per file),
+kept LISTING_TTL; a name the listing lacks (new since, or not a regular
+file) is looked up. Staleness of a kept listing is caught where it matters:
+an open that sees another version drops the fetched bytes
+(`Prefetcher.opened`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import posixpath
+import stat
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import trio
+
+from shufflefs.client.fs import FileSystem
+from shufflefs.metadata.protocol import READDIR_MAX, Attr, Layout
+from shufflefs.rpc.errors import FsError
+
+MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
+MAX_PARALLEL_RESOLVES = 64
+LISTING_TTL = 30.0  # s a directory listing is kept to resolve hinted names
+MAX_LISTED = 1 << 20  # names kept over all listings
+
+Version = tuple[int, int, int]  # (size, mtime, ctime): what close-to-open compares
+
+
+def version_of(attr: Attr) -> Version:
+    return (attr["size"], attr["mtime"], attr["ctime"])
+
+
+@dataclass
+class Hint:
+    ino: int
+    offset: int
+    length: int | None  # None: to the end of the file
+    name: tuple[int, bytes] | None = None  # (parent inode, name) when hinted by path
+    # from a directory listing: read without an open (else opened for them)
+    layout: Layout | None = None
+    version: Version | None = None  # as listed or looked up (the layout's, if listed)
+
+
+@dataclass
+class Listing:
+    """A directory's files as `readdir_layouts` gave them, kept LISTING_TTL."""
+
+    ino: int
+    listed_at: float
+    files: dict[bytes, tuple[int, Version, Layout]]  # name -> (ino, version, layout)
+
+
+def parse_hint(value: bytes) -> list[tuple[bytes, int, int | None]]:
+    """(path, offset, length) items of a setxattr value; EINVAL/E2BIG."""
+    text = value.strip()
+    items: list[tuple[bytes, int, int | None]] = []
+    if text.startswith(b"["):
+        try:
+            decoded = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise FsError(errno.EINVAL, f"prefetch hint: not JSON ({exc})") from None
+        if len(decoded) > MAX_HINT_ITEMS:
+            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
+        for item in decoded:
+            if isinstance(item, str):
+                items.append((os.fsencode(item), 0, None))
+            elif (
+                isinstance(item, list)
+                and len(item) == 3
+                and isinstance(item[0], str)
+                and all(type(x) is int for x in item[1:])
+                and item[1] >= 0
+                and item[2] >= 0
+            ):
+                items.append((os.fsencode(item[0]), item[1], item[2]))
+            else:
+                raise FsError(
+                    errno.EINVAL, f"prefetch hint: {item!r} is not a path or [path, offset, length]"
+                )
+    else:
+        lines = [line for line in text.split(b"\n") if line.strip()]
+        if len(lines) > MAX_HINT_ITEMS:
+            raise FsError(errno.E2BIG, f"prefetch hint: over {MAX_HINT_ITEMS} items")
+        items = [(line.rstrip(b"\r"), 0, None) for line in lines]
+    for path, _, _ in items:
+        if not path or b"\0" in path:
+            raise FsError(errno.EINVAL, "prefetch hint: an empty path or a NUL in a path")
+    return items
+
+
+@dataclass
+class HintResolver:
+    """Hinted paths to inodes, with the directory listings kept for it."""
+
+    fs: FileSystem
+    listings: OrderedDict[bytes, Listing] = field(default_factory=OrderedDict)  # dir path ->
+    listed: int = 0  # names in listings
+
+    async def resolve(self, items: list[tuple[bytes, int, int | None]]) -> list[Hint]:
+        """Every path to an inode, by a listing of its directory (kept for
+        LISTING_TTL), or a lookup for a name the listing lacks; the first
+        failure (ENOENT, ENOTDIR, EISDIR...) fails the whole batch."""
+        split = []
+        for path, off, length in items:
+            head, name = posixpath.split(posixpath.normpath(b"/" + path))
+            if not name:
+                raise FsError(errno.EISDIR, "prefetch hint: the mount root is a directory")
+            split.append((head, name, off, length))
+        listings: dict[bytes, Listing] = {}
+        for head in dict.fromkeys(head for head, _, _, _ in split):
+            listings[head] = await self.listing(head)
+        hints = []
+        limit = trio.CapacityLimiter(MAX_PARALLEL_RESOLVES)
+        looked_up: dict[tuple[int, bytes], Attr] = {}
+        missing = {
+            (listings[head].ino, name)
+            for head, name, _, _ in split
+            if name not in listings[head].files
+        }
+        if missing:  # new since the listing, or not a regular file, or absent
+
+            async def lookup(parent: int, name: bytes) -> None:
+                async with limit:
+                    looked_up[(parent, name)] = await self.fs.lookup(parent, name)
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for parent, name in missing:
+                        nursery.start_soon(lookup, parent, name)
+            except* FsError as group:
+                exc = group.exceptions[0]
+                assert isinstance(exc, FsError)
+                raise FsError(exc.code, f"prefetch hint: {exc.message}") from None
+        for head, name, off, length in split:
+            listing = listings[head]
+            key = (listing.ino, name)
+            if key in looked_up:
+                attr = looked_up[key]
+                if not stat.S_ISREG(attr["mode"]):
+                    shown = os.fsdecode(posixpath.join(head, name))
+                    raise FsError(errno.EISDIR, f"prefetch hint: {shown} is not a regular file")
+                hints.append(Hint(attr["ino"], off, length, key, version=version_of(attr)))
+            else:
+                ino, version, layout = listing.files[name]
+                hints.append(Hint(ino, off, length, key, layout, version))
+        return hints
+
+    async def listing(self, head: bytes) -> Listing:
+        now = trio.current_time()
+        kept = self.listings.get(head)
+        if kept is not None and now - kept.listed_at < LISTING_TTL:
+            return kept
+        attr = await self.fs.resolve(head)
+        if not stat.S_ISDIR(attr["mode"]):
+            raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
+        files: dict[bytes, tuple[int, Version, Layout]] = {}
+        after: bytes | None = None
+        while True:
+            try:
+                page = await self.fs.readdir_layouts(attr["ino"], after, READDIR_MAX)
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                break  # a metadata server of before readdir_layouts: lookups then
+            for name, a, layout in page["entries"]:
+                if layout is not None and stat.S_ISREG(a["mode"]):
+                    files[name] = (a["ino"], version_of(a), layout)
+            if not page["more"] or not page["entries"]:
+                break
+            after = page["entries"][-1][0]
+        listing = Listing(attr["ino"], now, files)
+        self.listings.pop(head, None)
+        self.listings[head] = listing
+        self.listed += len(files) - (len(kept.files) if kept is not None else 0)
+        while self.listed > MAX_LISTED and len(self.listings) > 1:
+            _, old = self.listings.popitem(last=False)
+            self.listed -= len(old.files)
+        return listing
