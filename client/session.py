@@ -25,6 +25,8 @@ T = TypeVar("T")
 
 log = logging.getLogger("shufflefs.client.session")
 
+PRIMARY_CHECK = 0.5  # seconds between looks at who the metadata primary is
+
 
 class Session:
     def __init__(
@@ -57,9 +59,26 @@ class Session:
         log.info("metadata session %d opened (lease %.0fs)", self.id, s["lease"])
         return s["lease"]
 
+    def _primary(self) -> str | None:
+        try:
+            return self.meta.routing.current.meta_address()
+        except FsError:
+            return None
+
     async def _keep(self, lease: float) -> None:
+        """Renew every third of the lease, and at once when the metadata
+        primary changed: a promoted server knows no read-only handle and
+        frees no unlinked inode until every session has reported its handles
+        (its restart grace), so the sooner we report, the sooner it frees."""
+        interval = max(0.5, lease / 3)
+        renewed_with = self._primary()
+        due = trio.current_time() + interval
         while True:
-            await trio.sleep(max(0.5, lease / 3))
+            await trio.sleep(max(0.0, min(PRIMARY_CHECK, due - trio.current_time())))
+            primary = self._primary()
+            if trio.current_time() < due and primary == renewed_with:
+                continue
+            renewed_with, due = primary, trio.current_time() + interval
             session = self.id
             held = self._open_ro()
             try:

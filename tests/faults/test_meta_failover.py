@@ -87,6 +87,12 @@ def converged(c: ProcessCluster, names: tuple[str, ...] = METAS) -> None:
     c.wait_for("the metadata servers to converge", same, timeout=60)
 
 
+def grace_over(c: ProcessCluster, name: str) -> None:
+    """Wait until the promoted *name* has heard from every session (its
+    restart grace, in which it frees no unlinked inode, is over)."""
+    wait_until(f"{name}'s restart grace over", lambda: "restart grace over" in c.log(name))
+
+
 def start_storm(directory: Path, seconds: float, report: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, STORM, str(directory), str(seconds), str(report)])
 
@@ -223,6 +229,7 @@ def test_primary_kill_during_a_storm_from_two_mounts(three: ProcessCluster, tmp_
             assert sorted(p.name for p in d.iterdir()) == sorted(model)
             for name, i in model.items():
                 assert (d / name).read_bytes() == (b"%08d" % i) * (64 + i % 200)
+        grace_over(c, new)
         c.start(victim)  # it comes back as a follower and catches up
         assert metas(c)[victim]["role"] == "follower"
         converged(c)
@@ -472,6 +479,7 @@ def test_the_cut_off_primary_acknowledges_nothing_and_rejoins(tmp_path: Path) ->
         assert result["errors"] == [] and result["ops"] > 100
         assert sorted(p.name for p in (c.mountpoint / "s").iterdir()) == sorted(result["model"])
         assert "primary no more" in c.log(lead)
+        grace_over(c, primary(c))
         hosts.restore(index)
         c.wait_for(
             "the old primary back as a follower",
