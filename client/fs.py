@@ -89,6 +89,7 @@ class OpenFile:
     position: int = 0  # for the native file API
     cached: CachedOpen | None = None  # its handle is the open cache's (client/open_cache.py)
     created: bool = False  # made by this open (so it has no xattrs yet)
+    parent_attr: Attr | None = None  # made by this open: its directory's attributes after it
 
     @property
     def readable(self) -> bool:
@@ -356,6 +357,7 @@ class FileSystem:
         st.opens += 1
         f = OpenFile(next(self._fh), ino, flags, res["handle"], res["layout"])
         f.created = res.get("created", False)
+        f.parent_attr = res.get("parent_attr")
         self.files[f.fh] = f
         return f, self.overlay(attr)
 

@@ -7,6 +7,13 @@ Rules: writes to the same chunk reach the chain in the order they were made
 file are in flight; the first failure is kept and raised by the next write,
 `drain` (flush, fsync, close, truncate, and any read of the file), as a local
 filesystem reports a failed writeback at fsync/close.
+
+Writes that continue a chunk piece still waiting for its turn join it
+(`Queued`): a file written in many small pieces (FUSE sends each write(2) on
+its own, at most 128 KiB) costs one chain write, with its flushes on every
+replica, per chunk write in flight rather than per write call. Nothing waits
+for more to come: the first write of a chunk leaves at once, and what
+arrives meanwhile goes together next.
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ from shufflefs.rpc.transport import Buffer
 log = logging.getLogger("shufflefs.client.write_behind")
 
 
+@dataclass(eq=False)
+class Queued:
+    """A chunk piece not sent yet: its bytes grow while it waits."""
+
+    chain: int
+    offset: int  # in the chunk
+    data: bytearray
+
+
 @dataclass
 class InodeState:
     """What this client knows better than the metadata server about a file it has open."""
@@ -38,6 +54,9 @@ class InodeState:
     pending_bytes: int = 0
     progress: trio.Event = field(default_factory=trio.Event)  # set when a write completes
     chunk_tails: dict[bytes, trio.Event] = field(default_factory=dict)  # last write per chunk
+    # the last piece of a chunk while it waits for the one before it: a
+    # write that continues it joins it
+    queued: dict[bytes, Queued] = field(default_factory=dict)
     error: FsError | None = None  # the first failure of a write: reported by the next call
 
     @property
@@ -78,37 +97,52 @@ class WriteBehind:
         while st.pending_bytes and st.pending_bytes + n > self.limit:
             await st.progress.wait()
             raise_write_error(st)
-        view = memoryview(bytes(data))  # the caller may reuse its buffer
+        view = memoryview(data).cast("B")
         for p in plan([(ino, layout, offset, n)]):
+            piece = view[p[4] : p[4] + p[3]]
+            st.pending_bytes += p[3]
+            waiting = st.queued.get(p[1])
+            if waiting is not None and waiting.offset + len(waiting.data) == p[2]:
+                waiting.data += piece  # continues the piece waiting its turn
+                continue
             before = st.chunk_tails.get(p[1])
             done = st.chunk_tails[p[1]] = trio.Event()
-            st.pending_bytes += p[3]
-            nursery.start_soon(self._write_piece, ino, layout, st, p, view, before, done)
+            queued = Queued(p[0], p[2], bytearray(piece))  # a copy: the caller may reuse its buffer
+            if before is not None:
+                st.queued[p[1]] = queued
+            nursery.start_soon(self._write_piece, ino, layout, st, p[1], queued, before, done)
 
     async def _write_piece(
         self,
         ino: int,
         layout: Layout,
         st: InodeState,
-        p: Piece,
-        data: memoryview,
+        chunk: bytes,
+        queued: Queued,
         before: trio.Event | None,
         done: trio.Event,
     ) -> None:
-        """One chunk piece, after the write before it on the same chunk."""
+        """One chunk piece, after the write before it on the same chunk
+        (what joined it meanwhile included)."""
         try:
             if before is not None:
                 await before.wait()
+            if st.queued.get(chunk) is queued:
+                del st.queued[chunk]  # from here on its bytes are fixed
+            length = len(queued.data)
+            p: Piece = (queued.chain, chunk, queued.offset, length, 0)
             if st.error is None:
-                await self.storage.writes.write_piece(ino, layout, p, data)
+                await self.storage.writes.write_piece(ino, layout, p, memoryview(queued.data))
         except FsError as exc:
-            log.warning("write-behind ino=%d chunk=%s failed: %s", ino, p[1].hex(), exc.message)
+            log.warning("write-behind ino=%d chunk=%s failed: %s", ino, chunk.hex(), exc.message)
             if st.error is None:
                 st.error = exc
         finally:
-            st.pending_bytes -= p[3]
-            if st.chunk_tails.get(p[1]) is done:
-                del st.chunk_tails[p[1]]
+            if st.queued.get(chunk) is queued:  # cancelled while waiting
+                del st.queued[chunk]
+            st.pending_bytes -= len(queued.data)
+            if st.chunk_tails.get(chunk) is done:
+                del st.chunk_tails[chunk]
             done.set()
             st.progress.set()
             st.progress = trio.Event()

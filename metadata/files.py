@@ -115,7 +115,7 @@ class FileOps:
 
         def body(tx: Tx) -> OpenResult:
             live_session(tx, session, self.clock())
-            tx.live_directory(parent)
+            parent_rec = tx.live_directory(parent)
             existing = tx.entry(parent, name)
             if existing is not None:
                 if flags & os.O_EXCL:
@@ -130,6 +130,7 @@ class FileOps:
                 "layout": layout_of(rec),
                 "handle": handle,
                 "created": True,
+                "parent_attr": attr_of(parent, parent_rec),
             }
 
         return self.txns.write(body)

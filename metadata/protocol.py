@@ -74,6 +74,9 @@ class OpenResult(TypedDict):
     layout: Layout | None  # None for anything but a regular file
     handle: int  # pass to release(); keeps an unlinked file alive until then
     created: NotRequired[bool]  # create made the file (it has no xattrs yet)
+    # create made the file: the parent directory's attributes after it (the
+    # kernel drops its cached ones on a create and would ask for them next)
+    parent_attr: NotRequired[Attr]
 
 
 class ReaddirPage(TypedDict):

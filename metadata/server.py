@@ -193,9 +193,10 @@ class MetaService:
     async def _settle_open(self, result: OpenResult, flags: int, session: int) -> OpenResult:
         """A writer must not get a file whose cut is still owed to storage:
         the bytes cut would reappear under its writes. Carry the cut out now;
-        if that fails, give the handle back and fail the open."""
+        if that fails, give the handle back and fail the open. (A file this
+        create made was never cut: inode numbers are never reused.)"""
         ino = result["attr"]["ino"]
-        if not opens_for_writing(flags):
+        if not opens_for_writing(flags) or result.get("created"):
             return result
         try:
             await self.jobs.truncate_now(ino)

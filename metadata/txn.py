@@ -182,8 +182,9 @@ class Tx:
         if isinstance(result, dict):
             if "change" in result and result.get("ino") in self.changed:
                 result["change"] = self.changed[result["ino"]]
-            if isinstance(result.get("attr"), dict):
-                self.stamped(result["attr"])
+            for key in ("attr", "parent_attr"):
+                if isinstance(result.get(key), dict):
+                    self.stamped(result[key])
         elif isinstance(result, (tuple, list)):
             for item in result:
                 self.stamped(item)

@@ -54,6 +54,35 @@ from shufflefs.storage.store import ChunkStore
 log = logging.getLogger("shufflefs.storage")
 
 
+def _stage_forwarded(
+    store: ChunkStore,
+    chunk: bytes,
+    offset: int,
+    chunk_size: int,
+    version: int,
+    full: bool,
+    data: bytes | bytearray,
+) -> Staged:
+    """Stage an update forwarded by the predecessor, its flush deferred (in
+    a worker thread). A delta that meets a damaged block asks for the whole
+    chunk instead (`NEED_FULL`), which heals it."""
+    if full:
+        return store.stage_replace(chunk, data, chunk_size, version, False)
+    try:
+        return store.stage_write(chunk, offset, data, chunk_size, version, False)
+    except FsError as exc:
+        if exc.code != errno.EIO:
+            raise
+        raise FsError(NEED_FULL, f"{exc.message}: send the whole chunk") from None
+
+
+def _stage_and_commit(store: ChunkStore, *args: Any) -> WriteResult:
+    """`_stage_forwarded` (same arguments), then its flush and commit
+    (which aborts it if either fails), in one worker-thread call: for the
+    tail of a chain."""
+    return store.commit(_stage_forwarded(store, *args))
+
+
 class StorageService:
     """The storage rpc methods over this node's targets.
 
@@ -244,7 +273,13 @@ class StorageService:
         ):
             if place is not None:
                 place = await self.forwarding.check_min_replicas(place, target, head=True)
+            alone = place is None or place.successor is None
             try:
+                if alone:
+                    # nothing to forward: stage, flush and commit in one
+                    # worker-thread hop (the same steps `_forward_then_commit`
+                    # takes, in the same order, less two thread round trips)
+                    return await node.io(store.write, chunk, offset, chunk_size, data)
                 staged = await node.io(
                     store.stage_write, chunk, offset, data, chunk_size, None, False
                 )
@@ -291,22 +326,17 @@ class StorageService:
             self.forwarding.admitted(target, chain, chain_version, head=False) as place,
         ):
             sync = self.resyncer.state_at(target, place)
-            if full:
-                staged = await node.io(store.stage_replace, chunk, data, chunk_size, version, False)
+            args = (store, chunk, offset, chunk_size, version, full, data)
+            if place is None or place.successor is None:
+                # the tail: nothing to forward, so stage and commit in one
+                # worker-thread hop (the steps of `_forward_then_commit`, in
+                # its order, less a thread round trip)
+                result = await node.io(_stage_and_commit, *args)
             else:
-                try:
-                    staged = await node.io(
-                        store.stage_write, chunk, offset, data, chunk_size, version, False
-                    )
-                except FsError as exc:
-                    if exc.code != errno.EIO:
-                        raise
-                    raise FsError(  # the whole chunk heals the damaged block
-                        NEED_FULL, f"{exc.message}: send the whole chunk"
-                    ) from None
-            result = await self._forward_then_commit(
-                store, staged, place, offset, chunk_size, data, full
-            )
+                staged = await node.io(_stage_forwarded, *args)
+                result = await self._forward_then_commit(
+                    store, staged, place, offset, chunk_size, data, full
+                )
             if sync is not None:
                 # whole, new (it applied on version 0: we had none either), or
                 # built on a verified chunk: equal to the chain's copy. A delta

@@ -98,6 +98,39 @@ async def test_write_behind_keeps_order_per_chunk(fs: FileSystem) -> None:
     await fs.release(f.fh)
 
 
+async def test_small_writes_behind_a_sent_one_go_as_one(fs: FileSystem) -> None:
+    """While a chunk's first write is on its way, the writes that continue
+    what waits behind it join it: 20 small writes cost 2 chain writes (the
+    bytes in their order), and a write elsewhere in the chunk still waits
+    its turn."""
+    f = await create(fs, b"joined")
+    real: WritePiece = fs.storage.writes.write_piece
+    held = trio.Event()
+    release = trio.Event()
+    sent: list[tuple[int, int]] = []  # (offset in the chunk, length)
+
+    async def write_piece(ino: int, layout: Layout, p: Piece, data: memoryview) -> None:
+        sent.append((p[2], p[3]))
+        if not held.is_set():
+            held.set()
+            await release.wait()
+        await real(ino, layout, p, data)
+
+    fs.storage.writes.write_piece = write_piece  # type: ignore[method-assign]
+    data = os.urandom(20 * 1000)
+    for i in range(20):
+        buf = bytearray(data[i * 1000 : (i + 1) * 1000])
+        await fs.write(f.fh, i * 1000, buf)
+        buf[:] = bytes(1000)  # the caller reuses its buffer: what was written stays
+    await held.wait()
+    await fs.write(f.fh, 5, b"again")  # not a continuation: after the joined piece
+    release.set()
+    await fs.flush(f.fh)
+    assert sent == [(0, 1000), (1000, 19000), (5, 5)]
+    assert await fs.read(f.fh, 0, len(data)) == data[:5] + b"again" + data[10:]
+    await fs.release(f.fh)
+
+
 async def test_write_failure_is_reported_at_flush(
     meta_cluster: ChainCluster, open_fs: OpenFs
 ) -> None:

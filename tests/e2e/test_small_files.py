@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from clusters import ProcessCluster, another_mount, wait_until
 from harness import shufflefs
+from opsworld import total
 
 from shufflefs.metadata.process import NAMESPACE_DIR
 from shufflefs.metadata.store import NamespaceStore
@@ -58,6 +59,25 @@ def test_length_right_after_close_on_another_mount(single: ProcessCluster, other
     with open(d / "0.bin", "ab") as f:
         f.write(b"tail")
     assert (other / "ctoo" / "0.bin").read_bytes() == content(0) + b"tail"
+
+
+def test_a_create_spares_its_directory_getattr(single: ProcessCluster, other: Path) -> None:
+    """The kernel drops a directory's cached attributes on every create in
+    it and asks for them before the next one: the create's reply carried
+    them, so that getattr costs no metadata round trip, and they are the
+    directory's as the server has them (the other mount sees the same)."""
+    meta = next(n["metrics"] for n in single.status()["nodes"] if n["kind"] == "meta")
+    d = single.mountpoint / "spared"
+    d.mkdir()
+    before = total(meta, "shufflefs_rpc_requests", method="getattr")
+    for i in range(20):
+        (d / f"{i}.bin").write_bytes(content(i, 1000))
+    assert total(meta, "shufflefs_rpc_requests", method="getattr") - before < 10
+    created = d.stat().st_mtime_ns
+    assert created == (other / "spared").stat().st_mtime_ns
+    os.unlink(d / "0.bin")  # any other mutation drops them: the next stat asks again
+    assert d.stat().st_mtime_ns > created
+    assert sorted(os.listdir(other / "spared")) == sorted(f"{i}.bin" for i in range(1, 20))
 
 
 def test_many_concurrent_writers_then_fsck(single: ProcessCluster, other: Path) -> None:
