@@ -65,7 +65,8 @@ class Batcher(Generic[K, V]):
         batch = self._open
         if batch is None or len(batch.keys) >= READDIR_MAX:
             batch = self._open = _Batch()
-            place = await self._lead(batch, key)
+            await self._lead(batch, key)
+            place = 0
         else:
             place = len(batch.keys)
             batch.keys.append(key)
@@ -88,10 +89,10 @@ class Batcher(Generic[K, V]):
             self._in_flight = None
             batch.done.set()
 
-    async def _lead(self, batch: _Batch[K, V], key: K) -> int:
-        """Gather *batch* while the call in flight runs, then send it; the
-        place of *key* in it. (Keys are not merged: two opens of one file
-        each get a handle of their own.)"""
+    async def _lead(self, batch: _Batch[K, V], key: K) -> None:
+        """Gather *batch* (*key* first) while the call in flight runs, then
+        send it. (Keys are not merged: two opens of one file each get a
+        handle of their own.)"""
         batch.keys.append(key)
         try:
             while self._in_flight is not None:
@@ -118,4 +119,3 @@ class Batcher(Generic[K, V]):
             if self._open is batch:
                 self._open = None
             batch.done.set()
-        return 0

@@ -68,9 +68,9 @@ class MetaLeases:
     epoch: int = 0
     holder: int | None = None
     reports: dict[int, Report] = field(default_factory=dict)
-    # (holder, epoch) -> when this mgmtd last granted or renewed that lease,
-    # or first saw it (a new mgmtd primary)
-    heard: dict[tuple[int, int], float] = field(default_factory=dict)
+    # the live lease's (holder, epoch), and when this mgmtd last granted or
+    # renewed it, or first saw it (a new mgmtd primary)
+    heard: tuple[tuple[int, int], float] | None = None
 
     async def request(
         self,
@@ -90,12 +90,12 @@ class MetaLeases:
         if live is not None and live["holder"] == str(node_id):
             try:
                 live = await coordination.renew_lease(LEASE_NAME, str(node_id), live["epoch"])
-                self.heard[node_id, live["epoch"]] = now
+                self.heard = (_key(live), now)
             except FsError as exc:
                 if exc.code != errno.ESTALE:
                     raise
                 live = None  # lapsed just now: taken again below, if it may be
-        elif live is not None and now - self.heard.setdefault(_key(live), now) > self.ttl:
+        elif live is not None and self._silent_for(live, now) > self.ttl:
             # silent for a TTL: it stopped writing at 3/4 of it; the backend
             # keeps it longer only to outlast an mgmtd failover
             await coordination.release_lease(LEASE_NAME, live["holder"], live["epoch"])
@@ -104,7 +104,7 @@ class MetaLeases:
             held = self.ttl + coordination.failover_seconds
             try:
                 live = await coordination.grant_lease(LEASE_NAME, str(node_id), held)
-                self.heard[_key(live)] = now
+                self.heard = (_key(live), now)
             except FsError as exc:
                 if exc.code != errno.EBUSY:
                     raise
@@ -117,6 +117,12 @@ class MetaLeases:
             granted=self.holder == node_id, holder=self.holder, epoch=self.epoch, ttl=self.ttl
         )
         return reply, changed
+
+    def _silent_for(self, lease: Lease, now: float) -> float:
+        """Seconds since this mgmtd last heard of *lease* (0 the first time)."""
+        if self.heard is None or self.heard[0] != _key(lease):
+            self.heard = (_key(lease), now)
+        return now - self.heard[1]
 
     def _seen(self, lease: Lease | None) -> tuple[int | None, int]:
         """Note *lease* as the current one; the (holder, epoch) before."""

@@ -11,124 +11,33 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
-import itertools
 import logging
-import random
 import stat
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import trio
-
-from shufflefs.cluster.routing import Routing
-from shufflefs.metadata import request_ids
-from shufflefs.metadata.files import opens_for_writing
-from shufflefs.metadata.gc import SessionReaper, StorageJobs
+from shufflefs.metadata.handles_service import SessionsAndHandles
 from shufflefs.metadata.protocol import (
-    READDIR_MAX,
     Attr,
     FilesPage,
     FsStats,
     Layout,
-    MountInfo,
     OpenResult,
     PendingJob,
     ReaddirLayoutsPage,
     ReaddirPage,
-    Session,
-    SessionInfo,
-    is_read_only_handle,
 )
-from shufflefs.metadata.readonly import FreeInProgress
-from shufflefs.metadata.replication_role import MetaRole
-from shufflefs.metadata.store import NamespaceStore
-from shufflefs.metadata.writer import Writer
-from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.schema import rpc_method
-from shufflefs.storage.protocol import FORWARD_TIMEOUT
 
 log = logging.getLogger("shufflefs.metadata.server")
 
-T = TypeVar("T")
 
-
-def _kv(details: dict[str, Any]) -> str:
-    parts = []
-    for key, value in details.items():
-        if callable(value):
-            continue
-        text = repr(value)
-        parts.append(f"{key}={text[:80]}")
-    return " ".join(parts)
-
-
-class MetaService:
+class MetaService(SessionsAndHandles):
     """The rpc methods of `metadata.protocol.MetaStub`, over one NamespaceStore.
 
     *routing* returns the current routing map; it is consulted for the chains
     of new files and for the storage targets that jobs are carried out on.
     """
-
-    def __init__(
-        self,
-        store: NamespaceStore,
-        routing: Callable[[], Routing],
-        rpc: RpcClient,
-        *,
-        storage_timeout: float = FORWARD_TIMEOUT,  # per replica, as the daemons forward
-        reap_interval: float | None = None,
-        refresh_routing: Callable[[], Awaitable[object]] | None = None,
-        role: MetaRole | None = None,
-    ) -> None:
-        self.store = store
-        self.routing = routing
-        self.refresh_routing = refresh_routing
-        self.role = role
-        self.write = (
-            Writer(store.txns)
-            if role is None
-            else Writer(store.txns, gate=role.check_writable, durable=role.durable)
-        )
-        self.jobs = StorageJobs(
-            store,
-            self.write,
-            routing,
-            rpc,
-            refresh_routing=refresh_routing,
-            forward_timeout=storage_timeout,
-        )
-        if reap_interval is None:
-            reap_interval = max(0.05, min(5.0, store.session_timeout / 4))
-        self.reaper = SessionReaper(store, self.write, self.jobs, reap_interval)
-        # New files start on successive chains, so single-chunk files spread
-        # over all of them; a random start keeps restarts from favouring chain 0.
-        self._rotor = itertools.count(random.randrange(1 << 16))
-
-    async def run_background(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """The storage-job worker and the session reaper, until cancelled;
-        with a role, only while this server is the primary."""
-        if self.role is not None:
-            await self.role.run(self._primary_duties, task_status=task_status)
-            return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.jobs.run)
-            nursery.start_soon(self.reaper.run)
-            task_status.started()
-
-    async def _primary_duties(self) -> None:
-        """A new primary (also a restarted one) gives every session a fresh
-        lease and starts the restart grace (the read-only handles were in
-        another process's memory), then carries out jobs and reaps."""
-        sessions = await self.write(self.store.restart_leases)
-        log.info("serving as primary: %d sessions get a fresh lease", sessions)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.jobs.run)
-            nursery.start_soon(self.reaper.run)
-            while True:
-                await trio.sleep(request_ids.TRIM_INTERVAL)
-                await self.write(request_ids.trim, self.store.txns)
 
     @rpc_method(inline=True)
     async def meta_role(self) -> dict[str, Any]:
@@ -174,93 +83,6 @@ class MetaService:
         if self.refresh_routing is not None and not self.routing().writable_chains():
             with contextlib.suppress(FsError):
                 await self.refresh_routing()
-
-    async def _mutate(
-        self, op: str, fn: Callable[..., T], request: list[int] | None = None, **args: Any
-    ) -> T:
-        """Run a mutation through the writer; with a *request* id, at most
-        once however often it is retried (`request_ids.py`)."""
-        call = fn if request is None else functools.partial(self._once, request, fn)
-        try:
-            return await self.write(call, **args)
-        except FsError as exc:
-            log.debug("%s failed %s: %s", op, _kv(args), exc.message)
-            raise
-
-    def _once(self, request: list[int], fn: Callable[..., T], **args: Any) -> T:
-        return request_ids.run_once(self.store.txns, request, functools.partial(fn, **args))
-
-    async def _settle_open(self, result: OpenResult, flags: int, session: int) -> OpenResult:
-        """A writer must not get a file whose cut is still owed to storage:
-        the bytes cut would reappear under its writes. Carry the cut out now;
-        if that fails, give the handle back and fail the open. (A file this
-        create made was never cut: inode numbers are never reused.)"""
-        ino = result["attr"]["ino"]
-        if not opens_for_writing(flags) or result.get("created"):
-            return result
-        try:
-            await self.jobs.truncate_now(ino)
-        except FsError as exc:
-            with trio.CancelScope(shield=True):
-                await self.write(self.store.release, ino, result["handle"], session)
-            log.debug("open ino=%d failed: %s", ino, exc.message)
-            raise
-        return result
-
-    # ---- sessions -------------------------------------------------------------
-
-    @rpc_method
-    async def session_open(
-        self,
-        client: str,
-        host: str,
-        pid: int,
-        mount: MountInfo | None = None,
-        request: list[int] | None = None,
-    ) -> Session:
-        result = await self._mutate(
-            "session_open",
-            self.store.session_open,
-            request=request,
-            client=client,
-            host=host,
-            pid=pid,
-            mount=mount,
-        )
-        log.info(
-            "session opened session=%d client=%s host=%s pid=%d",
-            result["session"],
-            client,
-            host,
-            pid,
-        )
-        return result
-
-    @rpc_method
-    async def session_renew(
-        self, session: int, open_ro: list[list[int]] | None = None, request: list[int] | None = None
-    ) -> None:
-        """The first renewal after a restart also hands back the read-only
-        handles the client holds (kept in memory only: `readonly.py`)."""
-        await self._mutate(
-            "session_renew", self.store.session_renew, request=request, session=session
-        )
-        pairs = [(p[0], p[1]) for p in open_ro or [] if len(p) == 2]
-        self.store.read_only.renewed(session, pairs)
-        await self.reaper.sweep_if_due()
-
-    @rpc_method(inline=True)
-    async def sessions(self) -> list[SessionInfo]:
-        return self.store.sessions()
-
-    @rpc_method
-    async def session_close(self, session: int, request: list[int] | None = None) -> None:
-        handles, freed = await self._mutate(
-            "session_close", self.store.session_close, request=request, session=session
-        )
-        log.info("session closed session=%d handles=%d freed=%d", session, handles, freed)
-        if freed:
-            self.jobs.wake()
 
     # ---- names and attributes -------------------------------------------------
 
@@ -397,109 +219,6 @@ class MetaService:
             layout=self.new_layout,
         )
         return await self._settle_open(result, flags, session)
-
-    @rpc_method
-    async def open(
-        self, ino: int, flags: int, session: int, request: list[int] | None = None
-    ) -> OpenResult:
-        if not opens_for_writing(flags):
-            return await self._open_read_only(ino, flags, session)
-        result = await self._mutate(
-            "open", self.store.open, request=request, ino=ino, flags=flags, session=session
-        )
-        return await self._settle_open(result, flags, session)
-
-    @rpc_method
-    async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:
-        """Read-only opens of many [ino, flags] in one call (None: no such
-        inode), each with a handle of its own: what a client's overlapping
-        opens send together (client/open_batch.py). Any other failure fails
-        the call, and the handles taken for it are given back first."""
-        if len(opens) > READDIR_MAX:
-            raise FsError(errno.E2BIG, f"open_read_only: {len(opens)} opens, at most {READDIR_MAX}")
-        out: list[OpenResult | None] = []
-        try:
-            for pair in opens:
-                if len(pair) != 2 or opens_for_writing(pair[1]):
-                    raise FsError(errno.EINVAL, f"open_read_only: not [ino, flags]: {pair}")
-                try:
-                    out.append(await self._open_read_only(pair[0], pair[1], session))
-                except FsError as exc:
-                    if exc.code != errno.ENOENT:
-                        raise
-                    out.append(None)
-        except FsError:
-            taken = [res["handle"] for res in out if res is not None]
-            orphans = [i for h in taken if (i := self.store.release_read_only(h, session))]
-            if orphans:
-                await self._mutate("open_read_only", self.store.free_orphans, inos=orphans)
-            raise
-        return out
-
-    async def _open_read_only(self, ino: int, flags: int, session: int) -> OpenResult:
-        """No write transaction: a read snapshot and an in-memory handle.
-        If a free of the inode is being committed, wait for the writer's
-        current transaction and look again (gone, or alive if it aborted)."""
-        while True:
-            try:
-                return self.store.open_read_only(ino, flags, session)
-            except FreeInProgress:
-                await self.write(lambda: None)
-            except FsError as exc:
-                log.debug("open failed ino=%d flags=%#o: %s", ino, flags, exc.message)
-                raise
-
-    @rpc_method
-    async def release(
-        self, ino: int, handle: int, session: int, request: list[int] | None = None
-    ) -> None:
-        if is_read_only_handle(handle):
-            orphan = self.store.release_read_only(handle, session)
-            freed = orphan is not None and await self._mutate(
-                "release", self.store.free_orphan, request=request, ino=orphan
-            )
-        else:
-            freed = await self._mutate(
-                "release",
-                self.store.release,
-                request=request,
-                ino=ino,
-                handle=handle,
-                session=session,
-            )
-        if freed:
-            log.debug("last handle closed ino=%d: freed", ino)
-            self.jobs.wake()
-
-    @rpc_method
-    async def release_read_only(
-        self, handles: list[list[int]], session: int, request: list[int] | None = None
-    ) -> None:
-        """Give many read-only handles back in one call: what a client's open
-        cache expires together (client/open_cache.py), one round trip instead
-        of a `release` each. Every handle is given back even if one fails
-        (EBADF: another session's); the first failure is raised after."""
-        orphans: list[int] = []
-        failure: FsError | None = None
-        for pair in handles:
-            try:
-                if len(pair) != 2 or not is_read_only_handle(pair[1]):
-                    raise FsError(errno.EINVAL, f"not an [ino, read-only handle]: {pair[:2]}")
-                orphan = self.store.release_read_only(pair[1], session)
-            except FsError as exc:
-                failure = failure or exc
-                continue
-            if orphan is not None:
-                orphans.append(orphan)
-        if orphans:
-            freed = await self._mutate(
-                "release_read_only", self.store.free_orphans, request=request, inos=orphans
-            )
-            if freed:
-                log.debug("last handles closed: freed %d inodes", freed)
-                self.jobs.wake()
-        if failure is not None:
-            raise failure
 
     @rpc_method
     async def unlink(self, parent: int, name: bytes, request: list[int] | None = None) -> None:

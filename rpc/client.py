@@ -211,7 +211,7 @@ class RpcClient:
         self._conns: dict[str, PeerConnection] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self.closed = False
-        self._sweeper: trio.CancelScope | None = None
+        self._sweep_scope: trio.CancelScope | None = None
         self._sweeping = Sweeper()
 
     async def connection(self, address: str) -> PeerConnection:
@@ -226,9 +226,9 @@ class RpcClient:
             conn = await self._connect(address)
             self._conns[address] = conn
             self.nursery.start_soon(conn.reader, name=f"rpc-reader {address}")
-            if self._sweeper is None:
-                self._sweeper = trio.CancelScope()
-                self.nursery.start_soon(self._expire, self._sweeper, name="rpc-call-deadlines")
+            if self._sweep_scope is None:
+                self._sweep_scope = trio.CancelScope()
+                self.nursery.start_soon(self._expire, self._sweep_scope, name="rpc-call-deadlines")
             return conn
 
     async def _expire(self, scope: trio.CancelScope) -> None:
@@ -309,8 +309,8 @@ class RpcClient:
 
     async def aclose(self) -> None:
         self.closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        if self._sweep_scope is not None:
+            self._sweep_scope.cancel()
         conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             await conn.close()

@@ -75,6 +75,10 @@ class Forwarding:
             else:
                 del self._admitted[key]
 
+    def _older(self, chain: int, version: int) -> int:
+        """Updates of *chain* admitted here at a version before *version*, going on."""
+        return sum(n for (c, v), n in self._admitted.items() if c == chain and v < version)
+
     async def barrier(self, target: int, chain: int, chain_version: int, timeout: float) -> None:
         """Return once *target* takes updates of *chain* at *chain_version*
         (our map refreshed to it if older) and no update admitted here at an
@@ -87,7 +91,7 @@ class Forwarding:
         if self.node.routing is None:
             return
         await self._members_at(target, chain, chain_version)
-        older = sum(n for (c, v), n in self._admitted.items() if c == chain and v < chain_version)
+        older = self._older(chain, chain_version)
         if not older:
             return
         log.info(
@@ -99,7 +103,7 @@ class Forwarding:
         self.barriers_waiting += 1
         try:
             with trio.move_on_after(timeout):
-                while any(c == chain and v < chain_version for c, v in self._admitted):
+                while self._older(chain, chain_version):
                     await trio.sleep(BARRIER_POLL)
                 return
         finally:
