@@ -9,6 +9,7 @@ in the mount, then measured through every way in there is:
     local          a directory on the local disk: the limit
     fuse           the mount (``--mount``, else the cluster's own mount)
     fuse-ro        the same files through a ``shufflefs mount -o ro``
+    fuse-immutable the same through a ``shufflefs mount -o cache=immutable``
     fuse-prefetch  the mount, each reader hinting its next files (client/data/hinted_reads.py)
     native         `FileDataset` of `shufflefs.client.data` over the same files
 
@@ -28,7 +29,8 @@ the same op, processes and cache, in this run. Then a real
 Which cluster: ``--embedded`` starts one (``shufflefs up`` in a temp dir,
 ``--replicas``), stopped after. ``--mount DIR`` measures any mounted
 filesystem (also another one, e.g. MooseFS: then there is no native or
-fuse-ro row unless ``--config`` names the shufflefs cluster behind DIR);
+fuse-ro and fuse-immutable rows unless ``--config`` names the shufflefs
+cluster behind DIR);
 ``--ro-mount`` / ``--prefetch-mount`` name mounts for those rows. Without
 any, the client config's cluster and the mount `shufflefs up` made are
 used, and a cluster is started when there is no config.
@@ -56,16 +58,16 @@ from shufflefs.cluster.config import find_client_config
 from shufflefs.cluster.launcher import LocalCluster
 from shufflefs.cluster.preflight import parse_size
 
-PATHS = ("local", "fuse", "fuse-ro", "fuse-prefetch", "native")
+PATHS = ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
 OPS = ("create", "stat", "scan", "read")
 READ_OPS = ("stat", "scan", "read")
 # the worker operation behind each (path, op); a missing pair is not measured
 OPERATION = {
-    **{(p, op): op for p in ("local", "fuse", "fuse-ro") for op in READ_OPS},
+    **{(p, op): op for p in ("local", "fuse", "fuse-ro", "fuse-immutable") for op in READ_OPS},
     ("fuse-prefetch", "read"): "prefetch-read",
     ("native", "read"): "native-read",
 }
-LOADER_PATHS = ("local", "fuse", "fuse-ro")
+LOADER_PATHS = ("local", "fuse", "fuse-ro", "fuse-immutable")
 CLI = [sys.executable, "-m", "shufflefs.cluster.cli"]
 
 
@@ -153,11 +155,11 @@ def ro_mount_supported() -> bool:
 
 
 @contextlib.contextmanager
-def ro_mount(config: str, mountpoint: Path) -> Iterator[Path]:
-    """A ``shufflefs mount -o ro`` of *config*'s cluster, unmounted after."""
+def ro_mount(config: str, mountpoint: Path, options: str = "ro") -> Iterator[Path]:
+    """A ``shufflefs mount -o OPTIONS`` of *config*'s cluster, unmounted after."""
     mountpoint.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [*CLI, "mount", "-o", "ro", "--config", config, str(mountpoint)],
+        [*CLI, "mount", "-o", options, "--config", config, str(mountpoint)],
         check=True,
         stdout=subprocess.DEVNULL,
     )
@@ -209,6 +211,12 @@ def targets(
     else:
         ro = stack.enter_context(ro_mount(t.config, workdir / "ro-mnt"))
         t.roots["fuse-ro"] = str(ro / subdir)
+    if t.config is None:
+        t.notes.append("fuse-immutable: left out: no --config for the cluster behind --mount")
+    else:
+        options = "cache=immutable"
+        immutable = stack.enter_context(ro_mount(t.config, workdir / "immutable-mnt", options))
+        t.roots["fuse-immutable"] = str(immutable / subdir)
     prefetch_root = Path(args.prefetch_mount or mnt).absolute()
     if prefetch_available(str(prefetch_root)):
         t.roots["fuse-prefetch"] = str(prefetch_root / subdir)

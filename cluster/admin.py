@@ -144,7 +144,7 @@ def render_mounts(sessions: list[SessionInfo] | str, out: Any = sys.stdout) -> N
         print(f"  (not known: {sessions})", file=out)
         return
     print(
-        f"  {'session':>7}  {'host':<16} {'pid':>7}  {'mode':<4} {'attr':>6} {'entry':>6} "
+        f"  {'session':>7}  {'host':<16} {'pid':>7}  {'mode':<9} {'attr':>6} {'entry':>6} "
         f"{'negative':>8} {'linger':>6}  mountpoint",
         file=out,
     )
@@ -153,7 +153,7 @@ def render_mounts(sessions: list[SessionInfo] | str, out: Any = sys.stdout) -> N
         if m is None:
             continue
         print(
-            f"  {s['session']:>7}  {s['host']:<16} {s['pid']:>7}  {m['mode']:<4} "
+            f"  {s['session']:>7}  {s['host']:<16} {s['pid']:>7}  {m['mode']:<9} "
             f"{m['attr_timeout']:>5g}s {m['entry_timeout']:>5g}s {m['negative_timeout']:>7g}s "
             f"{m['handle_linger']:>5g}s  {m['mountpoint']}",
             file=out,

@@ -28,6 +28,7 @@ from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.fuse.mount_options import MountOptions, parse_options
 from shufflefs.fuse.ops import ShuffleOps
+from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.rpc.client import open_rpc_client
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import run_service, setup_logging
@@ -74,12 +75,17 @@ async def run_mount(
             nursery, fs, options.metrics or config.mount_metrics, rpc=rpc, mgmtd=config.mgmtd
         )
         ops = ShuffleOps(fs, options)
-        await ops.prefetch.start(nursery)
+        await ops.start(nursery)
         opts = set(pyfuse3.default_options) | options.fuse_options()
         opts |= {"fsname=shufflefs", "subtype=shufflefs"}
         if os.geteuid() == 0:
             opts.add("allow_other")  # every user of a training node may use the mount
         pyfuse3.init(ops, str(mountpoint), opts)
+        if options.immutable:
+            if READ_INODES.install():
+                ops.serve_by_inode()
+            else:
+                log.warning("cache=immutable: opens stay on (READs would not name their inode)")
         log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
         try:
             FUSE_LOOP.running = True

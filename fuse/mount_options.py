@@ -6,10 +6,13 @@ sees when):
 * ``rw`` (the default): close-to-open. Every open revalidates with the
   metadata server (one read-only call when the file is already cached here);
   kernel timeouts default to 1 s, negative entries are not cached.
-* ``ro`` (a dataset mode for immutable data; ``cache=immutable`` says the same
-  and implies ``ro``): every mutation answers EROFS, opens and closes make
-  no round trip once a file was opened, and kernel timeouts default to
-  `DATASET_TIMEOUT`.
+* ``ro`` (a dataset mode for data nobody changes): every mutation answers
+  EROFS, opens and closes make no round trip once a file was opened, and
+  kernel timeouts default to `DATASET_TIMEOUT`.
+* ``cache=immutable`` (implies ``ro``): as ``ro``, and the kernel serves
+  warm reads alone: no OPEN, FLUSH or RELEASE reaches the mount
+  (fuse/inode_reads.py), at the price of POSIX's keep-while-open for files
+  removed elsewhere.
 
 Every kernel cache timeout is an option (``attr_timeout=``, ``entry_timeout=``,
 ``negative_timeout=``, seconds, as in JuiceFS and 3FS); what was given and what
@@ -46,6 +49,7 @@ class MountOptions:
     """What the FUSE layer and the client need to know of the mount's options."""
 
     read_only: bool = False
+    immutable: bool = False  # cache=immutable: no opens (fuse/inode_reads.py)
     attr_timeout: float = RW_TIMEOUT
     entry_timeout: float = RW_TIMEOUT
     negative_timeout: float = 0.0
@@ -70,7 +74,7 @@ class MountOptions:
         """What the mount reports with its metadata session (`shufflefs status`)."""
         return {
             "mountpoint": mountpoint,
-            "mode": "ro" if self.read_only else "rw",
+            "mode": "immutable" if self.immutable else "ro" if self.read_only else "rw",
             "attr_timeout": self.attr_timeout,
             "entry_timeout": self.entry_timeout,
             "negative_timeout": self.negative_timeout,
@@ -106,6 +110,7 @@ def parse_options(items: list[str]) -> MountOptions:
     default = DATASET_TIMEOUT if read_only else RW_TIMEOUT
     options = MountOptions(
         read_only=read_only,
+        immutable=cache == "immutable",
         attr_timeout=_seconds(given, "attr_timeout", default),
         entry_timeout=_seconds(given, "entry_timeout", default),
         negative_timeout=_seconds(given, "negative_timeout", default if read_only else 0.0),

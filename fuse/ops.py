@@ -18,6 +18,8 @@ reader sees when is stated in docs/operations.md, "Mount modes and caches"):
 * ``-o ro`` (dataset mode): every mutation is EROFS; opens of a file opened
   before are answered from the cache with no round trip, closes make none
   (FLUSH is switched off), pages are kept;
+* ``-o cache=immutable``: as ``ro``, and OPEN is switched off too, so the
+  kernel serves warm opens, reads and closes alone (fuse/inode_reads.py);
 * an O_APPEND open while the kernel's size is stale writes at the real end
   (see `file_info` and `write`);
 * a file written through this mount drops its cache marker on release, so
@@ -50,8 +52,11 @@ import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
 from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
+from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.fuse.prefetch import PREFETCH_XATTR, Prefetcher
+from shufflefs.fuse.prefetch_hints import version_of
+from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
 
@@ -101,11 +106,28 @@ class ShuffleOps(pyfuse3.Operations):
         # the version in `cached`: what its page cache holds unless it evicted
         self.read_through: dict[int, int] = {}
         self.prefetch = Prefetcher(fs, self.options.prefetch_memory, self.kernel_holds)
+        # cache=immutable with kernel-served reads: handles by inode (`serve_by_inode`)
+        self.inode_reads: InodeReads | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        await self.prefetch.start(nursery)
+
+    def serve_by_inode(self) -> None:
+        """cache=immutable, once READs name their inode (fuse/read_inode.py):
+        OPEN answers ENOSYS from now on (see fuse/inode_reads.py)."""
+        assert self._nursery is not None, "start() first"
+        self.inode_reads = InodeReads(self, self.options.handle_linger)
+        self._nursery.start_soon(self.inode_reads.sweep)
 
     # ---- conversions ----------------------------------------------------------
 
     def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
-        self.reported[attr["ino"]] = (attr["size"], attr["mtime"], attr["ctime"])
+        version = version_of(attr)
+        if self.inode_reads is not None and self._nursery is not None:
+            self.inode_reads.seen(attr, self._nursery)
+        self.reported[attr["ino"]] = version
         self.kernel_size[attr["ino"]] = attr["size"]
         if attr["parent"]:
             self.parents[attr["ino"]] = attr["parent"]
@@ -149,6 +171,8 @@ class ShuffleOps(pyfuse3.Operations):
             missing.st_ino = 0
             missing.entry_timeout = self.options.negative_timeout
             return missing
+        if self.inode_reads is not None:
+            await self.inode_reads.pages_current(attr)
         return self.remember(attr)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -158,6 +182,8 @@ class ShuffleOps(pyfuse3.Operations):
                 self.lookups[ino] = left
             else:
                 self.lookups.pop(ino, None)
+                if self.inode_reads is not None:
+                    await self.inode_reads.drop(ino)
                 self.cached.pop(ino, None)
                 self.read_through.pop(ino, None)
                 self.reported.pop(ino, None)
@@ -177,7 +203,10 @@ class ShuffleOps(pyfuse3.Operations):
         fresh = self.created_in.pop(inode, None)
         if fresh is not None and fresh[1] > trio.current_time():
             return self.entry(fresh[0])
-        return self.entry(await self.fs.getattr(inode))
+        attr = await self.fs.getattr(inode)
+        if self.inode_reads is not None:
+            await self.inode_reads.pages_current(attr)
+        return self.entry(attr)
 
     @fuse_errors
     @stale_when_gone
@@ -327,6 +356,10 @@ class ShuffleOps(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if self.options.read_only and (flags & ACCESS_MODE != os.O_RDONLY or flags & os.O_TRUNC):
             raise FsError(errno.EROFS, "read-only mount (-o ro)")
+        if self.inode_reads is not None:
+            # the kernel sends no OPEN (nor FLUSH or RELEASE) from now on
+            # and keeps every file's pages: READs name their inode
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         f, attr = await self.fs.open(inode, flags)
         if attr["nlink"] == 0 and not stat.S_ISDIR(attr["mode"]):
             # reached through a name the kernel still caches, of a file
@@ -359,6 +392,10 @@ class ShuffleOps(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytearray | memoryview:  # type: ignore[override]
         # pyfuse3 replies from any contiguous buffer (its stub says bytes):
         # the bytes go to the kernel without a copy into a bytes object
+        if self.inode_reads is not None:
+            named = READ_INODES.take()  # first: this READ's inode (fuse/read_inode.py)
+            if fh == 0:
+                fh = await self.inode_reads.handle(named)
         ino = self.fs.file(fh).ino
         ahead = self.prefetch.read(ino, off, size)
         got = ahead if ahead is not None else await self.fs.read(fh, off, size)

@@ -24,7 +24,7 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
     report = json.loads(result.stdout)
     rows = report["rows"]
     paths = {r["path"] for r in rows}
-    assert {"local", "fuse", "native", "fuse-ro", "fuse-prefetch"} <= paths
+    assert {"local", "fuse", "native", "fuse-ro", "fuse-immutable", "fuse-prefetch"} <= paths
     assert not any("fuse-prefetch" in n for n in report["notes"])
     for r in rows:
         assert set(r) >= {"path", "procs", "cache", "op", "per_s", "ratio_to_local"}
@@ -40,11 +40,14 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
     assert dict(created) == {"local": 24, "fuse": 24}
     reads = {(r["path"], r["procs"], r["cache"]) for r in rows if r["op"] == "read"}
     assert reads == {
-        (p, n, c) for p in ("local", "fuse", "fuse-ro", "fuse-prefetch", "native") for n in (1, 2)
+        (p, n, c) for p in ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
+        for n in (1, 2)
         for c in ("cold", "warm")
     }  # fmt: skip
     loader = {(r["path"], r["cache"]) for r in report["loader"]}
-    assert loader == {(p, c) for p in ("local", "fuse", "fuse-ro") for c in ("cold", "warm")}
+    assert loader == {
+        (p, c) for p in ("local", "fuse", "fuse-ro", "fuse-immutable") for c in ("cold", "warm")
+    }
     # the bench removes its files from the mount and the local directory
     assert not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
     assert list(local.iterdir()) == []

@@ -6,6 +6,10 @@
 * ``-o ro``: every mutation is EROFS; an open of a file opened before makes
   no metadata call at all; a change made elsewhere is seen within the
   mount's timeouts (here 1 s);
+* ``-o cache=immutable``: as ``ro``, and the kernel serves warm opens, reads
+  and closes with no request to the mount at all (it answers OPEN with
+  ENOSYS; READs name their inode, fuse/read_inode.py): checked with the
+  mount process stopped;
 * `shufflefs status` lists every mount with its mode and timeouts.
 
 The metadata server's own request counts (`rpc_calls`) say what an open cost.
@@ -15,7 +19,11 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,10 +44,17 @@ def mounts(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Path]]:
     """A (the session's default mount), B (another default mount), R (-o ro,
-    default timeouts) and S (-o ro with BOUND-second timeouts)."""
+    default timeouts), S (-o ro with BOUND-second timeouts), I and J (the same
+    two with cache=immutable)."""
     made: list[Path] = []
-    short = f"ro,attr_timeout={BOUND},entry_timeout={BOUND}"
-    options = {"B": [], "R": ["-o", "ro"], "S": ["-o", short, "-o", f"negative_timeout={BOUND}"]}
+    short = f"attr_timeout={BOUND},entry_timeout={BOUND},negative_timeout={BOUND}"
+    options = {
+        "B": [],
+        "R": ["-o", "ro"],
+        "S": ["-o", f"ro,{short}"],
+        "I": ["-o", "cache=immutable"],
+        "J": ["-o", f"cache=immutable,{short}"],
+    }
     try:
         for name, opts in options.items():
             mountpoint = tmp_path_factory.mktemp(f"mount-{name}")
@@ -108,6 +123,7 @@ def test_status_lists_every_mount_with_its_options(
             0.0,
         )
     assert listed[str(mounts["R"])]["mode"] == "ro"
+    assert listed[str(mounts["I"])]["mode"] == "immutable"
     assert listed[str(mounts["R"])]["attr_timeout"] == 300.0
     s = listed[str(mounts["S"])]
     assert (s["mode"], s["attr_timeout"], s["entry_timeout"], s["negative_timeout"]) == (
@@ -121,7 +137,7 @@ def test_status_lists_every_mount_with_its_options(
     mounts_section = text.split("\nMOUNTS\n", 1)[1]
     for mountpoint in mounts.values():
         assert str(mountpoint) in mounts_section
-    assert "ro     300s   300s     300s" in mounts_section
+    assert "ro          300s   300s     300s" in mounts_section
 
 
 def test_default_mount_close_to_open_and_cached_open(
@@ -144,8 +160,9 @@ def test_default_mount_close_to_open_and_cached_open(
     assert read(b / "f") == b"shorter"
 
 
-def test_ro_mount_refuses_every_mutation(where: Callable[[str], Path]) -> None:
-    a, r = where("A"), where("R")
+@pytest.mark.parametrize("mode", ["R", "I"])
+def test_ro_mount_refuses_every_mutation(where: Callable[[str], Path], mode: str) -> None:
+    a, r = where("A"), where(mode)
     (a / "f").write_bytes(b"data")
     (a / "d").mkdir()
     attempts: list[Callable[[], object]] = [
@@ -170,10 +187,11 @@ def test_ro_mount_refuses_every_mutation(where: Callable[[str], Path]) -> None:
     assert sorted(os.listdir(a)) == ["d", "f"]
 
 
+@pytest.mark.parametrize("mode", ["R", "I"])
 def test_ro_open_makes_no_metadata_call(
-    mounted: ProcessCluster, where: Callable[[str], Path]
+    mounted: ProcessCluster, where: Callable[[str], Path], mode: str
 ) -> None:
-    a, r = where("A"), where("R")
+    a, r = where("A"), where(mode)
     (a / "f").write_bytes(os.urandom(110_000))
     want = read(r / "f")
     before = meta_calls(mounted)
@@ -184,10 +202,11 @@ def test_ro_open_makes_no_metadata_call(
         assert after.get(method, 0) == before.get(method, 0), method
 
 
+@pytest.mark.parametrize("mode", ["S", "J"])
 def test_ro_mount_sees_a_change_made_elsewhere_within_its_timeouts(
-    where: Callable[[str], Path],
+    where: Callable[[str], Path], mode: str
 ) -> None:
-    a, s = where("A"), where("S")
+    a, s = where("A"), where(mode)
     (a / "f").write_bytes(b"one" * 1000)
     assert read(s / "f") == b"one" * 1000  # cached: handle, layout, pages
     rewrite_in_place(a / "f", b"two" * 1000)  # same size, same inode
@@ -201,3 +220,60 @@ def test_ro_mount_sees_a_change_made_elsewhere_within_its_timeouts(
     (a / "tmp").write_bytes(b"replacement")
     os.rename(a / "tmp", a / "f")
     eventually_reads(s / "f", b"replacement")
+
+
+def read_direct(p: Path, offset: int, length: int) -> bytes:
+    """O_DIRECT: every read reaches the mount (a READ naming the inode)."""
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, length)  # page aligned
+        n = os.preadv(fd, [buf], offset)
+        return bytes(buf[:n])
+    finally:
+        os.close(fd)
+
+
+def test_immutable_mount_reads_exact_bytes_at_every_edge(
+    mounted: ProcessCluster, where: Callable[[str], Path]
+) -> None:
+    a, i = where("A"), where("I")
+    sizes = [0, 1, 4095, 4096, 110_000, (1 << 20) + 5, 3 * (1 << 20) + 4097]
+    files = {n: os.urandom(n) for n in sizes}
+    for n, data in files.items():
+        (a / f"f{n}").write_bytes(data)
+    for n, data in files.items():
+        assert read_direct(i / f"f{n}", 0, n + 8192) == data  # cold, through the mount
+        for off in (4096, 1 << 20, 2 << 20):
+            assert read_direct(i / f"f{n}", off, 8192) == data[off : off + 8192]
+        assert read(i / f"f{n}") == data  # buffered
+        if n:
+            with open(i / f"f{n}", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                assert m[:] == data
+    # many readers at once, each file read by several (one handle per inode)
+    reader = "import sys\nfor p in sys.argv[1:]: open(p, 'rb').read()\n"
+    names = [str(i / f"f{n}") for n in sizes] * 3
+    procs = [subprocess.Popen([sys.executable, "-c", reader, *names]) for _ in range(4)]
+    assert [p.wait(timeout=60) for p in procs] == [0] * 4
+
+
+def test_immutable_warm_reads_need_no_mount_process(
+    mounted: ProcessCluster, mounts: dict[str, Path], where: Callable[[str], Path]
+) -> None:
+    a, i = where("A"), where("I")
+    data = os.urandom(300_000)
+    (a / "warm").write_bytes(data)
+    assert read(i / "warm") == data
+    out = shufflefs("status", "--json", "--config", str(mounted.client_config)).stdout
+    pid = next(m["pid"] for m in json.loads(out)["mounts"] if m["mountpoint"] == str(mounts["I"]))
+    # unbuffered: Python's buffered open asks whether the file is a terminal
+    # (ioctl TCGETS), which the kernel hands to the filesystem every time
+    reader = "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb', buffering=0).read())"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # open, read and close while the mount cannot answer anything
+        got = subprocess.run(
+            [sys.executable, "-c", reader, str(i / "warm")], capture_output=True, timeout=20
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert got.returncode == 0 and got.stdout == data

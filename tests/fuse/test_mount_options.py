@@ -30,6 +30,8 @@ def test_ro_is_the_dataset_mode_with_long_timeouts(given: list[str]) -> None:
     assert o.read_only and "ro" in o.fuse_options()
     assert o.attr_timeout == o.entry_timeout == o.negative_timeout == DATASET_TIMEOUT
     assert o.handle_linger == DATASET_LINGER
+    assert o.immutable == ("cache=immutable" in given[0])  # only it serves reads by inode
+    assert o.info("/m")["mode"] == ("immutable" if o.immutable else "ro")
 
 
 def test_timeouts_are_options_in_either_mode() -> None:

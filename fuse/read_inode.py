@@ -1,0 +1,133 @@
+"""Which inode a FUSE READ is for, when the kernel sends no file handle.
+
+The ``cache=immutable`` mount answers OPEN with ENOSYS: the kernel then
+never sends OPEN, FLUSH or RELEASE again, keeps every file's pages
+(``FOPEN_KEEP_CACHE``), and a warm open+read+close costs no upcall at all
+(docs/operations.md, "Mount modes and caches"). But its READs then carry
+file handle 0, and pyfuse3 (3.5) hands a read handler the handle only, not
+the inode the request names.
+
+`ReadInodes.install` puts a trampoline in front of pyfuse3's C read
+callback in the libfuse session's operation table: it records the request's
+inode, then calls pyfuse3's callback, which creates the handler's coroutine;
+pyfuse3's loop awaits that coroutine at once, before it reads the next
+request, so the handler takes the inode (`take`) before anything else runs.
+
+Where things are is found, not assumed: pyfuse3's session pointer and C
+callbacks by their names in the extension's symbol table (pyelftools), the
+operation table in the session by the five consecutive callbacks (open,
+read, write, flush, release, in `struct fuse_lowlevel_ops` order) it must
+hold. Anything not found as expected (a stripped or different build) leaves
+the table alone and `install` returns False: the mount then keeps opens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import pyfuse3
+
+log = logging.getLogger("shufflefs.fuse")
+
+SESSION_SYMBOL = "__pyx_v_7pyfuse3_session"
+ANCHOR_SYMBOL = "PyInit_pyfuse3"  # exported: its address gives the load base
+# pyfuse3's callbacks for the slots around `read`, in fuse_lowlevel_ops order
+SLOTS = ("open", "read", "write", "flush", "release")
+SCAN_WORDS = 128  # the table starts within the first few words of the session
+
+READ_CALLBACK = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
+)
+# pyfuse3's own callback runs under the GIL this thread already holds
+PYFUSE3_READ = ctypes.PYFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
+)
+
+
+def _symbols(path: str, names: set[str]) -> dict[str, int]:
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
+
+    found: dict[str, int] = {}
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        for section in elf.iter_sections():
+            if not isinstance(section, SymbolTableSection):
+                continue
+            for sym in section.iter_symbols():
+                if sym.name in names and sym["st_value"]:
+                    found[sym.name] = sym["st_value"]
+    return found
+
+
+@dataclass
+class ReadInodes:
+    """The inode of the READ being dispatched (0: none recorded)."""
+
+    current: int = 0
+    installed: bool = False
+    reads: int = 0  # READs the trampoline saw (tests, status)
+    _keep: tuple[object, ...] = ()  # the trampoline, alive while the table points at it
+
+    def take(self) -> int:
+        ino, self.current = self.current, 0
+        return ino
+
+    def install(self, path: str | None = None) -> bool:
+        """Patch the running session's read slot (after `pyfuse3.init`);
+        *path*: of the pyfuse3 extension (tests give others)."""
+        if self.installed:
+            return True
+        try:
+            return self._install(path or pyfuse3.__file__)
+        except Exception as exc:  # any surprise: keep the mount as it is
+            log.warning("kernel-served reads unavailable (%s): opens stay on", exc)
+            return False
+
+    def _install(self, path: str) -> bool:
+        callbacks = {f"__pyx_f_7pyfuse3_fuse_{slot}": slot for slot in SLOTS}
+        syms = _symbols(path, {SESSION_SYMBOL, ANCHOR_SYMBOL, *callbacks})
+        missing = {SESSION_SYMBOL, ANCHOR_SYMBOL, *callbacks} - syms.keys()
+        if missing:
+            log.warning("kernel-served reads unavailable: %s has no %s", path, sorted(missing))
+            return False
+        lib = ctypes.PyDLL(path)
+        anchor = ctypes.cast(getattr(lib, ANCHOR_SYMBOL), ctypes.c_void_p).value
+        if anchor is None:
+            return False
+        base = anchor - syms[ANCHOR_SYMBOL]
+        session = ctypes.c_void_p.from_address(base + syms[SESSION_SYMBOL]).value
+        if not session:
+            log.warning("kernel-served reads unavailable: no FUSE session yet")
+            return False
+        want = [base + syms[f"__pyx_f_7pyfuse3_fuse_{slot}"] for slot in SLOTS]
+        words = (ctypes.c_void_p * SCAN_WORDS).from_address(session)
+        at = next(
+            (
+                i
+                for i in range(SCAN_WORDS - len(SLOTS))
+                if [words[i + k] for k in range(len(SLOTS))] == want
+            ),
+            None,
+        )
+        if at is None:
+            log.warning("kernel-served reads unavailable: operation table not found")
+            return False
+        slot = at + SLOTS.index("read")
+        original = PYFUSE3_READ(want[SLOTS.index("read")])
+
+        def trampoline(req: int, ino: int, size: int, off: int, fi: int) -> None:
+            self.current = ino
+            self.reads += 1
+            original(req, ino, size, off, fi)
+
+        self._keep = (READ_CALLBACK(trampoline), original)
+        words[slot] = ctypes.cast(self._keep[0], ctypes.c_void_p).value
+        self.installed = True
+        log.info("kernel-served reads: READ requests name their inode (no opens needed)")
+        return True
+
+
+READ_INODES = ReadInodes()

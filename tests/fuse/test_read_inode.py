@@ -1,0 +1,55 @@
+"""The READ trampoline of fuse/read_inode.py finds what it patches or
+leaves everything alone (the working case is tested on real mounts,
+tests/e2e/test_mount_modes.py)."""
+
+from __future__ import annotations
+
+import ctypes.util
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from shufflefs.fuse.read_inode import ReadInodes
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ctypes.util.find_library("c") or "libc.so.6",  # an ELF file without pyfuse3's symbols
+        sys.executable,
+        __file__,  # not an ELF file at all
+        "/nonexistent/pyfuse3.so",
+    ],
+)
+def test_install_without_pyfuse3_symbols_changes_nothing(
+    path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not Path(path).is_absolute():
+        path = next(
+            (
+                str(p)
+                for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu")
+                if (p := Path(d) / path).exists()
+            ),
+            path,
+        )
+    reads = ReadInodes()
+    with caplog.at_level(logging.WARNING, "shufflefs.fuse"):
+        assert reads.install(path) is False
+    assert not reads.installed
+    assert "kernel-served reads unavailable" in caplog.text
+
+
+def test_install_before_any_session_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    reads = ReadInodes()  # pyfuse3.init was not called in this process
+    with caplog.at_level(logging.WARNING, "shufflefs.fuse"):
+        assert reads.install() is False
+    assert not reads.installed
+
+
+def test_take_hands_out_the_inode_once() -> None:
+    reads = ReadInodes(current=42)
+    assert reads.take() == 42
+    assert reads.take() == 0
