@@ -77,6 +77,7 @@ class ClientOptions:
     open_linger: float = 0.0
     trust_open_cache: bool = False
     mount: MountInfo | None = None  # what a FUSE mount reports of itself with its session
+    inline_disk_waits: bool = True  # off for a mount (client/read_engine.py, `ReadEngine`)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class FileSystem:
             write_timeout=self.options.write_timeout,
             retry_budget=self.options.retry_budget,
             local_reads=self.options.local_reads,
+            inline_disk_waits=self.options.inline_disk_waits,
         )
         self.write_behind = WriteBehind(self.storage, self.options.write_buffer)
         self.name = name or f"{hostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

@@ -102,6 +102,10 @@ def landing_views(
 @dataclass(eq=False)
 class ReadEngine(StoragePart):
     reads_in_flight: int = 0
+    # a lone cold local read may wait for the disk inline (`read_local_now`);
+    # off in a FUSE mount, whose loop cannot see the READs queued behind it
+    # in the kernel: each would wait for the disk one after the other
+    inline_disk_waits: bool = True
     local_threads: trio.CapacityLimiter = field(
         default_factory=lambda: trio.CapacityLimiter(LOCAL_READ_THREADS)
     )
@@ -114,7 +118,11 @@ class ReadEngine(StoragePart):
         """The fast path, inline: the pieces a local chunk file serves now
         (waiting for the disk here only for a lone one-chunk read, when no
         other read is in flight: a thread hop would cost more). Returns the rest."""
-        wait = len(pieces) == 1 and self.reads_in_flight <= INLINE_WAIT_MAX
+        wait = (
+            self.inline_disk_waits
+            and len(pieces) == 1
+            and self.reads_in_flight <= INLINE_WAIT_MAX
+        )
         return self.local.read_pieces(pieces, out, wait)
 
     async def read(self, pieces: list[Piece], out: memoryview) -> None:

@@ -32,6 +32,7 @@ class StorageClient:
         write_timeout: float = 30.0,
         retry_budget: float = 30.0,
         local_reads: bool = True,
+        inline_disk_waits: bool = True,
     ) -> None:
         self.rpc = rpc
         self.routing = routing
@@ -45,6 +46,7 @@ class StorageClient:
             self.local,
             timeout=read_timeout,
             retry_budget=retry_budget,
+            inline_disk_waits=inline_disk_waits,
         )
         self.writes = ChainWriter(
             rpc,

@@ -68,6 +68,7 @@ async def run_mount(
             open_linger=options.handle_linger,
             trust_open_cache=options.read_only,
             mount=options.info(str(mountpoint)),
+            inline_disk_waits=False,
         )
         fs = FileSystem(rpc, routing, client_options)
         await fs.start(nursery)

@@ -18,8 +18,8 @@ reader sees when is stated in docs/operations.md, "Mount modes and caches"):
 * ``-o ro`` (dataset mode): every mutation is EROFS; opens of a file opened
   before are answered from the cache with no round trip, closes make none
   (FLUSH is switched off), pages are kept;
-* ``-o cache=immutable``: as ``ro``, and OPEN is switched off too, so the
-  kernel serves warm opens, reads and closes alone (fuse/inode_reads.py);
+* ``-o cache=immutable``: as ``ro``, and OPEN and OPENDIR are switched off:
+  the kernel serves warm reads and listings alone (fuse/inode_reads.py);
 * an O_APPEND open while the kernel's size is stale writes at the real end
   (see `file_info` and `write`);
 * a file written through this mount drops its cache marker on release, so
@@ -65,6 +65,7 @@ log = logging.getLogger("shufflefs.fuse")
 CAPS_XATTR = b"security.capability"
 BLOCK_SIZE = 4096  # st_blksize: small, so buffered readers do not turn a 2 KiB read into 1 MiB
 READDIR_PAGE = 256
+MAX_CURSORS = 1 << 20  # offsets one directory's cursor state keeps (cache=immutable)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class ShuffleOps(pyfuse3.Operations):
         self.append_direct: set[int] = set()  # O_APPEND handles that write at the real end
         self.kernel_size: dict[int, int] = {}  # inode -> i_size as the kernel has it
         self.dirs: dict[int, DirHandle] = {}
+        self.listings: dict[int, DirHandle] = {}  # directory inode -> cursors (`listing`)
         self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
         self._next_dir = 1
         # inode -> bytes from offset 0 handed to the kernel without a gap, for
@@ -184,6 +186,7 @@ class ShuffleOps(pyfuse3.Operations):
                 self.lookups.pop(ino, None)
                 if self.inode_reads is not None:
                     await self.inode_reads.drop(ino)
+                    self.listings.pop(ino, None)
                 self.cached.pop(ino, None)
                 self.read_through.pop(ino, None)
                 self.reported.pop(ino, None)
@@ -458,6 +461,10 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     @stale_when_gone
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if self.inode_reads is not None:
+            # no OPENDIR/RELEASEDIR from now on, listings cached by the
+            # kernel (FOPEN_CACHE_DIR): READDIRPLUS names its directory
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         parent = self.parents.get(inode) if self.options.read_only else None
         if parent is None:  # (a read-write mount checks the directory is still there)
             attr = await self.fs.getattr(inode)
@@ -468,6 +475,15 @@ class ShuffleOps(pyfuse3.Operations):
         self._next_dir += 1
         self.dirs[fh] = DirHandle(inode, parent)
         return fh
+
+    def listing(self, ino: int) -> DirHandle:
+        """cache=immutable: the one cursor state of directory *ino* (no
+        OPENDIR: every listing of it resumes from offsets handed out here;
+        the kernel lists a directory once and answers from its cache)."""
+        h = self.listings.get(ino)
+        if h is None or len(h.cursors) > MAX_CURSORS:
+            h = self.listings[ino] = DirHandle(ino, self.parents.get(ino, 0))
+        return h
 
     @staticmethod
     def dot_entry(ino: int) -> pyfuse3.EntryAttributes:
@@ -484,6 +500,10 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         h = self.dirs.get(fh)
+        if self.inode_reads is not None and fh == 0:
+            h = self.listing(READ_INODES.take())  # first: this READDIRPLUS's directory
+            if h.parent == 0:  # its first listing here
+                h.parent = (await self.fs.getattr(h.ino))["parent"] or h.ino
         if h is None:
             raise FsError(errno.EBADF, "directory not open")
         if start_id == 0:

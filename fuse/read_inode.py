@@ -1,17 +1,20 @@
-"""Which inode a FUSE READ is for, when the kernel sends no file handle.
+"""Which inode a FUSE READ or READDIRPLUS is for, when the kernel sends no
+file handle.
 
-The ``cache=immutable`` mount answers OPEN with ENOSYS: the kernel then
-never sends OPEN, FLUSH or RELEASE again, keeps every file's pages
-(``FOPEN_KEEP_CACHE``), and a warm open+read+close costs no upcall at all
-(docs/operations.md, "Mount modes and caches"). But its READs then carry
-file handle 0, and pyfuse3 (3.5) hands a read handler the handle only, not
-the inode the request names.
+The ``cache=immutable`` mount answers OPEN and OPENDIR with ENOSYS: the
+kernel then never sends OPEN, FLUSH, RELEASE, OPENDIR or RELEASEDIR again,
+keeps every file's pages (``FOPEN_KEEP_CACHE``) and every directory's
+listing (``FOPEN_CACHE_DIR``), and a warm open+read+close or listing costs
+no upcall at all (docs/operations.md, "Mount modes and caches"). But its
+READs and READDIRPLUSes then carry file handle 0, and pyfuse3 (3.5) hands
+the handlers the handle only, not the inode the request names.
 
-`ReadInodes.install` puts a trampoline in front of pyfuse3's C read
-callback in the libfuse session's operation table: it records the request's
-inode, then calls pyfuse3's callback, which creates the handler's coroutine;
-pyfuse3's loop awaits that coroutine at once, before it reads the next
-request, so the handler takes the inode (`take`) before anything else runs.
+`ReadInodes.install` puts a trampoline in front of pyfuse3's C callbacks
+for both in the libfuse session's operation table: it records the
+request's inode, then calls pyfuse3's callback, which creates the handler's
+coroutine; pyfuse3's loop awaits that coroutine at once, before it reads
+the next request, so the handler takes the inode (`take`) before anything
+else runs.
 
 Where things are is found, not assumed: pyfuse3's session pointer and C
 callbacks by their names in the extension's symbol table (pyelftools), the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyfuse3
@@ -35,7 +39,9 @@ SESSION_SYMBOL = "__pyx_v_7pyfuse3_session"
 ANCHOR_SYMBOL = "PyInit_pyfuse3"  # exported: its address gives the load base
 # pyfuse3's callbacks for the slots around `read`, in fuse_lowlevel_ops order
 SLOTS = ("open", "read", "write", "flush", "release")
+PATCHED = ("read", "readdirplus")  # same signature: (req, ino, size, off, fi)
 SCAN_WORDS = 128  # the table starts within the first few words of the session
+TABLE_WORDS = 64  # fuse_lowlevel_ops has fewer slots than this
 
 READ_CALLBACK = ctypes.CFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
@@ -68,7 +74,7 @@ class ReadInodes:
 
     current: int = 0
     installed: bool = False
-    reads: int = 0  # READs the trampoline saw (tests, status)
+    reads: int = 0  # READs and READDIRPLUSes the trampoline saw (tests)
     _keep: tuple[object, ...] = ()  # the trampoline, alive while the table points at it
 
     def take(self) -> int:
@@ -87,7 +93,7 @@ class ReadInodes:
             return False
 
     def _install(self, path: str) -> bool:
-        callbacks = {f"__pyx_f_7pyfuse3_fuse_{slot}": slot for slot in SLOTS}
+        callbacks = {f"__pyx_f_7pyfuse3_fuse_{slot}": slot for slot in (*SLOTS, *PATCHED)}
         syms = _symbols(path, {SESSION_SYMBOL, ANCHOR_SYMBOL, *callbacks})
         missing = {SESSION_SYMBOL, ANCHOR_SYMBOL, *callbacks} - syms.keys()
         if missing:
@@ -102,8 +108,11 @@ class ReadInodes:
         if not session:
             log.warning("kernel-served reads unavailable: no FUSE session yet")
             return False
-        want = [base + syms[f"__pyx_f_7pyfuse3_fuse_{slot}"] for slot in SLOTS]
-        words = (ctypes.c_void_p * SCAN_WORDS).from_address(session)
+        address = {
+            slot: base + syms[f"__pyx_f_7pyfuse3_fuse_{slot}"] for slot in (*SLOTS, *PATCHED)
+        }
+        want = [address[slot] for slot in SLOTS]
+        words = (ctypes.c_void_p * (SCAN_WORDS + TABLE_WORDS)).from_address(session)
         at = next(
             (
                 i
@@ -115,19 +124,30 @@ class ReadInodes:
         if at is None:
             log.warning("kernel-served reads unavailable: operation table not found")
             return False
-        slot = at + SLOTS.index("read")
-        original = PYFUSE3_READ(want[SLOTS.index("read")])
+        slots = {}
+        for name in PATCHED:
+            found = [i for i in range(at, at + TABLE_WORDS) if words[i] == address[name]]
+            if len(found) != 1:
+                log.warning("kernel-served reads unavailable: %s slot not found once", name)
+                return False
+            slots[name] = found[0]
+        keep: list[object] = []
+        for name, slot in slots.items():
+            trampoline = READ_CALLBACK(self._trampoline(PYFUSE3_READ(address[name])))
+            keep.append(trampoline)
+            words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
+        self._keep = tuple(keep)  # alive while the table points at them
+        self.installed = True
+        log.info("kernel-served reads: READ and READDIRPLUS name their inode (no opens needed)")
+        return True
 
+    def _trampoline(self, original: Callable[..., None]) -> Callable[..., None]:
         def trampoline(req: int, ino: int, size: int, off: int, fi: int) -> None:
             self.current = ino
             self.reads += 1
             original(req, ino, size, off, fi)
 
-        self._keep = (READ_CALLBACK(trampoline), original)
-        words[slot] = ctypes.cast(self._keep[0], ctypes.c_void_p).value
-        self.installed = True
-        log.info("kernel-served reads: READ requests name their inode (no opens needed)")
-        return True
+        return trampoline
 
 
 READ_INODES = ReadInodes()

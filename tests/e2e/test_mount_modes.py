@@ -220,6 +220,19 @@ def test_ro_mount_sees_a_change_made_elsewhere_within_its_timeouts(
     (a / "tmp").write_bytes(b"replacement")
     os.rename(a / "tmp", a / "f")
     eventually_reads(s / "f", b"replacement")
+    # listings (cached whole by the kernel on an immutable mount)
+    assert sorted(os.listdir(s)) == ["f", "new"]
+    (a / "listed").write_bytes(b"")
+    eventually_lists(s, ["f", "listed", "new"])
+    os.unlink(a / "new")
+    eventually_lists(s, ["f", "listed"])
+
+
+def eventually_lists(d: Path, want: list[str]) -> None:
+    t0 = time.monotonic()
+    while sorted(os.listdir(d)) != want:
+        assert time.monotonic() - t0 < BOUND + SLACK, f"{d} never listed {want}"
+        time.sleep(0.05)
 
 
 def read_direct(p: Path, offset: int, length: int) -> bytes:
@@ -249,6 +262,22 @@ def test_immutable_mount_reads_exact_bytes_at_every_edge(
         if n:
             with open(i / f"f{n}", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
                 assert m[:] == data
+    # a directory listed in many READDIRPLUS requests (each resumes at an
+    # offset handed out before), by several processes at once, twice
+    big = a / "big"
+    big.mkdir()
+    names = sorted(f"{k:04d}-{'x' * 100}" for k in range(700))
+    for name in names:
+        (big / name).write_bytes(b"")
+    lister = "import os, sys; print(len(os.listdir(sys.argv[1])))"
+    for _ in range(2):
+        procs = [
+            subprocess.Popen([sys.executable, "-c", lister, str(i / "big")], stdout=subprocess.PIPE)
+            for _ in range(3)
+        ]
+        assert [p.communicate(timeout=60)[0].strip() for p in procs] == [b"700"] * 3
+        assert sorted(os.listdir(i / "big")) == names
+    assert {e.name: e.is_file() for e in os.scandir(i / "big")} == dict.fromkeys(names, True)
     # many readers at once, each file read by several (one handle per inode)
     reader = "import sys\nfor p in sys.argv[1:]: open(p, 'rb').read()\n"
     names = [str(i / f"f{n}") for n in sizes] * 3
@@ -268,12 +297,18 @@ def test_immutable_warm_reads_need_no_mount_process(
     # unbuffered: Python's buffered open asks whether the file is a terminal
     # (ioctl TCGETS), which the kernel hands to the filesystem every time
     reader = "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb', buffering=0).read())"
+    lister = "import os, sys; print(' '.join(sorted(os.listdir(sys.argv[1]))))"
+    assert sorted(os.listdir(i)) == ["warm"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        # open, read and close while the mount cannot answer anything
+        # open, read and close, and a listing, while the mount cannot answer
         got = subprocess.run(
             [sys.executable, "-c", reader, str(i / "warm")], capture_output=True, timeout=20
+        )
+        listed = subprocess.run(
+            [sys.executable, "-c", lister, str(i)], capture_output=True, timeout=20
         )
     finally:
         os.kill(pid, signal.SIGCONT)
     assert got.returncode == 0 and got.stdout == data
+    assert listed.returncode == 0 and listed.stdout == b"warm\n"
