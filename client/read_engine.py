@@ -119,9 +119,7 @@ class ReadEngine(StoragePart):
         (waiting for the disk here only for a lone one-chunk read, when no
         other read is in flight: a thread hop would cost more). Returns the rest."""
         wait = (
-            self.inline_disk_waits
-            and len(pieces) == 1
-            and self.reads_in_flight <= INLINE_WAIT_MAX
+            self.inline_disk_waits and len(pieces) == 1 and self.reads_in_flight <= INLINE_WAIT_MAX
         )
         return self.local.read_pieces(pieces, out, wait)
 
