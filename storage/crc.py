@@ -139,10 +139,15 @@ def first_bad_block(data: Buf, first_block: int, crcs: array[int], block_size: i
         return -1
     if n <= block_size:  # the common small random read: one call, no copy for bytes
         return -1 if crc32c(_block(data, 0, n)) == crcs[first_block] else first_block
-    if n % block_size == 0:  # whole blocks: one CRC over all of them
-        whole = data if isinstance(data, bytes) else bytes(data)
-        if crc32c(whole) == combined_crc(crcs, first_block, n // block_size, block_size):
-            return -1
+    # the whole blocks in one CRC, the partial last one (a file's end) in
+    # another: two calls and one copy instead of one of each per block
+    count, tail = divmod(n, block_size)
+    whole = count * block_size
+    prefix = _block(data, 0, whole)
+    if crc32c(prefix) == combined_crc(crcs, first_block, count, block_size) and (
+        tail == 0 or crc32c(_block(data, whole, n)) == crcs[first_block + count]
+    ):
+        return -1
     index = first_block
     for lo in range(0, n, block_size):
         if crc32c(_block(data, lo, min(lo + block_size, n))) != crcs[index]:

@@ -86,3 +86,26 @@ def test_combined_crc_is_the_crc_of_the_blocks_together(
     at = rng.randrange(len(span))
     span[at] ^= 1 << rng.randrange(8)
     assert first_bad_block(span, first, crcs, block_size) == first + at // block_size
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([512, 4096]),
+    st.integers(1, 12),
+    st.integers(1, 4095),
+    st.integers(0, 1 << 30),
+)
+def test_a_span_ending_in_a_partial_block_is_checked_whole(
+    block_size: int, blocks: int, tail: int, seed: int
+) -> None:
+    """A file's last block is short: the whole blocks are checked in one CRC
+    and the short one alone, and damage in either is named."""
+    rng = random.Random(seed)
+    tail = tail % block_size or 1
+    data = bytearray(rng.randbytes(blocks * block_size + tail))
+    crcs = block_crcs(bytes(data), block_size)
+    assert first_bad_block(data, 0, crcs, block_size) == -1
+    at = rng.randrange(len(data))
+    data[at] ^= 1 << rng.randrange(8)
+    assert first_bad_block(data, 0, crcs, block_size) == at // block_size
+    assert first_bad_block(memoryview(data), 0, crcs, block_size) == at // block_size
