@@ -5,6 +5,7 @@ has re-reported, nothing is freed (docs/metadata.md, "Read-only handles")."""
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,12 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def two_mounts(tmp_path: Path) -> Iterator[tuple[ProcessCluster, Path, Path]]:
+def two_mounts(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[ProcessCluster, Path, Path]]:
+    """A cluster, its mount and a second one (with the mount options the
+    test is parametrized with, if any)."""
+    options = getattr(request, "param", [])
     c = ProcessCluster(tmp_path / "c", tmp_path / "a", storage_nodes=1)
     with open(c.data_dir / "meta" / "meta.toml", "a") as f:
         f.write(f"session_timeout = {LEASE}\n")
@@ -28,7 +34,7 @@ def two_mounts(tmp_path: Path) -> Iterator[tuple[ProcessCluster, Path, Path]]:
     second.mkdir()
     c.up()
     try:
-        shufflefs("mount", "--config", str(c.client_config), str(second))
+        shufflefs("mount", "--config", str(c.client_config), *options, str(second))
         try:
             yield c, c.mountpoint, second
         finally:
@@ -69,3 +75,44 @@ def test_unlinked_read_only_file_survives_meta_kill9(
     finally:
         os.close(fd)
     wait_until("the chunks to be deleted", lambda: not chunk_files(c.data_dir, ino))
+
+
+def read_direct(p: Path, size: int) -> bytes:
+    """O_DIRECT: the READs reach the mount (no page cache answers them)."""
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, size + 4096)
+        n = os.preadv(fd, [buf], 0)
+        return bytes(buf[:n])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("two_mounts", [["-o", "cache=immutable"]], indirect=True)
+def test_immutable_mount_reads_through_a_meta_kill9(
+    two_mounts: tuple[ProcessCluster, Path, Path],
+) -> None:
+    """cache=immutable keeps a handle by inode for every file it read (no
+    opens are seen): it is reported to a restarted metadata server like any
+    read-only handle, so a file removed elsewhere keeps its data within the
+    linger; a file first read after the restart opens on the new server."""
+    c, a, b = two_mounts
+    read_before, first_after = os.urandom(2 * CHUNK + 5), os.urandom(CHUNK + 9)
+    (a / "read-before").write_bytes(read_before)
+    (a / "first-after").write_bytes(first_after)
+    assert read_direct(b / "read-before", len(read_before)) == read_before
+    ino = (a / "read-before").stat().st_ino
+    copies = len(chunk_files(c.data_dir, ino))
+    os.unlink(a / "read-before")
+    log_before = len(c.log("meta"))
+    c.kill("meta")
+    c.restart_missing()
+    wait_until(
+        "the restart grace to end", lambda: "restart grace over" in c.log("meta")[log_before:]
+    )
+    [over] = [ln for ln in c.log("meta")[log_before:].splitlines() if "restart grace over" in ln]
+    assert over.rstrip().endswith("freed=0"), over
+    assert len(chunk_files(c.data_dir, ino)) == copies
+    assert read_direct(b / "read-before", len(read_before)) == read_before
+    assert read_direct(b / "first-after", len(first_after)) == first_after
+    assert (b / "first-after").read_bytes() == first_after
