@@ -70,9 +70,9 @@ class InodeReads:
             waiting = self._opening.get(ino)
             if waiting is None:
                 break
-            await waiting.wait()  # a concurrent READ of the inode is opening it
-            if ino not in self.handles:
-                raise FsError(errno.ESTALE, f"inode {ino} could not be opened")
+            # a concurrent READ of the inode is opening it: take its handle
+            # (or, if that open failed, try again and get the error here)
+            await waiting.wait()
         done = self._opening[ino] = trio.Event()
         try:
             f, attr = await self.fs.open(ino, os.O_RDONLY)
