@@ -189,9 +189,11 @@ class ReadJob:
                 remote.append((address, items))
             else:
                 remote.extend((address, request) for request in split_requests(items))
-        if slow and not remote and len(slow) == 1 and engine.reads_in_flight <= 1:
+        alone = not remote and len(slow) == 1 and engine.reads_in_flight <= 1
+        if slow and alone and engine.inline_disk_waits:
             # alone and local: wait for the disk right here; a thread hop costs
-            # more than the read, and nobody else is kept waiting
+            # more than the read, and nobody else is kept waiting (as far as
+            # this loop can see: not in a FUSE mount, see `inline_disk_waits`)
             address, items = slow.pop()
             items = engine.local.read_placed(routing, items, self.out, nowait=False)
             remote.extend((address, request) for request in split_requests(items))
