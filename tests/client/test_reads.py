@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from shufflefs.client.blocking_read import BlockingReader
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.read_batcher import QueuedRead, ReadBatcher, split_reply
-from shufflefs.client.read_engine import landing_views
+from shufflefs.client.read_engine import ReadEngine, landing_views
 from shufflefs.client.replicas import REMOTE_PENALTY, SPREAD_THRESHOLD, Replicas
 from shufflefs.client.storage_client import StorageClient
 from shufflefs.cluster.routing import Routing
@@ -436,3 +436,36 @@ async def test_blocking_path_receives_big_reads_in_place(cluster: ChainCluster) 
     assert bytes(target[pieces[0][4] + 100 : pieces[0][4] + pieces[0][3]]) == bytes(
         pieces[0][3] - 100
     )
+
+
+class RecordingLocal:
+    """Stands in for LocalReads: records whether a read may wait for the disk."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.waits: list[bool] = []
+
+    def read_pieces(self, pieces: list[object], out: memoryview, wait: bool) -> list[object]:
+        self.waits.append(wait)
+        return pieces
+
+
+def test_a_mount_never_waits_for_the_disk_on_its_loop() -> None:
+    """A lone cold local read waits for the disk inline in the native client
+    (a thread hop costs more), never in a FUSE mount, whose one loop would
+    hold every READ queued behind it in the kernel (`inline_disk_waits`)."""
+    piece = (0, b"\0" * 16, 0, 10, 0)
+    for inline in (True, False):
+        local = RecordingLocal()
+        engine = ReadEngine(
+            None,  # type: ignore[arg-type]  # (no call goes out)
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            local,  # type: ignore[arg-type]
+            timeout=1.0,
+            retry_budget=1.0,
+            inline_disk_waits=inline,
+        )
+        engine.read_local_now([piece], memoryview(bytearray(10)))  # type: ignore[list-item]
+        assert local.waits == [inline]
