@@ -45,12 +45,12 @@ import logging
 import os
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
+from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
 from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.mount_options import MountOptions
@@ -64,21 +64,6 @@ log = logging.getLogger("shufflefs.fuse")
 
 CAPS_XATTR = b"security.capability"
 BLOCK_SIZE = 4096  # st_blksize: small, so buffered readers do not turn a 2 KiB read into 1 MiB
-READDIR_PAGE = 256
-MAX_CURSORS = 1 << 20  # offsets one directory's cursor state keeps (cache=immutable)
-
-
-@dataclass
-class DirHandle:
-    ino: int
-    parent: int
-    cursors: dict[int, bytes | None] = field(
-        default_factory=dict
-    )  # next_id -> name to resume after
-    pending: list[tuple[bytes, Attr]] = field(default_factory=list)  # fetched, not yet taken
-    pending_after: bytes | None = None
-    pending_more: bool = False
-    next_id: int = 3  # 1 and 2 are '.' and '..'
 
 
 class ShuffleOps(pyfuse3.Operations):
@@ -485,18 +470,6 @@ class ShuffleOps(pyfuse3.Operations):
             h = self.listings[ino] = DirHandle(ino, self.parents.get(ino, 0))
         return h
 
-    @staticmethod
-    def dot_entry(ino: int) -> pyfuse3.EntryAttributes:
-        """'.' or '..' in a listing: the kernel takes only the inode number
-        (it links no entry and caches no attributes for them), so no round
-        trip for their attributes."""
-        e = pyfuse3.EntryAttributes()
-        e.st_ino = ino
-        e.st_mode = stat.S_IFDIR
-        e.entry_timeout = 0
-        e.attr_timeout = 0
-        return e
-
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         h = self.dirs.get(fh)
@@ -507,11 +480,11 @@ class ShuffleOps(pyfuse3.Operations):
         if h is None:
             raise FsError(errno.EBADF, "directory not open")
         if start_id == 0:
-            if not pyfuse3.readdir_reply(token, b".", self.dot_entry(h.ino), 1):
+            if not pyfuse3.readdir_reply(token, b".", dot_entry(h.ino), 1):
                 return
             start_id = 1
         if start_id == 1:
-            if not pyfuse3.readdir_reply(token, b"..", self.dot_entry(h.parent), 2):
+            if not pyfuse3.readdir_reply(token, b"..", dot_entry(h.parent), 2):
                 return
             after: bytes | None = None
         elif start_id == 2:

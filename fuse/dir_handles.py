@@ -1,0 +1,44 @@
+"""Directory listings of the FUSE mount: the cursor state behind readdir's
+offsets, and the '.' and '..' entries."""
+
+from __future__ import annotations
+
+import stat
+from dataclasses import dataclass, field
+
+import pyfuse3
+
+from shufflefs.metadata.protocol import Attr
+
+READDIR_PAGE = 256
+MAX_CURSORS = 1 << 20  # offsets one directory's cursor state keeps (cache=immutable)
+
+
+@dataclass
+class DirHandle:
+    """Where a listing stands: the offsets handed to the kernel (each names
+    the entry to resume after) and a fetched page not yet taken. One per
+    OPENDIR; on a ``cache=immutable`` mount (no OPENDIR) one per directory
+    inode, shared by every listing of it (`ShuffleOps.listing`)."""
+
+    ino: int
+    parent: int
+    cursors: dict[int, bytes | None] = field(
+        default_factory=dict
+    )  # next_id -> name to resume after
+    pending: list[tuple[bytes, Attr]] = field(default_factory=list)  # fetched, not yet taken
+    pending_after: bytes | None = None
+    pending_more: bool = False
+    next_id: int = 3  # 1 and 2 are '.' and '..'
+
+
+def dot_entry(ino: int) -> pyfuse3.EntryAttributes:
+    """'.' or '..' in a listing: the kernel takes only the inode number
+    (it links no entry and caches no attributes for them), so no round
+    trip for their attributes."""
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = ino
+    e.st_mode = stat.S_IFDIR
+    e.entry_timeout = 0
+    e.attr_timeout = 0
+    return e
