@@ -61,6 +61,12 @@ async def run_mount(
     mountpoint: Path,
     options: MountOptions,
 ) -> None:
+    if options.immutable and not READ_INODES.available():
+        # said before the session opens, so `shufflefs status` shows the mode it runs in
+        log.warning(
+            "cache=immutable: this pyfuse3 build cannot name a READ's inode: mounting as ro"
+        )
+        options.immutable = False
     async with open_rpc_client(secret) as rpc, trio.open_nursery() as nursery:
         routing = RoutingCache(rpc, config.mgmtd)
         client_options = ClientOptions(

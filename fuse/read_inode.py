@@ -52,6 +52,11 @@ PYFUSE3_READ = ctypes.PYFUNCTYPE(
 )
 
 
+def _callback(slot: str) -> str:
+    """The symbol of pyfuse3's C callback for an operation slot."""
+    return f"__pyx_f_7pyfuse3_fuse_{slot}"
+
+
 def _symbols(path: str, names: set[str]) -> dict[str, int]:
     from elftools.elf.elffile import ELFFile
     from elftools.elf.sections import SymbolTableSection
@@ -92,12 +97,27 @@ class ReadInodes:
             log.warning("kernel-served reads unavailable (%s): opens stay on", exc)
             return False
 
-    def _install(self, path: str) -> bool:
-        callbacks = {f"__pyx_f_7pyfuse3_fuse_{slot}": slot for slot in (*SLOTS, *PATCHED)}
-        syms = _symbols(path, {SESSION_SYMBOL, ANCHOR_SYMBOL, *callbacks})
-        missing = {SESSION_SYMBOL, ANCHOR_SYMBOL, *callbacks} - syms.keys()
+    def available(self, path: str | None = None) -> bool:
+        """Whether the pyfuse3 build has what `install` needs (checked before
+        mounting, so the mount can report the mode it will really run in)."""
+        try:
+            return self._syms(path or pyfuse3.__file__) is not None
+        except Exception as exc:
+            log.warning("kernel-served reads unavailable (%s)", exc)
+            return False
+
+    def _syms(self, path: str) -> dict[str, int] | None:
+        names = {SESSION_SYMBOL, ANCHOR_SYMBOL, *(_callback(s) for s in (*SLOTS, *PATCHED))}
+        syms = _symbols(path, names)
+        missing = names - syms.keys()
         if missing:
             log.warning("kernel-served reads unavailable: %s has no %s", path, sorted(missing))
+            return None
+        return syms
+
+    def _install(self, path: str) -> bool:
+        syms = self._syms(path)
+        if syms is None:
             return False
         lib = ctypes.PyDLL(path)
         anchor = ctypes.cast(getattr(lib, ANCHOR_SYMBOL), ctypes.c_void_p).value
@@ -108,9 +128,7 @@ class ReadInodes:
         if not session:
             log.warning("kernel-served reads unavailable: no FUSE session yet")
             return False
-        address = {
-            slot: base + syms[f"__pyx_f_7pyfuse3_fuse_{slot}"] for slot in (*SLOTS, *PATCHED)
-        }
+        address = {slot: base + syms[_callback(slot)] for slot in (*SLOTS, *PATCHED)}
         want = [address[slot] for slot in SLOTS]
         words = (ctypes.c_void_p * (SCAN_WORDS + TABLE_WORDS)).from_address(session)
         at = next(

@@ -37,6 +37,7 @@ def test_install_without_pyfuse3_symbols_changes_nothing(
         )
     reads = ReadInodes()
     with caplog.at_level(logging.WARNING, "shufflefs.fuse"):
+        assert reads.available(path) is False
         assert reads.install(path) is False
     assert not reads.installed
     assert "kernel-served reads unavailable" in caplog.text
@@ -47,6 +48,12 @@ def test_install_before_any_session_changes_nothing(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, "shufflefs.fuse"):
         assert reads.install() is False
     assert not reads.installed
+
+
+def test_this_pyfuse3_build_has_what_the_trampoline_needs() -> None:
+    """The build `make` installs (from source, with its symbol table): a
+    cache=immutable mount serves reads by inode here (and in CI)."""
+    assert ReadInodes().available()
 
 
 def test_take_hands_out_the_inode_once() -> None:
