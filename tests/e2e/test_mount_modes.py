@@ -17,6 +17,7 @@ The metadata server's own request counts (`rpc_calls`) say what an open cost.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 from clusters import ProcessCluster
@@ -299,16 +301,35 @@ def test_immutable_warm_reads_need_no_mount_process(
     reader = "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb', buffering=0).read())"
     lister = "import os, sys; print(' '.join(sorted(os.listdir(sys.argv[1]))))"
     assert sorted(os.listdir(i)) == ["warm"]
+    # These VMs page out "cold" memory proactively (DAMON), page cache too: a
+    # page read a moment ago may be gone, and its READ would reach the
+    # stopped mount. mlock pins the file's pages for the test (reading any
+    # that went first), as a page cache under no such pressure keeps them.
+    with open(i / "warm", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        pinned = np.frombuffer(m, dtype=np.uint8)
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mlock(ctypes.c_void_p(pinned.ctypes.data), ctypes.c_size_t(len(m))) == 0
+        try:
+            got, listed = warm_reads_while_stopped(pid, reader, lister, i)
+        finally:
+            libc.munlock(ctypes.c_void_p(pinned.ctypes.data), ctypes.c_size_t(len(m)))
+            del pinned
+    assert got.returncode == 0 and got.stdout == data
+    assert listed.returncode == 0 and listed.stdout == b"warm\n"
+
+
+def warm_reads_while_stopped(
+    pid: int, reader: str, lister: str, d: Path
+) -> tuple[subprocess.CompletedProcess[bytes], subprocess.CompletedProcess[bytes]]:
     os.kill(pid, signal.SIGSTOP)
     try:
         # open, read and close, and a listing, while the mount cannot answer
         got = subprocess.run(
-            [sys.executable, "-c", reader, str(i / "warm")], capture_output=True, timeout=20
+            [sys.executable, "-c", reader, str(d / "warm")], capture_output=True, timeout=20
         )
         listed = subprocess.run(
-            [sys.executable, "-c", lister, str(i)], capture_output=True, timeout=20
+            [sys.executable, "-c", lister, str(d)], capture_output=True, timeout=20
         )
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert got.returncode == 0 and got.stdout == data
-    assert listed.returncode == 0 and listed.stdout == b"warm\n"
+    return got, listed
