@@ -46,7 +46,8 @@ class KernelView(Protocol):
     prefetch: Prefetcher
     cached: dict[int, Version]  # inode -> version of the data its pages hold
     read_through: dict[int, int]  # inode -> bytes from 0 handed to the kernel
-    reported: dict[int, Version]  # inode -> version of the attributes it was given
+
+    def kernel_opened(self, attr: Attr) -> bool: ...
 
 
 class InodeReads:
@@ -57,7 +58,6 @@ class InodeReads:
         self.limit = max(1, limit)
         self.handles: OrderedDict[int, tuple[int, float]] = OrderedDict()  # ino -> (fh, last READ)
         self._opening: dict[int, trio.Event] = {}
-        self.opens = 0  # handles opened (tests, status)
 
     async def handle(self, ino: int) -> int:
         """The client file handle that reads *ino* (opened on first use)."""
@@ -79,7 +79,6 @@ class InodeReads:
             if attr["nlink"] == 0:
                 await self.fs.release(f.fh)
                 raise FsError(errno.ESTALE, f"inode {ino} was removed")
-            self.opens += 1
             self._opened(attr)
             self.handles[ino] = (f.fh, trio.current_time())
         finally:
@@ -102,16 +101,8 @@ class InodeReads:
             log.debug("release of inode %d: %s", ino, exc)
 
     def _opened(self, attr: Attr) -> None:
-        view, ino, version = self.view, attr["ino"], version_of(attr)
-        if view.reported.get(ino, version) != version:  # reads must not clamp to a stale size
-            try:
-                pyfuse3.invalidate_inode(ino, attr_only=True)
-            except OSError as exc:
-                log.debug("invalidate_inode(%d): %s", ino, exc)
-        if view.cached.get(ino) != version:
-            view.read_through.pop(ino, None)
-        view.cached[ino] = version
-        view.prefetch.opened(attr)
+        self.view.kernel_opened(attr)  # as an OPEN would (no stale size, pages tracked)
+        self.view.prefetch.opened(attr)
 
     def _stale(self, attr: Attr) -> bool:
         """Do *attr* show a change since the kernel's pages of it were read?

@@ -308,10 +308,27 @@ class ShuffleOps(pyfuse3.Operations):
     # ---- files ------------------------------------------------------------------
 
     def file_info(self, fh: int, attr: Attr, flags: int) -> pyfuse3.FileInfo:
-        """keep_cache only if the data the kernel may hold is still current;
-        the kernel's cached attributes dropped if they are not."""
+        """keep_cache only if the data the kernel may hold is still current
+        (`kernel_opened`); direct_io for an O_APPEND handle whose kernel
+        size is stale."""
+        keep = self.kernel_opened(attr)
+        # An O_APPEND write goes to the kernel's cached i_size, which it does
+        # not refresh first (only with the writeback cache): if that size is
+        # not the real one, `write` puts such a handle's writes at the real
+        # end, and direct_io keeps the kernel from copying them into its page
+        # cache at the stale offset. (Only then: direct_io handles cannot be
+        # mmapped MAP_SHARED.)
+        direct = bool(flags & os.O_APPEND) and self.kernel_size.get(attr["ino"]) != attr["size"]
+        if direct:
+            self.append_direct.add(fh)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
+
+    def kernel_opened(self, attr: Attr) -> bool:
+        """A file was opened at *attr* (by an OPEN, or on cache=immutable by
+        its first READ): whether the kernel's pages of it are of this
+        version; its cached attributes dropped if they are not current."""
         ino = attr["ino"]
-        version = (attr["size"], attr["mtime"], attr["ctime"])
+        version = version_of(attr)
         previous = self.cached.get(ino)
         keep = previous == version
         # The kernel may hold attributes from a lookup/getattr/readdir even if
@@ -328,16 +345,7 @@ class ShuffleOps(pyfuse3.Operations):
         self.cached[ino] = version
         if not keep:
             self.read_through.pop(ino, None)
-        # An O_APPEND write goes to the kernel's cached i_size, which it does
-        # not refresh first (only with the writeback cache): if that size is
-        # not the real one, `write` puts such a handle's writes at the real
-        # end, and direct_io keeps the kernel from copying them into its page
-        # cache at the stale offset. (Only then: direct_io handles cannot be
-        # mmapped MAP_SHARED.)
-        direct = bool(flags & os.O_APPEND) and self.kernel_size.get(ino) != attr["size"]
-        if direct:
-            self.append_direct.add(fh)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep, direct_io=direct)
+        return keep
 
     @fuse_errors
     @stale_when_gone

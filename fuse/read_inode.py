@@ -27,6 +27,7 @@ the table alone and `install` returns False: the mount then keeps opens.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,19 @@ def _callback(slot: str) -> str:
     return f"__pyx_f_7pyfuse3_fuse_{slot}"
 
 
+@functools.cache
+def _needed_symbols(path: str) -> dict[str, int] | None:
+    """Every symbol `install` needs, from *path*'s symbol table (read once:
+    the mount checks before its session opens, then installs), or None."""
+    names = {SESSION_SYMBOL, ANCHOR_SYMBOL, *(_callback(s) for s in (*SLOTS, *PATCHED))}
+    syms = _symbols(path, names)
+    missing = names - syms.keys()
+    if missing:
+        log.warning("kernel-served reads unavailable: %s has no %s", path, sorted(missing))
+        return None
+    return syms
+
+
 def _symbols(path: str, names: set[str]) -> dict[str, int]:
     from elftools.elf.elffile import ELFFile
     from elftools.elf.sections import SymbolTableSection
@@ -79,7 +93,6 @@ class ReadInodes:
 
     current: int = 0
     installed: bool = False
-    reads: int = 0  # READs and READDIRPLUSes the trampoline saw (tests)
     _keep: tuple[object, ...] = ()  # the trampoline, alive while the table points at it
 
     def take(self) -> int:
@@ -101,22 +114,13 @@ class ReadInodes:
         """Whether the pyfuse3 build has what `install` needs (checked before
         mounting, so the mount can report the mode it will really run in)."""
         try:
-            return self._syms(path or pyfuse3.__file__) is not None
+            return _needed_symbols(path or pyfuse3.__file__) is not None
         except Exception as exc:
             log.warning("kernel-served reads unavailable (%s)", exc)
             return False
 
-    def _syms(self, path: str) -> dict[str, int] | None:
-        names = {SESSION_SYMBOL, ANCHOR_SYMBOL, *(_callback(s) for s in (*SLOTS, *PATCHED))}
-        syms = _symbols(path, names)
-        missing = names - syms.keys()
-        if missing:
-            log.warning("kernel-served reads unavailable: %s has no %s", path, sorted(missing))
-            return None
-        return syms
-
     def _install(self, path: str) -> bool:
-        syms = self._syms(path)
+        syms = _needed_symbols(path)
         if syms is None:
             return False
         lib = ctypes.PyDLL(path)
@@ -162,7 +166,6 @@ class ReadInodes:
     def _trampoline(self, original: Callable[..., None]) -> Callable[..., None]:
         def trampoline(req: int, ino: int, size: int, off: int, fi: int) -> None:
             self.current = ino
-            self.reads += 1
             original(req, ino, size, off, fi)
 
         return trampoline
