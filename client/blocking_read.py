@@ -39,7 +39,7 @@ IN_PLACE_MIN = 32 << 10
 class BlockingReader:
     def __init__(self, storage: StorageClient, secret: bytes) -> None:
         self.storage = storage
-        self.peers = BlockingPeers(secret, timeout=storage.read_timeout)
+        self.peers = BlockingPeers(secret, timeout=storage.read_timeout, channel=True)
 
     def read_into(self, extents: Sequence[Extent], out: memoryview) -> bool:
         """Read *extents* into *out* end to end; False if the async path must."""

@@ -216,7 +216,7 @@ class ReadJob:
         every item that failed sorted into retry or error."""
         engine = self.engine
         for _, tid in items:
-            engine.replicas.outstanding[tid] += 1
+            engine.replicas.outstanding.add(tid, 1)
         # With another replica to fall back on, do not wait out the full
         # timeout on one that went silent (a cut link resets nothing).
         chain = items[0][0][0]
@@ -237,7 +237,7 @@ class ReadJob:
             return
         finally:
             for _, tid in items:
-                engine.replicas.outstanding[tid] -= 1
+                engine.replicas.outstanding.add(tid, -1)
         for p, tid, code in scatter(items, lengths, payload, self.out):
             item_error = FsError(code, f"reading chunk {p[1].hex()} on target {tid}")
             if code == errno.EIO:  # a checksum failed: never the bytes; another replica

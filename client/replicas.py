@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -38,10 +39,27 @@ REPORT_INTERVAL = 2.0  # at most one unreachable-report per node per interval
 Placed = tuple[Piece, int]  # a piece and the target chosen to read it from
 
 
+class InFlight(dict[int, int]):
+    """Requests in flight per target id (0 when absent). Changed with `add`,
+    under a lock: the reply threads of the channel reads
+    (client/channel_reads.py) count down beside the event loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def __missing__(self, key: int) -> int:
+        return 0
+
+    def add(self, target: int, n: int) -> None:
+        with self._lock:
+            self[target] = self.get(target, 0) + n
+
+
 class Replicas:
     def __init__(self, routing: RoutingCache) -> None:
         self.routing = routing
-        self.outstanding: dict[int, int] = defaultdict(int)  # target id -> requests in flight
+        self.outstanding = InFlight()  # target id -> requests in flight
         self.suspect: dict[int, float] = {}  # target id -> avoid until (monotonic)
         self.background: trio.Nursery | None = None  # set by the owner, for reports
         self.host = hostname()

@@ -46,6 +46,12 @@ class _Op:
         self.latency.observe(time.perf_counter() - started)
 
 
+def read_counter(fs: Any) -> Callable[[float, int], None] | None:
+    """What counts a read (its start, its bytes) that bypasses *fs*'s
+    `read_into` (a mount's fast READs), if *fs* is counted at all."""
+    return _Op("read").done if "read_into" in vars(fs) else None
+
+
 def _extent_bytes(extents: Sequence[Any]) -> int:
     return sum(e[3] for e in extents)
 

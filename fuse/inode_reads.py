@@ -59,14 +59,21 @@ class InodeReads:
         self.handles: OrderedDict[int, tuple[int, float]] = OrderedDict()  # ino -> (fh, last READ)
         self._opening: dict[int, trio.Event] = {}
 
+    def held(self, ino: int) -> int | None:
+        """The handle that reads *ino* if one is open (noted as just used)."""
+        held = self.handles.get(ino)
+        if held is None:
+            return None
+        self.handles[ino] = (held[0], trio.current_time())
+        self.handles.move_to_end(ino)
+        return held[0]
+
     async def handle(self, ino: int) -> int:
         """The client file handle that reads *ino* (opened on first use)."""
         while True:
-            held = self.handles.get(ino)
-            if held is not None:
-                self.handles[ino] = (held[0], trio.current_time())
-                self.handles.move_to_end(ino)
-                return held[0]
+            fh = self.held(ino)
+            if fh is not None:
+                return fh
             waiting = self._opening.get(ino)
             if waiting is None:
                 break

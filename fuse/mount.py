@@ -23,9 +23,10 @@ from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.cluster import procs
 from shufflefs.cluster.config import ClientConfig, find_client_config, load_client_config
 from shufflefs.cluster.launcher import unmount, wait_mounted
-from shufflefs.cluster.metrics_client import start_client_metrics
+from shufflefs.cluster.metrics_client import read_counter, start_client_metrics
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
+from shufflefs.fuse.fast_reads import FastReads
 from shufflefs.fuse.mount_options import MountOptions, parse_options
 from shufflefs.fuse.ops import ShuffleOps
 from shufflefs.fuse.read_inode import READ_INODES
@@ -88,11 +89,16 @@ async def run_mount(
         if os.geteuid() == 0:
             opts.add("allow_other")  # every user of a training node may use the mount
         pyfuse3.init(ops, str(mountpoint), opts)
+        fast: FastReads | None = None
+        hooked = (options.immutable or options.fast_reads) and READ_INODES.install()
         if options.immutable:
-            if READ_INODES.install():
+            if hooked:
                 ops.serve_by_inode()
             else:
                 log.warning("cache=immutable: opens stay on (READs would not name their inode)")
+        if hooked and options.fast_reads:
+            fast = FastReads(ops, fs, secret, nursery, on_read=read_counter(fs))
+            fast.install()
         log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
         try:
             FUSE_LOOP.running = True
@@ -100,6 +106,8 @@ async def run_mount(
         finally:
             FUSE_LOOP.running = False
             with trio.CancelScope(shield=True):
+                if fast is not None:
+                    fast.close()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)
                 with trio.move_on_after(10):

@@ -40,7 +40,7 @@ DATASET_LINGER = DATASET_TIMEOUT
 MAX_TASKS = 1024
 
 TIMEOUTS = ("attr_timeout", "entry_timeout", "negative_timeout")
-FLAGS = ("ro", "rw", "no_local_reads", "debug")
+FLAGS = ("ro", "rw", "no_local_reads", "no_fast_reads", "debug")
 VALUED = (*TIMEOUTS, "handle_linger", "max_tasks", "prefetch_memory", "metrics", "cache")
 
 
@@ -59,6 +59,7 @@ class MountOptions:
     handle_linger: float = RW_LINGER
     max_tasks: int = 64
     local_reads: bool = True
+    fast_reads: bool = True  # READs answered off the event loop (fuse/fast_reads.py)
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
     debug: bool = False
@@ -116,6 +117,7 @@ def parse_options(items: list[str]) -> MountOptions:
         negative_timeout=_seconds(given, "negative_timeout", default if read_only else 0.0),
         handle_linger=_seconds(given, "handle_linger", DATASET_LINGER if read_only else RW_LINGER),
         local_reads="no_local_reads" not in given,
+        fast_reads="no_fast_reads" not in given,
         debug="debug" in given,
     )
     if "max_tasks" in given:

@@ -392,13 +392,24 @@ class ShuffleOps(pyfuse3.Operations):
             named = READ_INODES.take()  # first: this READ's inode (fuse/read_inode.py)
             if fh == 0:
                 fh = await self.inode_reads.handle(named)
+        else:
+            READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_reads.py)
+        return await self.read_handle(fh, off, size)
+
+    @fuse_errors
+    async def read_handle(self, fh: int, off: int, size: int) -> bytearray | memoryview:
+        """A READ of an open client handle (also the fast path's fallback)."""
         ino = self.fs.file(fh).ino
         ahead = self.prefetch.read(ino, off, size)
         got = ahead if ahead is not None else await self.fs.read(fh, off, size)
-        through = self.read_through.get(ino, 0)
-        if off <= through < off + len(got):
-            self.read_through[ino] = off + len(got)
+        self.handed(ino, off, len(got))
         return got
+
+    def handed(self, ino: int, off: int, n: int) -> None:
+        """*n* bytes of *ino* at *off* went to the kernel (`read_through`)."""
+        through = self.read_through.get(ino, 0)
+        if off <= through < off + n:
+            self.read_through[ino] = off + n
 
     def kernel_holds(self, ino: int, version: tuple[int, int, int], end: int) -> bool:
         """Does the kernel's page cache hold *ino*'s bytes up to *end* at

@@ -16,12 +16,20 @@ coroutine; pyfuse3's loop awaits that coroutine at once, before it reads
 the next request, so the handler takes the inode (`take`) before anything
 else runs.
 
+The same trampoline lets a READ be taken before pyfuse3 sees it: `fast`
+(fuse/fast_reads.py, every mount mode) answers it off the event loop, or
+declines and pyfuse3 goes on as usual. The fast path needs the READ's file
+handle, which it reads from libfuse's ``struct fuse_file_info`` at
+`FH_OFFSET`; that offset is checked against the handle pyfuse3 itself hands
+the operations for the same READ (`confirm`) before it is relied on.
+
 Where things are is found, not assumed: pyfuse3's session pointer and C
 callbacks by their names in the extension's symbol table (pyelftools), the
 operation table in the session by the five consecutive callbacks (open,
 read, write, flush, release, in `struct fuse_lowlevel_ops` order) it must
 hold. Anything not found as expected (a stripped or different build) leaves
-the table alone and `install` returns False: the mount then keeps opens.
+the table alone and `install` returns False: the mount then keeps opens
+and every READ goes through pyfuse3.
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ def _needed_symbols(path: str) -> dict[str, int] | None:
     syms = _symbols(path, names)
     missing = names - syms.keys()
     if missing:
-        log.warning("kernel-served reads unavailable: %s has no %s", path, sorted(missing))
+        log.warning("READ hook unavailable: %s has no %s", path, sorted(missing))
         return None
     return syms
 
@@ -87,17 +95,51 @@ def _symbols(path: str, names: set[str]) -> dict[str, int]:
     return found
 
 
+FastRead = Callable[[int, int, int, int, int], bool]  # (req, ino, size, off, fi) -> taken?
+# offsetof(struct fuse_file_info, fh) in libfuse 3 (an int of flags, two
+# 32-bit words of bit fields, then the 64-bit handle). Not trusted blindly:
+# `ReadInodes.confirm` checks it against pyfuse3's own reading first.
+FH_OFFSET = 16
+
+
 @dataclass
 class ReadInodes:
-    """The inode of the READ being dispatched (0: none recorded)."""
+    """The inode of the READ being dispatched (0: none recorded); and the
+    hook that may take a READ before pyfuse3 sees it (fuse/fast_reads.py)."""
 
     current: int = 0
     installed: bool = False
+    # tried first on every READ: True when it answered (or will answer) it
+    fast: FastRead | None = None
+    fh_word: int = -1  # the handle as read at FH_OFFSET of the last READ's file info
+    fh_checks: int = 0  # READs where that agreed with pyfuse3's handle
+    fh_wrong: bool = False  # one disagreed: the offset is wrong for this libfuse
     _keep: tuple[object, ...] = ()  # the trampoline, alive while the table points at it
 
     def take(self) -> int:
         ino, self.current = self.current, 0
         return ino
+
+    @property
+    def fh_confirmed(self) -> bool:
+        """May the fast path read a READ's handle at FH_OFFSET?"""
+        return self.fh_checks > 0 and not self.fh_wrong
+
+    def confirm(self, fh: int) -> None:
+        """pyfuse3 handed a READ of handle *fh* to the operations: check the
+        handle read at FH_OFFSET for that same READ."""
+        if self.fast is None or fh == 0 or self.fh_wrong:
+            return
+        if fh == self.fh_word:
+            self.fh_checks += 1
+        else:
+            self.fh_wrong = True
+            log.warning(
+                "fast reads off: a READ's file info holds handle %d at offset %d, not %d",
+                self.fh_word,
+                FH_OFFSET,
+                fh,
+            )
 
     def install(self, path: str | None = None) -> bool:
         """Patch the running session's read slot (after `pyfuse3.init`);
@@ -107,7 +149,7 @@ class ReadInodes:
         try:
             return self._install(path or pyfuse3.__file__)
         except Exception as exc:  # any surprise: keep the mount as it is
-            log.warning("kernel-served reads unavailable (%s): opens stay on", exc)
+            log.warning("READ hook unavailable (%s)", exc)
             return False
 
     def available(self, path: str | None = None) -> bool:
@@ -116,7 +158,7 @@ class ReadInodes:
         try:
             return _needed_symbols(path or pyfuse3.__file__) is not None
         except Exception as exc:
-            log.warning("kernel-served reads unavailable (%s)", exc)
+            log.warning("READ hook unavailable (%s)", exc)
             return False
 
     def _install(self, path: str) -> bool:
@@ -130,7 +172,7 @@ class ReadInodes:
         base = anchor - syms[ANCHOR_SYMBOL]
         session = ctypes.c_void_p.from_address(base + syms[SESSION_SYMBOL]).value
         if not session:
-            log.warning("kernel-served reads unavailable: no FUSE session yet")
+            log.warning("READ hook unavailable: no FUSE session yet")
             return False
         address = {slot: base + syms[_callback(slot)] for slot in (*SLOTS, *PATCHED)}
         want = [address[slot] for slot in SLOTS]
@@ -144,28 +186,43 @@ class ReadInodes:
             None,
         )
         if at is None:
-            log.warning("kernel-served reads unavailable: operation table not found")
+            log.warning("READ hook unavailable: operation table not found")
             return False
         slots = {}
         for name in PATCHED:
             found = [i for i in range(at, at + TABLE_WORDS) if words[i] == address[name]]
             if len(found) != 1:
-                log.warning("kernel-served reads unavailable: %s slot not found once", name)
+                log.warning("READ hook unavailable: %s slot not found once", name)
                 return False
             slots[name] = found[0]
         keep: list[object] = []
         for name, slot in slots.items():
-            trampoline = READ_CALLBACK(self._trampoline(PYFUSE3_READ(address[name])))
+            original = PYFUSE3_READ(address[name])
+            handler = self._read(original) if name == "read" else self._named(original)
+            trampoline = READ_CALLBACK(handler)
             keep.append(trampoline)
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
         self._keep = tuple(keep)  # alive while the table points at them
         self.installed = True
-        log.info("kernel-served reads: READ and READDIRPLUS name their inode (no opens needed)")
+        log.info("READ and READDIRPLUS name their inode; READs may take the fast path")
         return True
 
-    def _trampoline(self, original: Callable[..., None]) -> Callable[..., None]:
+    def _named(self, original: Callable[..., None]) -> Callable[..., None]:
         def trampoline(req: int, ino: int, size: int, off: int, fi: int) -> None:
             self.current = ino
+            original(req, ino, size, off, fi)
+
+        return trampoline
+
+    def _read(self, original: Callable[..., None]) -> Callable[..., None]:
+        def trampoline(req: int, ino: int, size: int, off: int, fi: int) -> None:
+            self.current = ino
+            fast = self.fast
+            if fast is not None:
+                if fi:
+                    self.fh_word = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
+                if fast(req, ino, size, off, fi):
+                    return
             original(req, ino, size, off, fi)
 
         return trampoline

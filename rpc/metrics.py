@@ -10,7 +10,9 @@ a call costs a few counter increments, not label lookups.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter, Histogram, disable_created_metrics
 
@@ -95,3 +97,26 @@ class ServerMetrics:
                 name,
             )
         return found
+
+
+def record_call(
+    metrics: MethodMetrics,
+    payload: bytearray | None,
+    started: float,
+    sent: Any,
+) -> None:
+    """One answered call: its count, latency and bulk bytes each way."""
+    metrics.requests.inc()
+    metrics.latency.observe(time.perf_counter() - started)
+    if payload:
+        metrics.received.inc(len(payload))
+    if sent is not None:
+        size = (
+            len(sent)
+            if isinstance(sent, (bytes, bytearray))
+            else memoryview(sent).nbytes
+            if isinstance(sent, memoryview)
+            else sum(memoryview(p).nbytes for p in sent)
+        )
+        if size:
+            metrics.sent.inc(size)

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, is_typeddict
 
+from shufflefs.rpc import framing
 from shufflefs.rpc.errors import FsError
 
 Validator = Callable[[Any, str], None]
@@ -54,6 +55,13 @@ class Reply:
     payload: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview] | None = None
 
 
+def encode_reply(call_id: int, result: Any, position: int | None = None) -> tuple[bytes, Any]:
+    """A handler's result as a reply frame's body and payload."""
+    if isinstance(result, Reply):
+        return framing.reply_body(call_id, result.result, position), result.payload
+    return framing.reply_body(call_id, result, position), None
+
+
 @dataclass
 class MethodSpec:
     name: str
@@ -70,6 +78,9 @@ class MethodSpec:
     # A synchronous try at the call, made inline: its result is the reply,
     # or None to run the (async) handler as usual.
     fast: Callable[..., Any] | None = None
+    # A synchronous implementation that may block (on disk): what a thread
+    # channel runs when `fast` did not answer (rpc/channel.py).
+    threaded: Callable[..., Any] | None = None
 
     def bind(self, args: Any, payload: bytearray | None, ctx: CallContext) -> dict[str, Any]:
         """Validate wire arguments and build the keyword arguments of the call."""
@@ -100,6 +111,7 @@ def rpc_method(
     *,
     inline: bool = False,
     fast: str | None = None,
+    threaded: str | None = None,
 ) -> Any:
     """Mark a coroutine method as callable over RPC under its own name.
 
@@ -107,7 +119,11 @@ def rpc_method(
     (pure computation, an LMDB read), so it runs in the connection's reader
     task. ``@rpc_method(fast="name")``: the service's synchronous method
     *name*, taking the same arguments, is tried inline first; it returns the
-    result, or None when the real (async) handler must run."""
+    result, or None when the real (async) handler must run.
+    ``@rpc_method(threaded="name")``: the service's synchronous method
+    *name*, taking the same arguments and free to block, serves the call on
+    a thread channel (rpc/channel.py); without it the method is served on
+    the event loop only."""
 
     def mark(f: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         if not inspect.iscoroutinefunction(f):
@@ -115,6 +131,7 @@ def rpc_method(
         f.__rpc_method__ = True  # type: ignore[attr-defined]
         f.__rpc_inline__ = inline  # type: ignore[attr-defined]
         f.__rpc_fast__ = fast  # type: ignore[attr-defined]
+        f.__rpc_threaded__ = threaded  # type: ignore[attr-defined]
         return f
 
     return mark(func) if func is not None else mark
@@ -134,6 +151,9 @@ def collect_methods(*services: object) -> dict[str, MethodSpec]:
             fast_name = getattr(member, "__rpc_fast__", None)
             if fast_name is not None:
                 spec.fast = getattr(service, fast_name)
+            threaded_name = getattr(member, "__rpc_threaded__", None)
+            if threaded_name is not None:
+                spec.threaded = getattr(service, threaded_name)
             specs[name] = spec
     return specs
 

@@ -24,9 +24,10 @@ import trio
 
 from shufflefs.rpc import framing
 from shufflefs.rpc.auth import server_handshake
+from shufflefs.rpc.channel import CHANNEL_METHOD, ChannelServer
 from shufflefs.rpc.errors import FsError, as_fs_error
-from shufflefs.rpc.metrics import MethodMetrics, ServerMetrics
-from shufflefs.rpc.schema import CallContext, MethodSpec, Reply, collect_methods, rpc_method
+from shufflefs.rpc.metrics import MethodMetrics, ServerMetrics, record_call
+from shufflefs.rpc.schema import CallContext, MethodSpec, collect_methods, encode_reply, rpc_method
 from shufflefs.rpc.transport import ConnectionClosed, FrameStream, raw_socket
 
 log = logging.getLogger("shufflefs.rpc.server")
@@ -42,6 +43,7 @@ class BuiltinService:
         # see what a client's operation cost the server, e.g. that a cached
         # open made no `open` call
         self.calls: Counter[str] = Counter()
+        self.channel_calls: Counter[str] | None = None  # served on thread channels
 
     @rpc_method(inline=True)
     async def ping(self) -> dict[str, Any]:
@@ -50,7 +52,7 @@ class BuiltinService:
     @rpc_method(inline=True)
     async def rpc_calls(self) -> dict[str, int]:
         """Requests answered per method since the server started."""
-        return dict(self.calls)
+        return dict(self.calls + self.channel_calls if self.channel_calls else self.calls)
 
 
 class LogPosition(Protocol):
@@ -75,7 +77,11 @@ class RpcServer:
         name: str = "rpc",
         limits: framing.Limits = framing.DEFAULT_LIMITS,
         position: LogPosition | None = None,
+        channel_threads: int = 0,
     ) -> None:
+        """*channel_threads*: serve connections that ask for it on thread
+        channels, with this many I/O threads for their blocking calls
+        (rpc/channel.py; 0: no channels; never with a log *position*)."""
         self.secret = secret
         self.position = position
         self.name = name
@@ -85,6 +91,12 @@ class RpcServer:
         self.connections = 0
         self.port: int | None = None
         self.metrics = ServerMetrics(name)
+        self.channels: ChannelServer | None = None
+        if channel_threads and position is None:
+            self.channels = ChannelServer(
+                name, self.methods, self.metrics, limits=limits, io_threads=channel_threads
+            )
+            self.builtin.channel_calls = self.channels.calls
 
     async def serve(
         self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
@@ -94,10 +106,14 @@ class RpcServer:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
         self.port = listeners[0].socket.getsockname()[1]
         log.info("%s listening on %s:%d", self.name, host, self.port)
-        async with trio.open_nursery() as nursery:
-            for listener in listeners:
-                nursery.start_soon(self._accept_loop, listener, nursery)
-            task_status.started(self.port)
+        try:
+            async with trio.open_nursery() as nursery:
+                for listener in listeners:
+                    nursery.start_soon(self._accept_loop, listener, nursery)
+                task_status.started(self.port)
+        finally:
+            if self.channels is not None:
+                self.channels.close()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         async with listener:
@@ -159,6 +175,10 @@ class RpcServer:
             if body.get("k") != framing.KIND_REQUEST or not isinstance(method, str):
                 await self._send_error(stream, call_id, FsError(errno.EBADMSG, "not a request"))
                 continue
+            if method == CHANNEL_METHOD and self.channels is not None:
+                if await self._hand_over(stream, call_id, peer, inflight):
+                    return
+                continue
             spec = self.methods.get(method)
             if spec is None:
                 await self._send_error(
@@ -189,6 +209,23 @@ class RpcServer:
             nursery.start_soon(
                 self._run_call, stream, spec, call_id, args, payload, peer, inflight, after
             )
+
+    async def _hand_over(
+        self, stream: FrameStream, call_id: int, peer: str, inflight: trio.Semaphore
+    ) -> bool:
+        """Answer `CHANNEL_METHOD` and give the connection to a thread
+        channel (rpc/channel.py). Only before any call runs on it: nothing
+        else may be using the socket when it leaves the loop."""
+        assert self.channels is not None
+        if inflight.value != self.limits.max_inflight:
+            error = FsError(errno.EBUSY, "a thread channel is asked for before any other call")
+            await self._send_error(stream, call_id, error)
+            return False
+        self.builtin.calls[CHANNEL_METHOD] += 1
+        await stream.send_frame(framing.reply_body(call_id, {"channel": True}))
+        sock, leftover = stream.detach()
+        self.channels.take(sock, peer, leftover)
+        return True
 
     async def _try_fast(
         self,
@@ -228,11 +265,7 @@ class RpcServer:
         started: float,
     ) -> None:
         position = self.position.seq() if self.position is not None else None
-        if isinstance(result, Reply):
-            body = framing.reply_body(call_id, result.result, position)
-            out_payload = result.payload
-        else:
-            body, out_payload = framing.reply_body(call_id, result, position), None
+        body, out_payload = encode_reply(call_id, result, position)
         try:
             await stream.send_frame(body, out_payload)
         except ConnectionClosed:
@@ -240,7 +273,7 @@ class RpcServer:
         except FsError as exc:  # an oversize reply: tell the caller instead
             await self._send_error(stream, call_id, exc, metrics, payload, started)
             return
-        _record(metrics, payload, started, out_payload)
+        record_call(metrics, payload, started, out_payload)
 
     async def _run_call(
         self,
@@ -288,27 +321,4 @@ class RpcServer:
             await stream.send_frame(framing.error_body(call_id, error))
         if metrics is not None:
             metrics.error(error.code)
-            _record(metrics, payload, started, None)
-
-
-def _record(
-    metrics: MethodMetrics,
-    payload: bytearray | None,
-    started: float,
-    sent: Any,
-) -> None:
-    """One answered call: its count, latency and bulk bytes each way."""
-    metrics.requests.inc()
-    metrics.latency.observe(time.perf_counter() - started)
-    if payload:
-        metrics.received.inc(len(payload))
-    if sent is not None:
-        size = (
-            len(sent)
-            if isinstance(sent, (bytes, bytearray))
-            else memoryview(sent).nbytes
-            if isinstance(sent, memoryview)
-            else sum(memoryview(p).nbytes for p in sent)
-        )
-        if size:
-            metrics.sent.inc(size)
+            record_call(metrics, payload, started, None)

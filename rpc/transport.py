@@ -39,6 +39,29 @@ class ConnectionClosed(FsError):
         super().__init__(errno.ECONNRESET, message)
 
 
+def as_parts(payload: Buffer | Sequence[Buffer] | None) -> list[memoryview]:
+    """A frame's payload as the memoryviews one ``sendmsg`` takes (empty ones dropped)."""
+    if payload is None:
+        return []
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return [memoryview(payload)] if len(payload) else []
+    return [memoryview(p) for p in payload if len(p)]
+
+
+def trim_sent(bufs: list[memoryview], first: int, sent: int) -> int:
+    """*sent* more bytes of *bufs* went out from buffer *first* on: the index
+    of the first buffer not yet sent whole (a partly sent one is trimmed)."""
+    while sent:
+        head = bufs[first]
+        if sent >= head.nbytes:
+            sent -= head.nbytes
+            first += 1
+        else:
+            bufs[first] = head[sent:]
+            sent = 0
+    return first
+
+
 def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -171,13 +194,7 @@ class FrameStream:
         lock, shielded from cancellation (a half-sent frame would desynchronize
         the stream) but bounded by the send timeout, after which the
         connection is closed."""
-        parts: list[memoryview]
-        if payload is None:
-            parts = []
-        elif isinstance(payload, (bytes, bytearray, memoryview)):
-            parts = [memoryview(payload)] if len(payload) else []
-        else:
-            parts = [memoryview(p) for p in payload if len(p)]
+        parts = as_parts(payload)
         payload_len = sum(p.nbytes for p in parts)
         self._check_limits(body, payload_len)
         if self.closed:
@@ -212,14 +229,7 @@ class FrameStream:
             except OSError as exc:
                 self.close()
                 raise ConnectionClosed(f"send failed: {exc}") from None
-            while sent:
-                head = bufs[first]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    first += 1
-                else:
-                    bufs[first] = head[sent:]
-                    sent = 0
+            first = trim_sent(bufs, first, sent)
         return first
 
     async def _send_rest(self, bufs: list[memoryview], first: int) -> None:
@@ -237,6 +247,16 @@ class FrameStream:
         async with self._send_lock:
             bufs = [memoryview(data)]
             await self._send_rest(bufs, self._send_nowait(bufs, 0))
+
+    def detach(self) -> tuple[socket.socket, bytes]:
+        """Give the socket up (blocking again, off the loop) with the bytes
+        received past the last frame; this stream is closed without closing
+        it. Only when no task is using the stream."""
+        leftover = bytes(self._view[self._start : self._end])
+        self.closed = True
+        trio.lowlevel.notify_closing(self.sock)
+        self.sock.setblocking(True)
+        return self.sock, leftover
 
     def close(self) -> None:
         """Close now; tasks waiting on the socket wake up with ConnectionClosed."""

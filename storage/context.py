@@ -10,6 +10,7 @@ target) writes apply locally and nothing is copied between replicas.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -75,6 +76,10 @@ class NodeContext:
         self.node_id = node_id
         self.by_id: dict[int, ChunkStore] = {}
         self.reindex()
+        # for work a thread channel's I/O thread hands back to the loop
+        self.trio_token: trio.lowlevel.TrioToken | None = None
+        with contextlib.suppress(RuntimeError):  # built outside a trio run (a unit test)
+            self.trio_token = trio.lowlevel.current_trio_token()
 
     def reindex(self) -> None:
         """Rebuild the target id index (after mgmtd assigned ids)."""

@@ -116,7 +116,7 @@ class StorageDaemon:
             )
             self.service = service
             await service.capacity.refresh()
-            server = RpcServer(secret, [service], name="storage")
+            server = RpcServer(secret, [service], name="storage", channel_threads=config.io_threads)
             host, port = listen_address(config.listen)
 
             def on_registered(result: RegisterResult) -> None:

@@ -54,6 +54,11 @@ from shufflefs.storage.store import ChunkStore
 log = logging.getLogger("shufflefs.storage")
 
 
+def _read_reply(results: list[memoryview | int]) -> Reply:
+    lengths = [r if isinstance(r, int) else len(r) for r in results]
+    return Reply({"lengths": lengths}, [r for r in results if not isinstance(r, int)])
+
+
 def _stage_forwarded(
     store: ChunkStore,
     chunk: bytes,
@@ -156,7 +161,7 @@ class StorageService:
                 data.append(got)
         return Reply({"lengths": lengths}, data)
 
-    @rpc_method(fast="read_fast")
+    @rpc_method(fast="read_fast", threaded="read_sync")
     async def read(self, items: list[ReadItem]) -> Reply:
         """Many ranges, possibly on several targets, in one request. Per item
         the delivered length or a negative errno; one payload of all bytes.
@@ -165,6 +170,26 @@ class StorageService:
         chunk fails its item with EIO (the client reads another replica) and
         is queued for repair.
         Page-cache hits are read here; the rest in worker threads."""
+        results, slow = self._read_cached(items)
+        if slow:
+            await self._read_in_threads(slow, items, results)
+        return _read_reply(results)
+
+    def read_sync(self, items: list[ReadItem]) -> Reply:
+        """`read` on a thread channel's I/O thread (rpc/channel.py): the
+        page-cache misses are read right here, blocking this thread only."""
+        results, slow = self._read_cached(items)
+        if slow:
+            self._read_blocking(slow, items, results)
+            damaged = [items[i][:2] for i in slow if results[i] == -errno.EIO]
+            if damaged and self.node.trio_token is not None:
+                for target, chunk in damaged:
+                    self.node.trio_token.run_sync_soon(self.repairs.schedule, target, chunk)
+        return _read_reply(results)
+
+    def _read_cached(self, items: list[ReadItem]) -> tuple[list[memoryview | int], list[int]]:
+        """Each item's bytes if in the page cache, else its errno (negative);
+        and the indices of the items that must wait for the disk."""
         self._check_read_size(items)
         by_id = self.node.by_id
         results: list[memoryview | int] = [0] * len(items)
@@ -187,10 +212,7 @@ class StorageService:
                 slow.append(i)
             else:
                 results[i] = data
-        if slow:
-            await self._read_in_threads(slow, items, results)
-        lengths = [r if isinstance(r, int) else len(r) for r in results]
-        return Reply({"lengths": lengths}, [r for r in results if not isinstance(r, int)])
+        return results, slow
 
     async def _read_in_threads(
         self, slow: list[int], items: list[ReadItem], results: list[memoryview | int]

@@ -40,7 +40,7 @@ def test_install_without_pyfuse3_symbols_changes_nothing(
         assert reads.available(path) is False
         assert reads.install(path) is False
     assert not reads.installed
-    assert "kernel-served reads unavailable" in caplog.text
+    assert "READ hook unavailable" in caplog.text
 
 
 def test_install_before_any_session_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:

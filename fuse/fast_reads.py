@@ -1,0 +1,233 @@
+"""READs answered off the event loop: the remote read path of the mount.
+
+A READ that pyfuse3 handles runs as a coroutine on its trio loop, and a
+read through a storage daemon then costs the loop's waits and wake-ups on
+top of the network round trip (docs/storage.md, "Thread channels"). Here the
+READ is taken in the libfuse callback itself (`ReadInodes.fast`,
+fuse/read_inode.py), before pyfuse3 sees it: `FastReads.read` plans it, picks
+the replicas, sends one request per storage node without waiting
+(client/channel_reads.py) and returns; the reply thread of each storage
+node's connection receives the bytes straight into the READ's buffer and
+the last one answers the kernel (``fuse_reply_buf``, libfuse's own call,
+which any thread may make). No task, no trio wait, no thread hop.
+
+It takes a READ only when it can be answered exactly as `ShuffleOps.read`
+would: a known handle of a regular file open for reading, with none of this
+mount's writes in flight for it; no piece on this host's own targets (the
+short circuit serves those, on the loop); a connection to every node the
+read needs. Bytes the prefetcher holds (fuse/prefetch.py) are answered at
+once. Everything else, and any READ whose fast attempt fails (a replica
+that is not serving, a checksum error, a reply that does not come in time,
+a broken connection), goes through `ShuffleOps.read_handle` on the loop,
+which fails over, retries and reports, and answers the kernel itself; the
+replicas that failed are marked so that it avoids them.
+
+`close` is called before the FUSE session is: after it nothing here
+touches a request again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyfuse3
+import trio
+
+from shufflefs.client.channel_reads import ChannelRead, ReadChannels
+from shufflefs.client.fs import FileSystem
+from shufflefs.client.layout import plan
+from shufflefs.fuse.read_inode import FH_OFFSET, READ_INODES
+from shufflefs.rpc.errors import FsError
+
+if TYPE_CHECKING:
+    from shufflefs.fuse.ops import ShuffleOps
+
+log = logging.getLogger("shufflefs.fuse.fast_reads")
+
+LIBFUSE = "libfuse3.so"
+
+
+def _libfuse() -> ctypes.CDLL:
+    """The libfuse that pyfuse3 loaded (the one owning the requests)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if LIBFUSE in line}
+    if len(paths) != 1:
+        raise OSError(errno.ENOENT, f"expected one {LIBFUSE} in this process, found {paths}")
+    lib = ctypes.CDLL(paths.pop())
+    lib.fuse_reply_buf.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    lib.fuse_reply_buf.restype = ctypes.c_int
+    lib.fuse_reply_err.argtypes = (ctypes.c_void_p, ctypes.c_int)
+    lib.fuse_reply_err.restype = ctypes.c_int
+    return lib
+
+
+def _address(data: Any) -> tuple[Any, int]:
+    """A pointer to *data*'s bytes for C (and what keeps them alive)."""
+    view = memoryview(data)
+    if view.readonly:
+        data = bytearray(view)
+        view = memoryview(data)
+    if not view.nbytes:
+        return None, 0
+    buf = (ctypes.c_char * view.nbytes).from_buffer(view)
+    return buf, view.nbytes
+
+
+class FastReads:
+    """The fast READ path of one mount (see the module docstring)."""
+
+    def __init__(
+        self,
+        ops: ShuffleOps,
+        fs: FileSystem,
+        secret: bytes,
+        nursery: trio.Nursery,
+        on_read: Callable[[float, int], None] | None = None,
+    ) -> None:
+        self.ops = ops
+        self.fs = fs
+        self.nursery = nursery
+        self.token = trio.lowlevel.current_trio_token()
+        self.channels = ReadChannels(secret, fs.storage.replicas.outstanding)
+        self.libfuse = _libfuse()
+        self.on_read = on_read  # (started, bytes) of every read answered here: metrics
+        self._replying = threading.Lock()  # held while answering; `close` takes it last
+        self.closed = False
+        self.taken = 0  # READs taken here (for tests and stats)
+        self.fell_back = 0  # of which answered on the loop after all
+        self._warned = False
+
+    def install(self) -> None:
+        READ_INODES.fast = self.read
+
+    # ---- the READ callback (the loop's thread, inside libfuse's dispatch) ----
+
+    def read(self, req: int, ino: int, size: int, off: int, fi: int) -> bool:
+        """Take the READ (True: it is answered, now or later) or decline."""
+        try:
+            return self._read(req, ino, size, off, fi)
+        except Exception:
+            if not self._warned:
+                self._warned = True
+                log.exception("fast READ of inode %d failed: such READs go the usual way", ino)
+            return False
+
+    def _read(self, req: int, ino: int, size: int, off: int, fi: int) -> bool:
+        if self.closed:
+            return False
+        ops = self.ops
+        if ops.inode_reads is not None:  # cache=immutable: READs carry no handle
+            fh = ops.inode_reads.held(ino)
+            if fh is None:
+                return False
+        elif READ_INODES.fh_confirmed and fi:
+            fh = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
+        else:
+            return False
+        fs = self.fs
+        f = fs.files.get(fh)
+        if f is None or f.ino != ino or f.layout is None or not f.readable:
+            return False
+        st = fs.inodes.get(ino)
+        if st is not None and st.behind:
+            return False
+        started = time.perf_counter()
+        ahead = ops.prefetch.read(ino, off, size)
+        if ahead is not None:
+            ops.handed(ino, off, len(ahead))
+            self._reply(req, ahead, started)
+            return True
+        extents = fs.extents(f, ((off, size),))
+        n = extents[0][3]
+        if n == 0:
+            self._reply(req, b"", started)
+            return True
+        storage = fs.storage
+        routing = storage.routing.current
+        groups = storage.replicas.assign(routing, plan(extents))
+        if storage.local.enabled:
+            local = storage.replicas.local_targets(routing)
+            if local and any(items[0][1] in local for items in groups.values()):
+                return False  # the short circuit, on the loop, serves this host's targets
+        out = bytearray(n)
+        done = functools.partial(self._done, req, fh, off, size, out, started)
+        if self.channels.submit(groups, memoryview(out), done) is None:
+            return False
+        self.taken += 1
+        ops.handed(ino, off, n)
+        return True
+
+    # ---- answers (a reply thread, or the loop for fallbacks) ----------------
+
+    def _done(
+        self,
+        req: int,
+        fh: int,
+        off: int,
+        size: int,
+        out: bytearray,
+        started: float,
+        read: ChannelRead,
+    ) -> None:
+        if read.ok:
+            self._reply(req, out, started)
+            return
+        # (if the loop is gone, so is the mount: the kernel aborts its requests)
+        with contextlib.suppress(trio.RunFinishedError):
+            self.token.run_sync_soon(self._fall_back, req, fh, off, size, read.failures)
+
+    def _reply(self, req: int, data: Any, started: float) -> None:
+        buf, n = _address(data)
+        with self._replying:
+            if self.closed:
+                return
+            ret = self.libfuse.fuse_reply_buf(req, buf, n)
+        if ret:
+            log.error("fuse_reply_buf failed: %s", errno.errorcode.get(-ret, ret))
+        elif self.on_read is not None:
+            self.on_read(started, n)
+
+    def _reply_error(self, req: int, code: int) -> None:
+        with self._replying:
+            if self.closed:
+                return
+            self.libfuse.fuse_reply_err(req, code)
+
+    def _fall_back(
+        self, req: int, fh: int, off: int, size: int, failures: Sequence[tuple[int, int]]
+    ) -> None:
+        """(the loop) Read it the usual way, avoiding the replicas that failed."""
+        self.fell_back += 1
+        storage = self.fs.storage
+        routing = storage.routing.current
+        for tid, code in set(failures):
+            storage.replicas.failed(routing, tid, FsError(code, f"fast read from target {tid}"))
+        self.nursery.start_soon(self._read_on_loop, req, fh, off, size)
+
+    async def _read_on_loop(self, req: int, fh: int, off: int, size: int) -> None:
+        started = time.perf_counter()
+        try:
+            data = await self.ops.read_handle(fh, off, size)
+        except pyfuse3.FUSEError as exc:
+            self._reply_error(req, exc.errno)
+        except BaseException:
+            self._reply_error(req, errno.EINTR)
+            raise
+        else:
+            self._reply(req, data, started)
+
+    def close(self) -> None:
+        """Stop taking READs and answering them (before the FUSE session
+        closes); connections and reply threads end."""
+        READ_INODES.fast = None
+        with self._replying:
+            self.closed = True
+        self.channels.close()
