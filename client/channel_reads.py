@@ -4,8 +4,9 @@ The FUSE mount's READs come in on pyfuse3's trio loop. Taking each one
 through a trio task, the rpc client's waits and the loop's wake-ups costs
 more than the read itself (docs/storage.md, "Thread channels"). Here a read
 is planned and sent without waiting for anything: `ReadChannels.submit`
-writes one request per storage node straight to a blocking socket (the
-send does not wait: ``MSG_DONTWAIT``) and returns. Each storage node's
+queues one request per storage node and `flush` writes every queued request
+of a node to its blocking socket in one ``sendmsg`` that does not wait
+(``MSG_DONTWAIT``: the caller is the event loop's thread). Each storage node's
 connection has a reply thread that blocks on it, receives each reply
 straight into the read's buffer and, once a read's last reply is in, calls
 the read's ``done`` from that thread. The connections ask their servers for
@@ -81,6 +82,8 @@ class NodeChannel:
         self.address = address
         self.lock = threading.Lock()  # pending and broken, against `fail`
         self.pending: dict[int, _Request] = {}
+        self.outbox: list[bytes] = []  # queued request frames (event loop's thread)
+        self.queued: list[int] = []  # their call ids
         self.next_id = CHANNEL_CALL_ID + 1
         self.frames: FrameSocket | None = None
         self.broken = False
@@ -105,34 +108,49 @@ class NodeChannel:
         )
         self.thread.start()
 
-    def send(self, request: _Request) -> bool:
-        """Send one read request without waiting (event loop's thread).
-        False: it did not go out (read it another way); True: it is in
-        flight, or already failed and accounted for (`fail`)."""
-        frames = self.frames
-        if frames is None:
-            return False
+    def queue(self, request: _Request) -> bool:
+        """Queue one read request for the next `flush` (event loop's
+        thread); False if this connection is broken."""
         call_id = self.next_id
         self.next_id += 1
         body = framing.request_body(
             call_id, "read", {"items": [[tid, p[1], p[2], p[3]] for p, tid in request.items]}
         )
-        frame = framing.pack_header(len(body), 0) + body
         with self.lock:
-            if self.broken:
+            if self.broken or self.frames is None:
                 return False
             self.pending[call_id] = request
-        try:
-            sent = frames.sock.send(frame, socket.MSG_DONTWAIT)
-        except OSError as exc:  # BlockingIOError: the socket's buffer is full
-            with self.lock:
-                mine = self.pending.pop(call_id, None) is not None
-            if not isinstance(exc, BlockingIOError):
-                self.fail(f"send failed: {exc}")
-            return not mine
-        if sent != len(frame):  # a half-sent frame: the stream is out of sync
-            self.fail("send would have waited mid-frame")
+        self.outbox.append(framing.pack_header(len(body), 0) + body)
+        self.queued.append(call_id)
         return True
+
+    def flush(self) -> None:
+        """Send the queued requests in one go, without waiting (event loop's
+        thread). If the socket takes none of them (its buffer is full: the
+        node is not reading) they fail and are read another way; if it takes
+        part of one, the stream is out of sync and the connection is closed."""
+        frames = self.frames
+        frames_out, self.outbox = self.outbox, []
+        queued, self.queued = self.queued, []
+        if not frames_out or frames is None:
+            return
+        size = sum(len(f) for f in frames_out)
+        try:
+            sent = frames.sock.sendmsg(frames_out, [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self.fail(f"send failed: {exc}")
+            return
+        if sent == size:
+            return
+        if sent:  # a half-sent frame
+            self.fail("send would have waited mid-frame")
+            return
+        with self.lock:
+            unsent = [r for r in (self.pending.pop(i, None) for i in queued) if r is not None]
+        for request in unsent:
+            self.owner.failed(request, errno.EAGAIN)
 
     def _place(self, body: dict[Any, Any], size: int) -> Sequence[memoryview] | None:
         request = self.pending.get(body.get("i"))  # type: ignore[arg-type]
@@ -210,6 +228,7 @@ class ReadChannels:
         self._connecting: set[str] = set()
         self._retry_at: dict[str, float] = {}
         self.closed = False
+        self.dirty: set[NodeChannel] = set()  # channels with queued requests
         self.sent = 0  # reads submitted (for tests and stats)
         self.failed_reads = 0
 
@@ -222,12 +241,15 @@ class ReadChannels:
         return not missing
 
     def submit(
-        self, groups: dict[str, list[Placed]], out: memoryview, done: Callable[[ChannelRead], None]
+        self,
+        groups: dict[str, list[Placed]],
+        out: memoryview,
+        done: Callable[[ChannelRead], None],
     ) -> ChannelRead | None:
-        """Send a read (its pieces grouped per node, as `Replicas.assign`
-        does) without waiting; *done* is called once, from a reply thread
-        (or from here if every send failed). None: not sent at all (a node
-        has no connection yet, or sending would wait): read it another way."""
+        """Queue a read (its pieces grouped per node, as `Replicas.assign`
+        does) for the next `flush`; *done* is called once, from a reply
+        thread (or the event loop's, if it fails to go out). None: not
+        queued (a node has no connection yet): read it another way."""
         if self.closed or not self.ready(list(groups)):
             return None
         requests = [
@@ -238,24 +260,30 @@ class ReadChannels:
         read = ChannelRead(out, done)
         read.remaining = len(requests)
         deadline = time.monotonic() + self.timeout
-        self.sent += 1
         for i, (channel, items) in enumerate(requests):
             request = _Request(read, items, deadline)
             for _, tid in items:
                 self.outstanding.add(tid, 1)
-            if channel.send(request):
+            if channel.queue(request):
+                self.dirty.add(channel)
                 continue
             for _, tid in items:
                 self.outstanding.add(tid, -1)
-            if i == 0:  # nothing went out: the caller reads it another way
-                self.sent -= 1
+            if i == 0:  # nothing queued: the caller reads it another way
                 return None
-            for _, rest in requests[i:]:  # this one and those not sent: failed
+            for _, rest in requests[i:]:  # this one and those after it: failed
                 for _, tid in rest:
                     self.outstanding.add(tid, 1)
                 self.failed(_Request(read, rest, deadline), errno.EAGAIN)
             break
+        self.sent += 1
         return read
+
+    def flush(self) -> None:
+        """Send every queued request (event loop's thread)."""
+        dirty, self.dirty = self.dirty, set()
+        for channel in dirty:
+            channel.flush()
 
     def answered(
         self, request: _Request, body: dict[Any, Any], payload: bytearray | None, placed: bool

@@ -5,11 +5,17 @@ read through a storage daemon then costs the loop's waits and wake-ups on
 top of the network round trip (docs/storage.md, "Thread channels"). Here the
 READ is taken in the libfuse callback itself (`ReadInodes.fast`,
 fuse/read_inode.py), before pyfuse3 sees it: `FastReads.read` plans it, picks
-the replicas, sends one request per storage node without waiting
-(client/channel_reads.py) and returns; the reply thread of each storage
-node's connection receives the bytes straight into the READ's buffer and
-the last one answers the kernel (``fuse_reply_buf``, libfuse's own call,
-which any thread may make). No task, no trio wait, no thread hop.
+the replicas, queues one request per storage node (client/channel_reads.py)
+and, before it returns, takes the READs already waiting in the kernel's
+queue behind it the same way (`_drain`: receiving and dispatching them as
+pyfuse3's loop would, without a trip through that loop each), then sends
+every queued request at once, one ``sendmsg`` per storage node. The reply
+thread of each storage node's connection receives the bytes straight into
+the READ's buffer and the last one answers the kernel (``fuse_reply_buf``,
+libfuse's own call, which any thread may make). No task, no trio wait, no
+thread hop; under load, one system call and one wake-up on each side carry
+many READs (the storage daemon's thread channel holds its replies back the
+same way while more requests are buffered, rpc/channel.py).
 
 It takes a READ only when it can be answered exactly as `ShuffleOps.read`
 would: a known handle of a regular file open for reading, with none of this
@@ -33,6 +39,7 @@ import ctypes
 import errno
 import functools
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,20 +60,51 @@ if TYPE_CHECKING:
 log = logging.getLogger("shufflefs.fuse.fast_reads")
 
 LIBFUSE = "libfuse3.so"
+DRAIN_MAX = 64  # requests taken from the kernel's queue per READ, at most (the loop waits)
 
 
-def _libfuse() -> ctypes.CDLL:
-    """The libfuse that pyfuse3 loaded (the one owning the requests)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if LIBFUSE in line}
-    if len(paths) != 1:
-        raise OSError(errno.ENOENT, f"expected one {LIBFUSE} in this process, found {paths}")
-    lib = ctypes.CDLL(paths.pop())
-    lib.fuse_reply_buf.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    lib.fuse_reply_buf.restype = ctypes.c_int
-    lib.fuse_reply_err.argtypes = (ctypes.c_void_p, ctypes.c_int)
-    lib.fuse_reply_err.restype = ctypes.c_int
-    return lib
+class LibFuse:
+    """The calls made here into the libfuse that pyfuse3 loaded (the one that
+    owns the session and its requests). Replies are made without the GIL
+    (any thread may make them); receiving and dispatching a request keep it,
+    as pyfuse3's loop does: the dispatch runs pyfuse3's callbacks, which
+    need it."""
+
+    def __init__(self) -> None:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if LIBFUSE in line}
+        if len(paths) != 1:
+            raise OSError(errno.ENOENT, f"expected one {LIBFUSE} in this process, found {paths}")
+        path = paths.pop()
+        free = ctypes.CDLL(path)  # calls that release the GIL
+        held = ctypes.PyDLL(path)  # calls that keep it
+        self.reply_buf = free.fuse_reply_buf
+        self.reply_buf.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        self.reply_buf.restype = ctypes.c_int
+        self.reply_err = free.fuse_reply_err
+        self.reply_err.argtypes = (ctypes.c_void_p, ctypes.c_int)
+        self.reply_err.restype = ctypes.c_int
+        self.session_fd = held.fuse_session_fd
+        self.session_fd.argtypes = (ctypes.c_void_p,)
+        self.session_fd.restype = ctypes.c_int
+        self.receive_buf = held.fuse_session_receive_buf
+        self.receive_buf.argtypes = (ctypes.c_void_p, ctypes.POINTER(FuseBuf))
+        self.receive_buf.restype = ctypes.c_int
+        self.process_buf = held.fuse_session_process_buf
+        self.process_buf.argtypes = (ctypes.c_void_p, ctypes.POINTER(FuseBuf))
+        self.process_buf.restype = None
+
+
+class FuseBuf(ctypes.Structure):
+    """libfuse's ``struct fuse_buf`` (fuse_common.h)."""
+
+    _fields_ = (
+        ("size", ctypes.c_size_t),
+        ("flags", ctypes.c_int),
+        ("mem", ctypes.c_void_p),
+        ("fd", ctypes.c_int),
+        ("pos", ctypes.c_int64),
+    )
 
 
 def _address(data: Any) -> tuple[Any, int]:
@@ -97,7 +135,15 @@ class FastReads:
         self.nursery = nursery
         self.token = trio.lowlevel.current_trio_token()
         self.channels = ReadChannels(secret, fs.storage.replicas.outstanding)
-        self.libfuse = _libfuse()
+        self.libfuse = LibFuse()
+        # the kernel's request queue, drained here while it holds READs
+        self.session = READ_INODES.session
+        self._kernel_queue = select.poll()
+        fuse_fd = self.libfuse.session_fd(self.session)
+        self._kernel_queue.register(fuse_fd, select.POLLIN)
+        self._buf = FuseBuf()  # libfuse allocates its memory on the first receive
+        self._draining = False
+        self._took = False
         self.on_read = on_read  # (started, bytes) of every read answered here: metrics
         self._replying = threading.Lock()  # held while answering; `close` takes it last
         self.closed = False
@@ -111,14 +157,41 @@ class FastReads:
     # ---- the READ callback (the loop's thread, inside libfuse's dispatch) ----
 
     def read(self, req: int, ino: int, size: int, off: int, fi: int) -> bool:
-        """Take the READ (True: it is answered, now or later) or decline."""
+        """Take the READ (True: it is answered, now or later) or decline.
+        A READ taken here goes on to take the READs already waiting in the
+        kernel behind it (`_drain`), then sends all their requests at once."""
         try:
-            return self._read(req, ino, size, off, fi)
+            took = self._read(req, ino, size, off, fi)
         except Exception:
             if not self._warned:
                 self._warned = True
                 log.exception("fast READ of inode %d failed: such READs go the usual way", ino)
-            return False
+            took = False
+        if self._draining:
+            self._took = took
+        elif took:
+            self._drain()
+            self.channels.flush()
+        return took
+
+    def _drain(self) -> None:
+        """Receive and dispatch the requests waiting in the kernel's queue as
+        pyfuse3's loop would, for as long as each is a READ taken here. The
+        first one that is not is dispatched too, and then pyfuse3's loop
+        awaits its handler as usual (at most one: it awaits one per turn)."""
+        self._draining = True
+        try:
+            for _ in range(DRAIN_MAX):
+                if not self._kernel_queue.poll(0):
+                    return
+                self._took = False
+                if self.libfuse.receive_buf(self.session, ctypes.byref(self._buf)) <= 0:
+                    return
+                self.libfuse.process_buf(self.session, ctypes.byref(self._buf))
+                if not self._took:
+                    return
+        finally:
+            self._draining = False
 
     def _read(self, req: int, ino: int, size: int, off: int, fi: int) -> bool:
         if self.closed:
@@ -189,7 +262,7 @@ class FastReads:
         with self._replying:
             if self.closed:
                 return
-            ret = self.libfuse.fuse_reply_buf(req, buf, n)
+            ret = self.libfuse.reply_buf(req, buf, n)
         if ret:
             log.error("fuse_reply_buf failed: %s", errno.errorcode.get(-ret, ret))
         elif self.on_read is not None:
@@ -199,7 +272,7 @@ class FastReads:
         with self._replying:
             if self.closed:
                 return
-            self.libfuse.fuse_reply_err(req, code)
+            self.libfuse.reply_err(req, code)
 
     def _fall_back(
         self, req: int, fh: int, off: int, size: int, failures: Sequence[tuple[int, int]]
@@ -231,3 +304,6 @@ class FastReads:
         with self._replying:
             self.closed = True
         self.channels.close()
+        if self._buf.mem:  # what libfuse allocated for `_drain`'s receives
+            ctypes.CDLL(None).free(ctypes.c_void_p(self._buf.mem))
+            self._buf.mem = None

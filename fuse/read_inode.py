@@ -114,6 +114,7 @@ class ReadInodes:
     fh_word: int = -1  # the handle as read at FH_OFFSET of the last READ's file info
     fh_checks: int = 0  # READs where that agreed with pyfuse3's handle
     fh_wrong: bool = False  # one disagreed: the offset is wrong for this libfuse
+    session: int = 0  # libfuse's struct fuse_session * (once installed)
     _keep: tuple[object, ...] = ()  # the trampoline, alive while the table points at it
 
     def take(self) -> int:
@@ -203,6 +204,7 @@ class ReadInodes:
             keep.append(trampoline)
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
         self._keep = tuple(keep)  # alive while the table points at them
+        self.session = session
         self.installed = True
         log.info("READ and READDIRPLUS name their inode; READs may take the fast path")
         return True

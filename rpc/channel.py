@@ -52,20 +52,43 @@ MAX_CHANNELS = 1024  # connections served on threads at once, per server
 
 
 class _Channel:
-    """One handed-over connection: its frames, send lock and in-flight bound."""
+    """One handed-over connection: its frames, send lock and in-flight bound.
+
+    Replies the serving thread makes while more requests are already in its
+    receive buffer are held back and go out together with the next one it
+    sends (one ``sendmsg``, one wake-up of the client for many replies)."""
 
     def __init__(self, frames: FrameSocket, limits: framing.Limits) -> None:
         self.frames = frames
         self.send_lock = threading.Lock()
         self.inflight = threading.BoundedSemaphore(limits.max_inflight)
         self.broken = False
+        self.holding = False  # set by the serving thread: more requests are buffered
+        self.held: list[memoryview] = []
+        self.serving = threading.get_ident()  # the serving thread (set when it starts)
 
     def send(self, body: bytes, payload: Sequence[memoryview] = ()) -> None:
         if self.broken:
             return
+        size = sum(p.nbytes for p in payload)
+        bufs = [memoryview(framing.pack_header(len(body), size) + body), *payload]
+        if threading.get_ident() == self.serving:
+            if self.holding:
+                self.held.extend(bufs)
+                return
+            bufs, self.held = self.held + bufs, []
+        self._send(bufs)
+
+    def flush(self) -> None:
+        """(serving thread) Send the replies held back."""
+        if self.held:
+            bufs, self.held = self.held, []
+            self._send(bufs)
+
+    def _send(self, bufs: list[memoryview]) -> None:
         try:
             with self.send_lock:
-                self.frames.send_frame(body, payload)
+                self.frames.send(bufs)
         except FsError as exc:
             # a half-sent frame leaves the stream out of sync: end the channel
             log.info("channel to %s: %s; closing it", self.frames.peer, exc.message)
@@ -135,9 +158,12 @@ class ChannelServer:
 
     def _serve(self, channel: _Channel) -> None:
         frames = channel.frames
+        channel.serving = threading.get_ident()
         log.debug("%s channel from %s open", self.name, frames.peer)
         try:
             while not channel.broken:
+                if not frames.frame_buffered():
+                    channel.flush()  # before waiting: nothing held while the client waits
                 try:
                     body, payload, _ = frames.receive_frame(idle=True)
                 except ConnectionClosed:
@@ -152,6 +178,7 @@ class ChannelServer:
                     )
                     channel.send(framing.error_body(0, exc))
                     return
+                channel.holding = frames.frame_buffered()
                 self._dispatch(channel, body, payload)
         except Exception:
             log.exception("%s channel from %s failed", self.name, frames.peer)

@@ -133,6 +133,15 @@ class FrameSocket:
         while self._end - self._start < n:
             self._end += self._recv(self._view[self._end :], idle and self._end == self._start)
 
+    def frame_buffered(self) -> bool:
+        """Whether a whole frame is already in the receive buffer (the next
+        `receive_frame` will not wait)."""
+        have = self._end - self._start
+        if have < framing.HEADER_SIZE:
+            return False
+        _, _, body_len, payload_len = framing.HEADER.unpack_from(self._buf, self._start)
+        return have >= framing.HEADER_SIZE + body_len + payload_len
+
     def recv_into(self, dest: memoryview) -> None:
         """Fill *dest*: first from the buffer, then straight from the socket."""
         have = min(self._end - self._start, len(dest))
