@@ -2,25 +2,29 @@
 
 The FUSE mount's READs come in on pyfuse3's trio loop. Taking each one
 through a trio task, the rpc client's waits and the loop's wake-ups costs
-more than the read itself (docs/storage.md, "Thread channels"). Here a read
-is planned and sent without waiting for anything: `ReadChannels.submit`
-queues one request per storage node and `flush` writes every queued request
-of a node to its blocking socket in one ``sendmsg`` that does not wait
-(``MSG_DONTWAIT``: the caller is the event loop's thread). Each storage node's
-connection has a reply thread that blocks on it, receives each reply
-straight into the read's buffer and, once a read's last reply is in, calls
-the read's ``done`` from that thread. The connections ask their servers for
-thread channels (rpc/channel.py), so neither side runs an event loop for a
-read; a server without channels serves them as ordinary connections.
+more than the read itself (docs/storage.md, "Thread channels"). Here reads
+are planned and sent without waiting for anything: `ReadChannels.submit`
+adds a read's chunk pieces to the current batch, and `flush` sends the
+batch: the replicas are chosen for all its pieces at once (`Replicas.assign`,
+as for any batch: a chain with few pieces gets one replica, one with many
+is spread over the equally good ones), the pieces bound for one storage
+node go in one request frame (cut only where the wire limits demand), and
+each node's frames leave in one ``sendmsg`` that does not wait
+(``MSG_DONTWAIT``: the caller is the event loop's thread). Each storage
+node's connection has a reply thread that blocks on it, receives each reply
+straight into the buffers of the reads it serves and, once a read's last
+reply is in, calls the read's ``done`` from that thread. The connections
+ask their servers for thread channels (rpc/channel.py), so neither side runs
+an event loop for a read; a server without channels serves them as
+ordinary connections.
 
 This is the fast path only. Anything unusual fails the read and ``done``
-says so: a node without a connection yet (one is opened in the background,
-and the read goes the ordinary way meanwhile), a send that would wait, a
-failed item (a replica that is not serving, a checksum error), a reply not
-in by the deadline, a broken connection. The caller then reads through the
-read engine (client/read_engine.py), which fails over, retries and reports;
-the replicas that failed are in ``ChannelRead.failures`` so it can avoid
-them.
+says so: a node without a connection (one is opened in the background), a
+send that would wait, a failed item (a replica that is not serving, a
+checksum error), a reply not in by the deadline, a broken connection. The
+caller then reads through the read engine (client/read_engine.py), which
+fails over, retries and reports; the replicas that failed are in
+``ChannelRead.failures`` so it can avoid them.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from shufflefs.client.read_engine import FAILOVER_READ_TIMEOUT, landing_views, split_requests
-from shufflefs.client.replicas import InFlight, Placed
+from shufflefs.client.layout import Piece
+from shufflefs.client.read_engine import FAILOVER_READ_TIMEOUT, split_requests
+from shufflefs.client.replicas import Replicas
+from shufflefs.cluster.routing import Routing
 from shufflefs.rpc import framing
 from shufflefs.rpc.blocking import CHANNEL_CALL_ID, open_frames
 from shufflefs.rpc.errors import FsError
@@ -45,18 +51,24 @@ log = logging.getLogger("shufflefs.client.channel_reads")
 TICK = 0.1  # s: how often an idle reply thread checks its deadlines
 RECONNECT_AFTER = 1.0  # s before a node whose connection failed is tried again
 CONNECT_TIMEOUT = 3.0
+NOT_CONNECTED = errno.ENOTCONN  # a failure that says nothing about the replica
 
 
 class ChannelRead:
-    """One read in flight: where its bytes go, its requests still out, the
-    replicas that failed it, and what to call when it is over."""
+    """One read in flight: its pieces and the buffer they land in, its
+    frames still out, the replicas that failed it, what to call when over."""
 
-    __slots__ = ("done", "failures", "out", "remaining", "started")
+    __slots__ = ("done", "failures", "out", "pieces", "remaining", "started")
 
-    def __init__(self, out: memoryview, done: Callable[[ChannelRead], None]) -> None:
+    def __init__(
+        self, pieces: list[Piece], out: memoryview, done: Callable[[ChannelRead], None]
+    ) -> None:
+        self.pieces = pieces
         self.out = out
         self.done = done
-        self.remaining = 0
+        # frames still out, plus one held by `flush` until every frame of its
+        # batch is registered (so no reply can finish the read early)
+        self.remaining = 1
         self.failures: list[tuple[int, int]] = []  # (target id, errno)
         self.started = time.perf_counter()
 
@@ -65,12 +77,17 @@ class ChannelRead:
         return not self.failures
 
 
-class _Request:
-    __slots__ = ("deadline", "items", "read")
+Item = tuple[Piece, int, ChannelRead]  # a piece, the target it is read from, its read
 
-    def __init__(self, read: ChannelRead, items: list[Placed], deadline: float) -> None:
-        self.read = read
+
+class _Request:
+    """One request frame: its items, the reads they belong to, its deadline."""
+
+    __slots__ = ("deadline", "items", "reads")
+
+    def __init__(self, items: list[Item], deadline: float) -> None:
         self.items = items
+        self.reads = list({id(r): r for _, _, r in items}.values())
         self.deadline = deadline
 
 
@@ -82,7 +99,7 @@ class NodeChannel:
         self.address = address
         self.lock = threading.Lock()  # pending and broken, against `fail`
         self.pending: dict[int, _Request] = {}
-        self.outbox: list[bytes] = []  # queued request frames (event loop's thread)
+        self.outbox: list[bytes] = []  # request frames registered, not yet sent
         self.queued: list[int] = []  # their call ids
         self.next_id = CHANNEL_CALL_ID + 1
         self.frames: FrameSocket | None = None
@@ -108,41 +125,51 @@ class NodeChannel:
         )
         self.thread.start()
 
-    def queue(self, request: _Request) -> bool:
-        """Queue one read request for the next `flush` (event loop's
-        thread); False if this connection is broken."""
+    # ---- the event loop's thread -------------------------------------------
+
+    def register(self, request: _Request) -> bool:
+        """Register one request frame for the next `send` (each of its
+        reads now waits for it); False if this connection is broken."""
         call_id = self.next_id
         self.next_id += 1
         body = framing.request_body(
-            call_id, "read", {"items": [[tid, p[1], p[2], p[3]] for p, tid in request.items]}
+            call_id, "read", {"items": [[tid, p[1], p[2], p[3]] for p, tid, _ in request.items]}
         )
+        counted = self.owner.lock  # counted first: a `fail` may end the request at once
+        with counted:
+            for read in request.reads:
+                read.remaining += 1
         with self.lock:
-            if self.broken or self.frames is None:
-                return False
-            self.pending[call_id] = request
+            registered = not self.broken and self.frames is not None
+            if registered:
+                self.pending[call_id] = request
+        if not registered:
+            with counted:
+                for read in request.reads:
+                    read.remaining -= 1  # never to 0: `flush` holds each read
+            return False
         self.outbox.append(framing.pack_header(len(body), 0) + body)
         self.queued.append(call_id)
         return True
 
-    def flush(self) -> None:
-        """Send the queued requests in one go, without waiting (event loop's
-        thread). If the socket takes none of them (its buffer is full: the
-        node is not reading) they fail and are read another way; if it takes
-        part of one, the stream is out of sync and the connection is closed."""
+    def send(self) -> None:
+        """Send the registered frames in one go, without waiting. If the
+        socket takes none of them (its buffer is full: the node is not
+        reading) they fail and are read another way; if it takes part of
+        one, the stream is out of sync and the connection is closed."""
         frames = self.frames
-        frames_out, self.outbox = self.outbox, []
+        out, self.outbox = self.outbox, []
         queued, self.queued = self.queued, []
-        if not frames_out or frames is None:
+        if not out or frames is None:
             return
-        size = sum(len(f) for f in frames_out)
         try:
-            sent = frames.sock.sendmsg(frames_out, [], socket.MSG_DONTWAIT)
+            sent = frames.sock.sendmsg(out, [], socket.MSG_DONTWAIT)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             self.fail(f"send failed: {exc}")
             return
-        if sent == size:
+        if sent == sum(len(f) for f in out):
             return
         if sent:  # a half-sent frame
             self.fail("send would have waited mid-frame")
@@ -152,27 +179,44 @@ class NodeChannel:
         for request in unsent:
             self.owner.failed(request, errno.EAGAIN)
 
+    # ---- the reply thread ---------------------------------------------------
+
     def _place(self, body: dict[Any, Any], size: int) -> Sequence[memoryview] | None:
+        """Where a reply's payload lands: each item's bytes straight into its
+        read's buffer (zeros past a chunk's end written here)."""
         request = self.pending.get(body.get("i"))  # type: ignore[arg-type]
         result = body.get("r")
         if request is None or "e" in body or not isinstance(result, dict):
             return None
         lengths = result.get("lengths")
-        if not isinstance(lengths, list):
+        if (
+            not isinstance(lengths, list)
+            or len(lengths) != len(request.items)
+            or sum(n for n in lengths if isinstance(n, int) and n > 0) != size
+        ):
             return None
-        return landing_views(request.items, lengths, size, request.read.out)
+        views = []
+        for (p, _, read), n in zip(request.items, lengths, strict=True):
+            if not isinstance(n, int) or n < 0:
+                continue
+            dst = p[4]
+            if n:
+                views.append(read.out[dst : dst + n])
+            if n < p[3]:
+                read.out[dst + n : dst + p[3]] = bytes(p[3] - n)
+        return views
 
     def _replies(self) -> None:
         frames = self.frames
         assert frames is not None
         try:
             while not self.broken:
-                body, payload, placed = frames.receive_frame(self._place, idle=True)
+                body, _, placed = frames.receive_frame(self._place, idle=True)
                 call_id = body.get("i")
                 with self.lock:
                     request = self.pending.pop(call_id, None)  # type: ignore[arg-type]
                 if request is not None:
-                    self.owner.answered(request, body, payload, placed)
+                    self.owner.answered(request, body, placed)
                 elif call_id == 0 and "e" in body:  # the server refused a frame
                     raise FsError.from_wire(body["e"])
                 self.check_deadlines()
@@ -184,7 +228,7 @@ class NodeChannel:
 
     def check_deadlines(self) -> None:
         """Give up the requests past their deadline (their replies, if they
-        come, are dropped): the reads fail over to another replica."""
+        come, are dropped): their reads fail over to another replica."""
         now = time.monotonic()
         with self.lock:
             late = [self.pending.pop(i) for i, r in list(self.pending.items()) if r.deadline <= now]
@@ -208,126 +252,140 @@ class NodeChannel:
 
 class ReadChannels:
     """The reply-thread read path of one client (see the module docstring).
-
-    *outstanding*: the replica bookkeeping's requests in flight per target
-    (`Replicas.outstanding`), counted here too so the replica choice sees
-    these reads."""
+    *replicas* is the client's replica bookkeeping: the choice, and the
+    requests in flight per target it weighs (counted here too)."""
 
     def __init__(
-        self,
-        secret: bytes,
-        outstanding: InFlight,
-        *,
-        timeout: float = FAILOVER_READ_TIMEOUT,
+        self, secret: bytes, replicas: Replicas, *, timeout: float = FAILOVER_READ_TIMEOUT
     ) -> None:
         self.secret = secret
-        self.outstanding = outstanding
+        self.replicas = replicas
+        self.outstanding = replicas.outstanding
         self.timeout = timeout
         self.lock = threading.Lock()
         self.channels: dict[str, NodeChannel] = {}
+        self.batch: list[ChannelRead] = []  # submitted, not yet flushed (event loop's thread)
         self._connecting: set[str] = set()
         self._retry_at: dict[str, float] = {}
         self.closed = False
-        self.dirty: set[NodeChannel] = set()  # channels with queued requests
-        self.sent = 0  # reads submitted (for tests and stats)
+        self.sent = 0  # reads sent (for tests and stats)
         self.failed_reads = 0
 
-    def ready(self, addresses: Sequence[str]) -> bool:
-        """Whether every one of *addresses* has a connection now; the ones
-        that do not get one opened in the background."""
-        missing = [a for a in addresses if a not in self.channels]
-        for address in missing:
-            self._connect_later(address)
-        return not missing
+    def connected(self, routing: Routing, chains: Iterable[int]) -> bool:
+        """Whether every serving replica of *chains* has a connection now
+        (those that do not get one opened in the background)."""
+        ok = True
+        for chain in chains:
+            for target in self.replicas.serving(routing, chain):
+                address = routing.target_address(target["id"])
+                if address not in self.channels:
+                    self._connect_later(address)
+                    ok = False
+        return ok
 
     def submit(
-        self,
-        groups: dict[str, list[Placed]],
-        out: memoryview,
-        done: Callable[[ChannelRead], None],
-    ) -> ChannelRead | None:
-        """Queue a read (its pieces grouped per node, as `Replicas.assign`
-        does) for the next `flush`; *done* is called once, from a reply
-        thread (or the event loop's, if it fails to go out). None: not
-        queued (a node has no connection yet): read it another way."""
-        if self.closed or not self.ready(list(groups)):
-            return None
-        requests = [
-            (self.channels[address], request)
-            for address, items in groups.items()
-            for request in (split_requests(items) if len(items) > 1 else [items])
-        ]
-        read = ChannelRead(out, done)
-        read.remaining = len(requests)
-        deadline = time.monotonic() + self.timeout
-        for i, (channel, items) in enumerate(requests):
-            request = _Request(read, items, deadline)
-            for _, tid in items:
-                self.outstanding.add(tid, 1)
-            if channel.queue(request):
-                self.dirty.add(channel)
-                continue
-            for _, tid in items:
-                self.outstanding.add(tid, -1)
-            if i == 0:  # nothing queued: the caller reads it another way
-                return None
-            for _, rest in requests[i:]:  # this one and those after it: failed
-                for _, tid in rest:
-                    self.outstanding.add(tid, 1)
-                self.failed(_Request(read, rest, deadline), errno.EAGAIN)
-            break
-        self.sent += 1
+        self, pieces: list[Piece], out: memoryview, done: Callable[[ChannelRead], None]
+    ) -> ChannelRead:
+        """Add a read (its chunk pieces, landing in *out*) to the batch that
+        the next `flush` sends; *done* is called once, from a reply thread
+        (or from `flush`, if it fails to go out)."""
+        read = ChannelRead(pieces, out, done)
+        self.batch.append(read)
         return read
 
-    def flush(self) -> None:
-        """Send every queued request (event loop's thread)."""
-        dirty, self.dirty = self.dirty, set()
-        for channel in dirty:
-            channel.flush()
+    def flush(self, routing: Routing) -> None:
+        """Send the batch (event loop's thread): replicas chosen for all its
+        pieces at once, one frame per storage node (as the wire limits
+        allow), every frame registered before any is sent."""
+        batch, self.batch = self.batch, []
+        if not batch:
+            return
+        owner = {id(p): r for r in batch for p in r.pieces}
+        deadline = time.monotonic() + self.timeout
+        try:
+            groups = self.replicas.assign(routing, [p for r in batch for p in r.pieces])
+        except FsError as exc:  # a chain with no serving replica: the slow path says so
+            groups = {}
+            for read in batch:
+                read.failures.append((-1, exc.code))
+        used: list[NodeChannel] = []
+        for address, placed in groups.items():
+            channel = self.channels.get(address)
+            for part in split_requests(placed) if len(placed) > 1 else [placed]:
+                items = [(p, tid, owner[id(p)]) for p, tid in part]
+                for _, tid, _ in items:
+                    self.outstanding.add(tid, 1)
+                request = _Request(items, deadline)
+                if channel is not None and channel.register(request):
+                    continue
+                self._connect_later(address)
+                failures = [(read, (tid, NOT_CONNECTED)) for _, tid, read in items]
+                self._finish(request, failures, held=True)
+            if channel is not None:
+                used.append(channel)
+        for channel in used:
+            channel.send()
+        self.sent += len(batch)
+        for read in batch:  # the hold: now only replies can end them
+            self._release(read)
 
-    def answered(
-        self, request: _Request, body: dict[Any, Any], payload: bytearray | None, placed: bool
-    ) -> None:
-        """A reply is in (reply thread): its bytes into place unless they
-        were received there, its failed items noted."""
-        read = request.read
+    # ---- the reply threads --------------------------------------------------
+
+    def answered(self, request: _Request, body: dict[Any, Any], placed: bool) -> None:
+        """A reply is in: its failed items noted (its bytes are in place)."""
         if "e" in body:
-            error = FsError.from_wire(body["e"])
-            self._finish(request, [(tid, error.code) for _, tid in request.items])
+            self.failed(request, FsError.from_wire(body["e"]).code)
             return
         result = body.get("r")
         lengths = result.get("lengths") if isinstance(result, dict) else None
-        if not isinstance(lengths, list) or len(lengths) != len(request.items):
-            self._finish(request, [(tid, errno.EPROTO) for _, tid in request.items])
+        if not placed or not isinstance(lengths, list):  # lengths that do not fit the payload
+            self.failed(request, errno.EPROTO)
             return
-        failures = [(tid, -n) for (_, tid), n in zip(request.items, lengths, strict=True) if n < 0]
-        if not placed and not failures:
-            views = landing_views(request.items, lengths, len(payload or b""), read.out)
-            if views is None:
-                failures = [(tid, errno.EPROTO) for _, tid in request.items]
-            else:
-                src = memoryview(payload or b"")
-                pos = 0
-                for view in views:
-                    view[:] = src[pos : pos + len(view)]
-                    pos += len(view)
-        self._finish(request, failures)
+        self._finish(
+            request,
+            [
+                (read, (tid, -n if isinstance(n, int) else errno.EPROTO))
+                for (_, tid, read), n in zip(request.items, lengths, strict=True)
+                if not isinstance(n, int) or n < 0
+            ],
+        )
 
     def failed(self, request: _Request, code: int) -> None:
-        self._finish(request, [(tid, code) for _, tid in request.items])
+        self._finish(request, [(read, (tid, code)) for _, tid, read in request.items])
 
-    def _finish(self, request: _Request, failures: list[tuple[int, int]]) -> None:
-        read = request.read
-        for _, tid in request.items:
+    def _finish(
+        self,
+        request: _Request,
+        failures: list[tuple[ChannelRead, tuple[int, int]]],
+        held: bool = False,
+    ) -> None:
+        """One request frame is over: its reads that have nothing else out
+        are done. *held*: it never went out (its reads are still held)."""
+        for _, tid, _ in request.items:
             self.outstanding.add(tid, -1)
+        ended = []
         with self.lock:
-            read.failures.extend(failures)
+            for read, failure in failures:
+                read.failures.append(failure)
+            if not held:
+                for read in request.reads:
+                    read.remaining -= 1
+                    if read.remaining == 0:
+                        ended.append(read)
+        for read in ended:
+            self._end(read)
+
+    def _release(self, read: ChannelRead) -> None:
+        with self.lock:
             read.remaining -= 1
-            last = read.remaining == 0
-        if last:
-            if read.failures:
-                self.failed_reads += 1
-            read.done(read)
+            ended = read.remaining == 0
+        if ended:
+            self._end(read)
+
+    def _end(self, read: ChannelRead) -> None:
+        if read.failures:
+            self.failed_reads += 1
+        read.done(read)
 
     # ---- connections -----------------------------------------------------
 
@@ -359,10 +417,10 @@ class ReadChannels:
         with self.lock:
             if self.closed:
                 channel.broken = True
+            else:
+                self.channels[address] = channel
         if channel.broken:
             channel.fail("closing")
-            return
-        self.channels[address] = channel
 
     def forget(self, channel: NodeChannel) -> None:
         with self.lock:

@@ -48,9 +48,10 @@ from typing import TYPE_CHECKING, Any
 import pyfuse3
 import trio
 
-from shufflefs.client.channel_reads import ChannelRead, ReadChannels
+from shufflefs.client.channel_reads import NOT_CONNECTED, ChannelRead, ReadChannels
 from shufflefs.client.fs import FileSystem
 from shufflefs.client.layout import plan
+from shufflefs.cluster.routing import Routing
 from shufflefs.fuse.read_inode import FH_OFFSET, READ_INODES
 from shufflefs.rpc.errors import FsError
 
@@ -134,7 +135,7 @@ class FastReads:
         self.fs = fs
         self.nursery = nursery
         self.token = trio.lowlevel.current_trio_token()
-        self.channels = ReadChannels(secret, fs.storage.replicas.outstanding)
+        self.channels = ReadChannels(secret, fs.storage.replicas)
         self.libfuse = LibFuse()
         # the kernel's request queue, drained here while it holds READs
         self.session = READ_INODES.session
@@ -171,7 +172,7 @@ class FastReads:
             self._took = took
         elif took:
             self._drain()
-            self.channels.flush()
+            self.channels.flush(self.fs.storage.routing.current)
         return took
 
     def _drain(self) -> None:
@@ -223,20 +224,29 @@ class FastReads:
         if n == 0:
             self._reply(req, b"", started)
             return True
-        storage = fs.storage
-        routing = storage.routing.current
-        groups = storage.replicas.assign(routing, plan(extents))
-        if storage.local.enabled:
-            local = storage.replicas.local_targets(routing)
-            if local and any(items[0][1] in local for items in groups.values()):
-                return False  # the short circuit, on the loop, serves this host's targets
+        pieces = plan(extents)
+        chains = {p[0] for p in pieces}
+        routing = fs.storage.routing.current
+        if self._local_replica(routing, chains) or not self.channels.connected(routing, chains):
+            return False  # the short circuit (on the loop) serves this host's targets
         out = bytearray(n)
         done = functools.partial(self._done, req, fh, off, size, out, started)
-        if self.channels.submit(groups, memoryview(out), done) is None:
-            return False
+        self.channels.submit(pieces, memoryview(out), done)
         self.taken += 1
         ops.handed(ino, off, n)
         return True
+
+    def _local_replica(self, routing: Routing, chains: set[int]) -> bool:
+        """Does one of *chains* have a serving replica on this host, which
+        the short circuit reads (when it is on)?"""
+        storage = self.fs.storage
+        if not storage.local.enabled:
+            return False
+        local = storage.replicas.local_targets(routing)
+        serving = storage.replicas.serving
+        return bool(local) and any(
+            t["id"] in local for chain in chains for t in serving(routing, chain)
+        )
 
     # ---- answers (a reply thread, or the loop for fallbacks) ----------------
 
@@ -282,7 +292,8 @@ class FastReads:
         storage = self.fs.storage
         routing = storage.routing.current
         for tid, code in set(failures):
-            storage.replicas.failed(routing, tid, FsError(code, f"fast read from target {tid}"))
+            if tid >= 0 and code != NOT_CONNECTED:  # (else nothing is known of the replica)
+                storage.replicas.failed(routing, tid, FsError(code, f"fast read from target {tid}"))
         self.nursery.start_soon(self._read_on_loop, req, fh, off, size)
 
     async def _read_on_loop(self, req: int, fh: int, off: int, size: int) -> None:
