@@ -91,6 +91,29 @@ class _Request:
         self.deadline = deadline
 
 
+def land(request: _Request, lengths: Any, size: int) -> list[memoryview] | None:
+    """Where a reply of *size* payload bytes lands: each item's bytes
+    straight into its read's buffer (zeros past a chunk's end are written
+    here); None when the lengths do not fit the items and the payload."""
+    if (
+        not isinstance(lengths, list)
+        or len(lengths) != len(request.items)
+        or not all(type(n) is int for n in lengths)
+        or sum(n for n in lengths if n > 0) != size
+    ):
+        return None
+    views = []
+    for (p, _, read), n in zip(request.items, lengths, strict=True):
+        if n < 0:
+            continue
+        dst = p[4]
+        if n:
+            views.append(read.out[dst : dst + n])
+        if n < p[3]:
+            read.out[dst + n : dst + p[3]] = bytes(p[3] - n)
+    return views
+
+
 class NodeChannel:
     """The connection to one storage node and its reply thread."""
 
@@ -182,41 +205,23 @@ class NodeChannel:
     # ---- the reply thread ---------------------------------------------------
 
     def _place(self, body: dict[Any, Any], size: int) -> Sequence[memoryview] | None:
-        """Where a reply's payload lands: each item's bytes straight into its
-        read's buffer (zeros past a chunk's end written here)."""
         request = self.pending.get(body.get("i"))  # type: ignore[arg-type]
         result = body.get("r")
         if request is None or "e" in body or not isinstance(result, dict):
             return None
-        lengths = result.get("lengths")
-        if (
-            not isinstance(lengths, list)
-            or len(lengths) != len(request.items)
-            or sum(n for n in lengths if isinstance(n, int) and n > 0) != size
-        ):
-            return None
-        views = []
-        for (p, _, read), n in zip(request.items, lengths, strict=True):
-            if not isinstance(n, int) or n < 0:
-                continue
-            dst = p[4]
-            if n:
-                views.append(read.out[dst : dst + n])
-            if n < p[3]:
-                read.out[dst + n : dst + p[3]] = bytes(p[3] - n)
-        return views
+        return land(request, result.get("lengths"), size)
 
     def _replies(self) -> None:
         frames = self.frames
         assert frames is not None
         try:
             while not self.broken:
-                body, _, placed = frames.receive_frame(self._place, idle=True)
+                body, payload, placed = frames.receive_frame(self._place, idle=True)
                 call_id = body.get("i")
                 with self.lock:
                     request = self.pending.pop(call_id, None)  # type: ignore[arg-type]
                 if request is not None:
-                    self.owner.answered(request, body, placed)
+                    self.owner.answered(request, body, placed, empty=payload is None)
                 elif call_id == 0 and "e" in body:  # the server refused a frame
                     raise FsError.from_wire(body["e"])
                 self.check_deadlines()
@@ -331,14 +336,18 @@ class ReadChannels:
 
     # ---- the reply threads --------------------------------------------------
 
-    def answered(self, request: _Request, body: dict[Any, Any], placed: bool) -> None:
-        """A reply is in: its failed items noted (its bytes are in place)."""
+    def answered(self, request: _Request, body: dict[Any, Any], placed: bool, empty: bool) -> None:
+        """A reply is in: its failed items noted. *placed*: its payload went
+        into place; *empty*: it had none (nothing to place but the zeros of
+        short items); neither: it did not fit its lengths."""
         if "e" in body:
             self.failed(request, FsError.from_wire(body["e"]).code)
             return
         result = body.get("r")
         lengths = result.get("lengths") if isinstance(result, dict) else None
-        if not placed or not isinstance(lengths, list):  # lengths that do not fit the payload
+        if not isinstance(lengths, list) or not (
+            placed or (empty and land(request, lengths, 0) is not None)
+        ):
             self.failed(request, errno.EPROTO)
             return
         self._finish(

@@ -13,10 +13,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import trio
+from prometheus_client.metrics_core import Metric
 
 from shufflefs.cluster.metrics import start_metrics
 from shufflefs.cluster.metrics_catalog import (
@@ -112,6 +113,7 @@ async def start_client_metrics(
     mgmtd: str,
     kind: str = "mount",
     reads: bool = True,
+    collectors: Sequence[Callable[[], Iterable[Metric]]] = (),
 ) -> str | None:
     """A client's one call: count its I/O and serve it at *address*,
     announced to mgmtd under the client's name (nothing without *address*)."""
@@ -119,7 +121,15 @@ async def start_client_metrics(
         return None
     instrument(fs, reads=reads)
     try:
-        return await start_metrics(nursery, address, kind=kind, rpc=rpc, mgmtd=mgmtd, name=fs.name)
+        return await start_metrics(
+            nursery,
+            address,
+            kind=kind,
+            rpc=rpc,
+            mgmtd=mgmtd,
+            name=fs.name,
+            collectors=collectors,
+        )
     except FsError as exc:
         # one client config serves every host, and its address may not be
         # this host's: a client without metrics beats one that does not run

@@ -58,12 +58,20 @@ def format_on_hosts(
 
 
 def mount_on_host(
-    local: LocalCluster, mountpoint: Path, netns: str, timeout: float = START_TIMEOUT
+    local: LocalCluster,
+    mountpoint: Path,
+    netns: str,
+    timeout: float = START_TIMEOUT,
+    options: str | None = None,
 ) -> int:
     """Mount *local* at *mountpoint* by a mount process running on host
-    *netns* (seen by every process of this machine); returns its pid.
-    `lifecycle.down` unmounts it and stops it like any mount of the cluster."""
-    proc = replace(local.mount_process(mountpoint), netns=netns)
+    *netns* (seen by every process of this machine), with ``-o options``;
+    returns its pid. `lifecycle.down` unmounts it and stops it like any
+    mount of the cluster."""
+    proc = local.mount_process(mountpoint)
+    if options:
+        proc = replace(proc, argv=(*proc.argv[:-1], "-o", options, proc.argv[-1]))
+    proc = replace(proc, netns=netns)
     mountpoint.mkdir(parents=True, exist_ok=True)
     pid = procs.start(proc)
     try:
@@ -139,8 +147,16 @@ class RemoteCluster:
             raise
 
     def mount(self, mountpoint: Path, reader: int = 1) -> int:
-        """Mount the cluster at *mountpoint* from reader host *reader*."""
-        return mount_on_host(self.local, mountpoint, self.reader_netns(reader))
+        """Mount the cluster at *mountpoint* from reader host *reader*, its
+        metrics served on that host's address (the client config's address
+        is the bridge's, which only this machine's own host has)."""
+        host = self.storage_hosts + reader
+        return mount_on_host(
+            self.local,
+            mountpoint,
+            self.reader_netns(reader),
+            options=f"metrics={self.hosts.address(host)}:0",
+        )
 
     def stop(self) -> None:
         with uninterrupted():

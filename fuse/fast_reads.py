@@ -42,11 +42,14 @@ import logging
 import select
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from shufflefs.client.channel_reads import NOT_CONNECTED, ChannelRead, ReadChannels
 from shufflefs.client.fs import FileSystem
@@ -120,6 +123,26 @@ def _address(data: Any) -> tuple[Any, int]:
     return buf, view.nbytes
 
 
+@dataclass
+class FastReadCounts:
+    """READs by what the fast path did with them (counted on the loop's
+    thread only, exported when scraped: nothing on the READ's way)."""
+
+    taken: int = 0  # taken off the loop (answered there, or after a failure on the loop)
+    fell_back: int = 0  # of those, answered on the loop after a failure
+    declined: int = 0  # left to pyfuse3 (local replica, no connection yet, unknown handle...)
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "shufflefs_client_fast_reads",
+            "READs of a mount by what its fast path (fuse/fast_reads.py) did with them",
+            labels=["outcome"],
+        )
+        for outcome in ("taken", "fell_back", "declined"):
+            family.add_metric([outcome], getattr(self, outcome))
+        yield family
+
+
 class FastReads:
     """The fast READ path of one mount (see the module docstring)."""
 
@@ -129,6 +152,7 @@ class FastReads:
         fs: FileSystem,
         secret: bytes,
         nursery: trio.Nursery,
+        counts: FastReadCounts | None = None,
         on_read: Callable[[float, int], None] | None = None,
     ) -> None:
         self.ops = ops
@@ -148,8 +172,7 @@ class FastReads:
         self.on_read = on_read  # (started, bytes) of every read answered here: metrics
         self._replying = threading.Lock()  # held while answering; `close` takes it last
         self.closed = False
-        self.taken = 0  # READs taken here (for tests and stats)
-        self.fell_back = 0  # of which answered on the loop after all
+        self.counts = counts or FastReadCounts()
         self._warned = False
 
     def install(self) -> None:
@@ -168,6 +191,8 @@ class FastReads:
                 self._warned = True
                 log.exception("fast READ of inode %d failed: such READs go the usual way", ino)
             took = False
+        if not took:
+            self.counts.declined += 1
         if self._draining:
             self._took = took
         elif took:
@@ -232,7 +257,7 @@ class FastReads:
         out = bytearray(n)
         done = functools.partial(self._done, req, fh, off, size, out, started)
         self.channels.submit(pieces, memoryview(out), done)
-        self.taken += 1
+        self.counts.taken += 1
         ops.handed(ino, off, n)
         return True
 
@@ -288,7 +313,7 @@ class FastReads:
         self, req: int, fh: int, off: int, size: int, failures: Sequence[tuple[int, int]]
     ) -> None:
         """(the loop) Read it the usual way, avoiding the replicas that failed."""
-        self.fell_back += 1
+        self.counts.fell_back += 1
         storage = self.fs.storage
         routing = storage.routing.current
         for tid, code in set(failures):

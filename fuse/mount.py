@@ -26,7 +26,7 @@ from shufflefs.cluster.launcher import unmount, wait_mounted
 from shufflefs.cluster.metrics_client import read_counter, start_client_metrics
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.fuse.fast_reads import FastReads
+from shufflefs.fuse.fast_reads import FastReadCounts, FastReads
 from shufflefs.fuse.mount_options import MountOptions, parse_options
 from shufflefs.fuse.ops import ShuffleOps
 from shufflefs.fuse.read_inode import READ_INODES
@@ -79,8 +79,14 @@ async def run_mount(
         )
         fs = FileSystem(rpc, routing, client_options)
         await fs.start(nursery)
+        fast_counts = FastReadCounts()
         await start_client_metrics(
-            nursery, fs, options.metrics or config.mount_metrics, rpc=rpc, mgmtd=config.mgmtd
+            nursery,
+            fs,
+            options.metrics or config.mount_metrics,
+            rpc=rpc,
+            mgmtd=config.mgmtd,
+            collectors=[fast_counts.collect],
         )
         ops = ShuffleOps(fs, options)
         await ops.start(nursery)
@@ -97,7 +103,7 @@ async def run_mount(
             else:
                 log.warning("cache=immutable: opens stay on (READs would not name their inode)")
         if hooked and options.fast_reads:
-            fast = FastReads(ops, fs, secret, nursery, on_read=read_counter(fs))
+            fast = FastReads(ops, fs, secret, nursery, fast_counts, on_read=read_counter(fs))
             fast.install()
         log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
         try:

@@ -78,6 +78,7 @@ class StorageDaemon:
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
         self.service: StorageService | None = None
+        self.server: RpcServer | None = None
         self.routing: RoutingCache | None = None
         self.node_id: int | None = None
         self.port: int | None = None
@@ -116,7 +117,9 @@ class StorageDaemon:
             )
             self.service = service
             await service.capacity.refresh()
-            server = RpcServer(secret, [service], name="storage", channel_threads=config.io_threads)
+            server = self.server = RpcServer(
+                secret, [service], name="storage", channel_threads=config.io_threads
+            )
             host, port = listen_address(config.listen)
 
             def on_registered(result: RegisterResult) -> None:

@@ -55,6 +55,7 @@ from shufflefs.rpc import FsError, RpcClient, RpcServer, open_rpc_client
 from shufflefs.rpc.retry import Backoff, retrying
 from shufflefs.storage.config import StorageConfig
 from shufflefs.storage.daemon import StorageDaemon
+from shufflefs.storage.layout import CHUNKS_DIR, chunk_dir_name
 from shufflefs.storage.protocol import ChunkInfo, StorageStub, WriteResult
 from shufflefs.storage.service import StorageService
 from shufflefs.storage.store import ChunkStore
@@ -100,6 +101,13 @@ class Node:
 
     def store(self, target: int) -> ChunkStore:
         return self.service.node.store(target)
+
+    def service_calls(self, method: str) -> int:
+        """Calls of *method* this node's rpc server answered (loop and channels)."""
+        assert self.daemon is not None and self.daemon.server is not None
+        server = self.daemon.server
+        on_channels = server.channels.calls[method] if server.channels is not None else 0
+        return server.builtin.calls[method] + on_channels
 
     @property
     def target_ids(self) -> list[int]:
@@ -241,6 +249,12 @@ class ChainCluster:
             if node.daemon is not None and not node.stopped.is_set() and target in node.target_ids:
                 return node
         raise KeyError(target)
+
+    def chunk_file(self, target: int, cid: bytes) -> Path:
+        """The committed file of chunk *cid* on *target* (to damage it)."""
+        folder = self.node_of(target).store(target).path / CHUNKS_DIR / chunk_dir_name(cid)
+        (found,) = [p for p in folder.iterdir() if p.name.startswith(cid.hex())]
+        return found
 
     def stub_for(self, target: int, timeout: float = 30.0) -> StorageStub:
         return StorageStub(self.rpc, self.routing.current.target_address(target), timeout=timeout)

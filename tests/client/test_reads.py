@@ -27,7 +27,6 @@ from shufflefs.client.storage_client import StorageClient
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.layout import CHUNKS_DIR, chunk_dir_name
 from shufflefs.storage.protocol import chunk_id
 
 BLOCK = 512  # the test daemons' block size
@@ -213,9 +212,7 @@ async def test_checksum_failure_reads_another_replica(cluster: ChainCluster) -> 
     cid = chunk_id(INO, 0)
     targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
     damaged = targets[0]
-    folder = cluster.node_of(damaged).store(damaged).path / CHUNKS_DIR / chunk_dir_name(cid)
-    (chunk_file,) = [p for p in folder.iterdir() if p.name.startswith(cid.hex())]
-    flip(chunk_file, 1000)
+    flip(cluster.chunk_file(damaged, cid), 1000)
     for t in targets[1:]:
         storage.replicas.outstanding[t] += 100  # so the damaged one is asked first
     assert await read(storage, [(INO, layout, 0, CS)]) == data  # never the damaged bytes
@@ -336,9 +333,7 @@ async def test_damaged_replica_inside_a_coalesced_frame(cluster: ChainCluster) -
     targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
     damaged = targets[0]
     cid = chunk_id(INO, 0)
-    folder = cluster.node_of(damaged).store(damaged).path / CHUNKS_DIR / chunk_dir_name(cid)
-    (chunk_file,) = [p for p in folder.iterdir() if p.name.startswith(cid.hex())]
-    flip(chunk_file, 3 * BLOCK + 5)
+    flip(cluster.chunk_file(damaged, cid), 3 * BLOCK + 5)
     for t in targets[1:]:
         storage.replicas.outstanding[t] += 1000  # so the damaged one is asked first
     ranges = [(3 * BLOCK, BLOCK), (CS + 100, 300), (0, CS), (CS, BLOCK), (3 * BLOCK + 5, 1)] * 3

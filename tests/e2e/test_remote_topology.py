@@ -22,6 +22,7 @@ import pytest
 from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
 from harness import interruptible
 from loadgen import content
+from opsworld import total
 
 from shufflefs.cluster.netns import NETNS_DIR, enter_command, ip, namespaces_available
 from shufflefs.cluster.netns_cluster import RemoteCluster
@@ -201,6 +202,11 @@ def test_storage_host_killed_and_cut_during_remote_reads(remote: Remote, tmp_pat
     assert result["reads"] > 50
     assert result["failures"] == 0, result["errors"]
     assert result["wrong"] == 0
+    # the READs were taken off the mount's event loop (fuse/fast_reads.py),
+    # and the ones that met the dead or cut host were answered the usual way
+    (mount,) = [m for m in c.status()["clients"] if m["kind"] == "mount"]
+    assert total(mount["metrics"], "shufflefs_client_fast_reads", outcome="taken") > 50
+    assert total(mount["metrics"], "shufflefs_client_fast_reads", outcome="fell_back") > 0
     c.restart_missing()
     c.all_serving()
 

@@ -1,0 +1,181 @@
+"""The mount's fast READs (fuse/fast_reads.py), taken off the event loop and
+answered by reply threads, through a real mount that reads through the
+storage daemons (``-o no_local_reads``, as a reader off the storage hosts
+does): exact bytes at chunk and block edges from many readers at once (their
+READs drained from the kernel's queue and coalesced per node), a damaged
+replica never served, a file's own writes read back while they are in flight,
+the counters showing the path was taken, and ``no_fast_reads`` turning it off."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clusters import ProcessCluster, chunk_files
+from harness import flip, shufflefs
+from opsworld import total
+
+MiB = 1 << 20
+CHUNK = MiB  # the test cluster's chunk size
+SIZE = 5 * MiB + 777
+FAMILY = "shufflefs_client_fast_reads"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FastMount:
+    def __init__(self, mountpoint: Path, metrics: str) -> None:
+        self.mountpoint = mountpoint
+        self.metrics = f"http://{metrics}/metrics"
+
+    def count(self, outcome: str) -> float:
+        return total(self.metrics, FAMILY, outcome=outcome)
+
+
+def mount(cluster: ProcessCluster, where: Path, options: str) -> Iterator[FastMount]:
+    metrics = f"127.0.0.1:{free_port()}"
+    shufflefs(
+        "mount",
+        "--config",
+        str(cluster.client_config),
+        "-o",
+        f"{options},metrics={metrics}",
+        str(where),
+    )
+    try:
+        yield FastMount(where, metrics)
+    finally:
+        shufflefs("umount", str(where))
+
+
+@pytest.fixture(scope="module")
+def fast(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FastMount]:
+    yield from mount(mounted, tmp_path_factory.mktemp("fast-mount"), "no_local_reads")
+
+
+def direct_reads(path: Path, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """O_DIRECT preads (every one reaches the mount process)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 4 * MiB)
+    try:
+        out = []
+        for off, n in ranges:
+            got = os.preadv(fd, [memoryview(buf)[:n]], off)
+            out.append(bytes(buf[:got]))
+        return out
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+EDGES = [
+    (0, 4096),
+    (1, 1),
+    (511, 2),  # across a CRC block edge
+    (4095, 8193),
+    (CHUNK - 1, 1),  # the last byte of a chunk
+    (CHUNK - 3, 6),  # across a chunk edge
+    (CHUNK, 4096),
+    (CHUNK - 100_000, 2 * CHUNK + 200_000),  # three chunks, the middle one whole
+    (SIZE - 5, 100),  # past the end: short
+    (SIZE + 10, 4096),  # beyond the end: nothing
+]
+
+
+def read_concurrently(path: Path, per_reader: list[list[tuple[int, int]]]) -> list[list[bytes]]:
+    """Each list of ranges read by its own thread, all at once (their READs
+    meet in the kernel's queue and are drained and coalesced together)."""
+    results: list[list[bytes]] = [[] for _ in per_reader]
+    errors: list[BaseException] = []
+
+    def reader(i: int) -> None:
+        try:
+            results[i] = direct_reads(path, per_reader[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(len(per_reader))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    return results
+
+
+def test_many_readers_get_exact_bytes_at_every_edge(fast: FastMount) -> None:
+    data = os.urandom(SIZE)
+    path = fast.mountpoint / "edges.bin"
+    path.write_bytes(data)
+    direct_reads(path, [(0, 4096)])  # connections to the daemons open meanwhile
+    taken = fast.count("taken")
+    rng = random.Random(7)
+    per_reader = [
+        EDGES + [(rng.randrange(SIZE), rng.choice([512, 4096, 5000, 65536])) for _ in range(150)]
+        for _ in range(8)
+    ]
+    results = read_concurrently(path, per_reader)
+    for ranges, got in zip(per_reader, results, strict=True):
+        for (off, n), b in zip(ranges, got, strict=True):
+            assert b == data[off : off + n], (off, n)
+    assert fast.count("taken") - taken >= sum(len(r) for r in per_reader) * 0.9
+    assert fast.count("fell_back") == 0
+
+
+def test_a_damaged_replica_is_never_served(fast: FastMount, mounted: ProcessCluster) -> None:
+    data = os.urandom(3 * CHUNK)
+    path = fast.mountpoint / "damaged.bin"
+    path.write_bytes(data)
+    ino = path.stat().st_ino
+    files = chunk_files(mounted.data_dir, ino)
+    assert len(files) == 9  # three chunks, three replicas
+    by_chunk: dict[str, list[Path]] = {}
+    for f in files:
+        by_chunk.setdefault(f.name[:24], []).append(f)
+    for replicas in by_chunk.values():
+        for f in sorted(replicas)[:2]:  # two of the three replicas of every chunk
+            flip(f, 70_000)
+    fell_back = fast.count("fell_back")
+    # concurrent READs are spread over the replicas: most meet a damaged one
+    ranges = [(off + 69_632, 8192) for off in (0, CHUNK, 2 * CHUNK)] * 10
+    for got in read_concurrently(path, [ranges] * 6):
+        for (off, n), b in zip(ranges, got, strict=True):
+            assert b == data[off : off + n], (off, n)
+    assert fast.count("fell_back") > fell_back  # met a damaged block, read another replica
+
+
+def test_a_files_own_writes_are_read_back_while_in_flight(fast: FastMount) -> None:
+    path = fast.mountpoint / "inflight.bin"
+    data = os.urandom(3 * MiB)
+    with open(path, "w+b", buffering=0) as f:
+        f.write(data)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            buf = mmap.mmap(-1, 3 * MiB)
+            n = os.preadv(fd, [buf], 0)
+            assert bytes(buf[:n]) == data
+        finally:
+            os.close(fd)
+    assert path.read_bytes() == data
+
+
+def test_no_fast_reads_reads_the_same_bytes_the_usual_way(
+    mounted: ProcessCluster, tmp_path: Path
+) -> None:
+    (tmp_path / "slow-mount").mkdir()
+    for slow in mount(mounted, tmp_path / "slow-mount", "no_local_reads,no_fast_reads"):
+        data = os.urandom(2 * MiB + 3)
+        path = slow.mountpoint / "slow.bin"
+        path.write_bytes(data)
+        assert direct_reads(path, [(0, len(data)), (MiB - 1, 2)]) == [data, data[MiB - 1 : MiB + 1]]
+        assert slow.count("taken") == 0
