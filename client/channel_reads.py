@@ -34,6 +34,7 @@ import logging
 import socket
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -277,16 +278,29 @@ class ReadChannels:
         self.failed_reads = 0
 
     def connected(self, routing: Routing, chains: Iterable[int]) -> bool:
-        """Whether every serving replica of *chains* has a connection now
-        (those that do not get one opened in the background)."""
+        """Whether each of *chains* has a serving replica with a connection
+        now (the replicas without one get one opened in the background, and
+        `flush` chooses among those with one)."""
         ok = True
         for chain in chains:
+            found = False
             for target in self.replicas.serving(routing, chain):
                 address = routing.target_address(target["id"])
-                if address not in self.channels:
+                if address in self.channels:
+                    found = True
+                else:
                     self._connect_later(address)
-                    ok = False
+            ok = ok and found
         return ok
+
+    def _unconnected(self, routing: Routing, chains: Iterable[int]) -> dict[int, set[int]]:
+        """Per chain, its serving replicas without a connection (not chosen)."""
+        avoid: dict[int, set[int]] = defaultdict(set)
+        for chain in chains:
+            for target in self.replicas.serving(routing, chain):
+                if routing.target_address(target["id"]) not in self.channels:
+                    avoid[chain].add(target["id"])
+        return avoid
 
     def submit(
         self, pieces: list[Piece], out: memoryview, done: Callable[[ChannelRead], None]
@@ -298,21 +312,38 @@ class ReadChannels:
         self.batch.append(read)
         return read
 
-    def flush(self, routing: Routing) -> None:
-        """Send the batch (event loop's thread): replicas chosen for all its
+    def flush(self, routing: Callable[[], Routing]) -> None:
+        """Send the batch (event loop's thread) by the routing map *routing*
+        gives now: replicas chosen for all its
         pieces at once, one frame per storage node (as the wire limits
-        allow), every frame registered before any is sent."""
+        allow), every frame registered before any is sent. Never raises:
+        whatever goes wrong fails the reads concerned (their ``done`` says
+        so), so that none is left unanswered."""
         batch, self.batch = self.batch, []
         if not batch:
             return
-        owner = {id(p): r for r in batch for p in r.pieces}
-        deadline = time.monotonic() + self.timeout
         try:
-            groups = self.replicas.assign(routing, [p for r in batch for p in r.pieces])
+            self._send_batch(routing(), batch)
+        except Exception as exc:
+            log.exception("sending a batch of %d reads failed", len(batch))
+            with self.lock:
+                for read in batch:
+                    read.failures.append((-1, getattr(exc, "errno", None) or errno.EIO))
+        for read in batch:  # the hold: now only replies can end them
+            self._release(read)
+
+    def _send_batch(self, routing: Routing, batch: list[ChannelRead]) -> None:
+        owner = {id(p): r for r in batch for p in r.pieces}
+        pieces = [p for r in batch for p in r.pieces]
+        deadline = time.monotonic() + self.timeout
+        avoid = self._unconnected(routing, {p[0] for p in pieces})
+        try:
+            groups = self.replicas.assign(routing, pieces, avoid or None)
         except FsError as exc:  # a chain with no serving replica: the slow path says so
             groups = {}
-            for read in batch:
-                read.failures.append((-1, exc.code))
+            with self.lock:
+                for read in batch:
+                    read.failures.append((-1, exc.code))
         used: list[NodeChannel] = []
         for address, placed in groups.items():
             channel = self.channels.get(address)
@@ -331,8 +362,6 @@ class ReadChannels:
         for channel in used:
             channel.send()
         self.sent += len(batch)
-        for read in batch:  # the hold: now only replies can end them
-            self._release(read)
 
     # ---- the reply threads --------------------------------------------------
 

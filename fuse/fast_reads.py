@@ -196,8 +196,11 @@ class FastReads:
         if self._draining:
             self._took = took
         elif took:
-            self._drain()
-            self.channels.flush(self.fs.storage.routing.current)
+            try:
+                self._drain()
+            except Exception:  # (what was dispatched is answered, each on its own way)
+                log.exception("taking the READs waiting behind one failed")
+            self.channels.flush(self._routing)
         return took
 
     def _drain(self) -> None:
@@ -261,6 +264,9 @@ class FastReads:
         ops.handed(ino, off, n)
         return True
 
+    def _routing(self) -> Routing:
+        return self.fs.storage.routing.current
+
     def _local_replica(self, routing: Routing, chains: set[int]) -> bool:
         """Does one of *chains* have a serving replica on this host, which
         the short circuit reads (when it is on)?"""
@@ -298,7 +304,9 @@ class FastReads:
             if self.closed:
                 return
             ret = self.libfuse.reply_buf(req, buf, n)
-        if ret:
+        if ret == -errno.ENOENT:  # the reader was interrupted (killed) meanwhile
+            log.debug("fuse_reply_buf: request already gone")
+        elif ret:
             log.error("fuse_reply_buf failed: %s", errno.errorcode.get(-ret, ret))
         elif self.on_read is not None:
             self.on_read(started, n)

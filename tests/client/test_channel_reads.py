@@ -2,7 +2,8 @@
 READs use) against three real storage daemons serving thread channels and a
 real mgmtd in this process: exact bytes at chunk and block edges with many
 reads coalesced into one frame per node, damaged blocks never served, a
-dead or silent node failing its reads for the slow path to take over."""
+node dying or going silent with reads in flight failing them for the slow
+path to take over, and a dead node's replicas not chosen again."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shufflefs.client.layout import Extent, plan
 from shufflefs.client.storage_client import StorageClient
 from shufflefs.metadata.protocol import Layout
 from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.store import ChunkStore
 
 BLOCK = 512  # the test daemons' block size
 INO = 4343
@@ -70,7 +72,7 @@ async def read_batch(
         channels.submit(plan([e]), memoryview(out), lambda r: finished.release())
         for e, out in zip(extents, outs, strict=True)
     ]
-    channels.flush(storage.routing.current)
+    channels.flush(lambda: storage.routing.current)
     for _ in reads:  # `done` runs on a reply thread: wait for it off the loop
         assert await trio.to_thread.run_sync(finished.acquire, True, 10)
     return [(r, bytes(out)) for r, out in zip(reads, outs, strict=True)]
@@ -120,34 +122,8 @@ async def test_a_damaged_block_is_never_served(cluster: ChainCluster) -> None:
     channels.close()
 
 
-async def test_a_dead_node_fails_its_reads(cluster: ChainCluster) -> None:
-    storage, layout = await setup(cluster, chains=1)
-    data = os.urandom(2 * CS)
-    await storage.writes.write(INO, layout, 0, data)
-    channels = ReadChannels(cluster.secret_file.read_bytes(), storage.replicas)
-    await connected(channels, storage, layout)
-    targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
-    victim = targets[0]
-    await cluster.stop_node(cluster.node_of(victim), clean=False)  # mgmtd is not told
-    for t in targets[1:]:
-        storage.replicas.outstanding[t] += 100
-    ((read, _),) = await read_batch(channels, storage, [(INO, layout, 0, 2 * CS)])
-    assert not read.ok
-    assert {tid for tid, _ in read.failures} == {victim}
-    assert {code for _, code in read.failures} <= {errno.ECONNRESET, errno.ENOTCONN}
-    for t in targets[1:]:
-        storage.replicas.outstanding[t] -= 100
-    assert storage.replicas.outstanding[victim] == 0
-    channels.close()
-
-
-async def test_a_silent_node_is_given_up_at_the_deadline(cluster: ChainCluster) -> None:
-    storage, layout = await setup(cluster, chains=1)
-    await storage.writes.write(INO, layout, 0, os.urandom(CS))
-    channels = ReadChannels(cluster.secret_file.read_bytes(), storage.replicas, timeout=0.3)
-    await connected(channels, storage, layout)
-    targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
-    store = cluster.node_of(targets[0]).store(targets[0])
+def stuck_reads(store: ChunkStore) -> threading.Event:
+    """Make *store*'s reads wait (off the page-cache path) until the event is set."""
     release = threading.Event()
     real_read = store.read
 
@@ -157,6 +133,50 @@ async def test_a_silent_node_is_given_up_at_the_deadline(cluster: ChainCluster) 
 
     store.read_nowait = lambda *args: None  # type: ignore[method-assign]
     store.read = stuck  # type: ignore[method-assign]
+    return release
+
+
+async def test_a_node_dying_with_reads_in_flight_fails_them_then_is_avoided(
+    cluster: ChainCluster,
+) -> None:
+    storage, layout = await setup(cluster, chains=1)
+    data = os.urandom(2 * CS)
+    await storage.writes.write(INO, layout, 0, data)
+    channels = ReadChannels(cluster.secret_file.read_bytes(), storage.replicas)
+    await connected(channels, storage, layout)
+    targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
+    victim = targets[0]
+    release = stuck_reads(cluster.node_of(victim).store(victim))
+    for t in targets[1:]:
+        storage.replicas.outstanding[t] += 100  # so the victim is asked
+    out = bytearray(2 * CS)
+    finished = threading.Semaphore(0)
+    read = channels.submit(
+        plan([(INO, layout, 0, 2 * CS)]), memoryview(out), lambda r: finished.release()
+    )
+    channels.flush(lambda: storage.routing.current)
+    await trio.sleep(0.2)  # the request is at the victim, waiting for its disk
+    await cluster.stop_node(cluster.node_of(victim), clean=False)  # mgmtd is not told
+    release.set()
+    assert await trio.to_thread.run_sync(finished.acquire, True, 10)
+    assert {tid for tid, _ in read.failures} == {victim}
+    assert {code for _, code in read.failures} == {errno.ECONNRESET}
+    # its connection is gone: the next reads go to the others, which answer
+    ((again, got),) = await read_batch(channels, storage, [(INO, layout, 0, 2 * CS)])
+    assert again.ok and got == data
+    for t in targets[1:]:
+        storage.replicas.outstanding[t] -= 100
+    assert all(v == 0 for v in storage.replicas.outstanding.values())
+    channels.close()
+
+
+async def test_a_silent_node_is_given_up_at_the_deadline(cluster: ChainCluster) -> None:
+    storage, layout = await setup(cluster, chains=1)
+    await storage.writes.write(INO, layout, 0, os.urandom(CS))
+    channels = ReadChannels(cluster.secret_file.read_bytes(), storage.replicas, timeout=0.3)
+    await connected(channels, storage, layout)
+    targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
+    release = stuck_reads(cluster.node_of(targets[0]).store(targets[0]))
     try:
         for t in targets[1:]:
             storage.replicas.outstanding[t] += 100
