@@ -2,8 +2,9 @@
 
 The FUSE mount's READs come in on pyfuse3's trio loop. Taking each one
 through a trio task, the rpc client's waits and the loop's wake-ups costs
-more than the read itself (docs/storage.md, "Thread channels"). Here reads
-are planned and sent without waiting for anything: `ReadChannels.submit`
+more than the read itself (docs/storage.md, "Thread channels and the
+mount's fast READs"). Here reads are planned and sent without waiting for
+anything: `ReadChannels.submit`
 adds a read's chunk pieces to the current batch, and `flush` sends the
 batch: the replicas are chosen for all its pieces at once (`Replicas.assign`,
 as for any batch: a chain with few pieces gets one replica, one with many

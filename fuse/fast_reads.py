@@ -2,31 +2,33 @@
 
 A READ that pyfuse3 handles runs as a coroutine on its trio loop, and a
 read through a storage daemon then costs the loop's waits and wake-ups on
-top of the network round trip (docs/storage.md, "Thread channels"). Here the
-READ is taken in the libfuse callback itself (`ReadInodes.fast`,
-fuse/read_inode.py), before pyfuse3 sees it: `FastReads.read` plans it, picks
-the replicas, queues one request per storage node (client/channel_reads.py)
+top of the network round trip (docs/storage.md, "Thread channels and the
+mount's fast READs"). Here the READ is taken in the libfuse callback itself
+(`ReadInodes.fast`, fuse/read_inode.py), before pyfuse3 sees it:
+`FastReads.read` plans it into the current batch (client/channel_reads.py)
 and, before it returns, takes the READs already waiting in the kernel's
 queue behind it the same way (`_drain`: receiving and dispatching them as
 pyfuse3's loop would, without a trip through that loop each), then sends
-every queued request at once, one ``sendmsg`` per storage node. The reply
-thread of each storage node's connection receives the bytes straight into
-the READ's buffer and the last one answers the kernel (``fuse_reply_buf``,
-libfuse's own call, which any thread may make). No task, no trio wait, no
-thread hop; under load, one system call and one wake-up on each side carry
-many READs (the storage daemon's thread channel holds its replies back the
-same way while more requests are buffered, rpc/channel.py).
+the batch: replicas chosen for all its pieces at once, one frame and one
+``sendmsg`` per storage node. The reply thread of each storage node's
+connection receives the bytes straight into the READs' buffers and answers
+the kernel (``fuse_reply_buf``, libfuse's own call, which any thread may
+make) once a READ's last frame is in. No task, no trio wait, no thread hop;
+under load, one system call and one wake-up on each side carry many READs
+(the storage daemon's thread channel holds its replies back the same way
+while more requests are buffered, rpc/channel.py).
 
 It takes a READ only when it can be answered exactly as `ShuffleOps.read`
 would: a known handle of a regular file open for reading, with none of this
-mount's writes in flight for it; no piece on this host's own targets (the
-short circuit serves those, on the loop); a connection to every node the
-read needs. Bytes the prefetcher holds (fuse/prefetch.py) are answered at
-once. Everything else, and any READ whose fast attempt fails (a replica
-that is not serving, a checksum error, a reply that does not come in time,
-a broken connection), goes through `ShuffleOps.read_handle` on the loop,
-which fails over, retries and reports, and answers the kernel itself; the
-replicas that failed are marked so that it avoids them.
+mount's writes in flight for it; no chain with a replica on this host (the
+short circuit serves those, on the loop); a connection to a replica of
+every chain the read needs. Bytes the prefetcher holds (fuse/prefetch.py)
+are answered at once. Everything else, and any READ whose fast attempt
+fails (a replica that is not serving, a checksum error, a reply that does
+not come in time, a broken connection), goes through
+`ShuffleOps.read_handle` on the loop, which fails over, retries and
+reports, and answers the kernel itself; the replicas that failed are
+marked so that it avoids them.
 
 `close` is called before the FUSE session is: after it nothing here
 touches a request again.

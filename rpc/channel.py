@@ -2,9 +2,8 @@
 
 A request served by the trio loop pays for the loop itself: the readiness
 wait, the wake-up, the task switch and the scheduler's own bookkeeping. For
-a page-cache read that is most of the cost (measured on the 2-core VM of
-docs/storage.md, "Thread channels": about 120 us of the storage daemon's CPU
-per 4 KiB read on the loop, about 30 us on a channel). So a client may ask,
+a page-cache read that is most of the cost (docs/storage.md, "Thread
+channels and the mount's fast READs"). So a client may ask,
 with `CHANNEL_METHOD` as the first call on a fresh connection, that its
 connection be served by a thread of its own: the server answers, takes the
 socket off its loop and hands it to `ChannelServer.take`. From then on the
