@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shufflefs.fuse.fast_reads")
 
 LIBFUSE = "libfuse3.so"
+MAX_LOCAL_FILES = 65536  # inodes remembered as read by the short circuit
 DRAIN_MAX = 64  # requests taken from the kernel's queue per READ, at most (the loop waits)
 
 
@@ -171,6 +172,9 @@ class FastReads:
         self._buf = FuseBuf()  # libfuse allocates its memory on the first receive
         self._draining = False
         self._took = False
+        # inode -> the routing map in which each of its chains had a replica on
+        # this host: its READs are the short circuit's, declined at once
+        self._local_files: dict[int, Routing] = {}
         self.on_read = on_read  # (started, bytes) of every read answered here: metrics
         self._replying = threading.Lock()  # held while answering; `close` takes it last
         self.closed = False
@@ -178,7 +182,20 @@ class FastReads:
         self._warned = False
 
     def install(self) -> None:
-        READ_INODES.fast = self.read
+        routing = self.fs.storage.routing
+        routing.listeners.append(self._routing_changed)
+        self._routing_changed(routing.current)
+
+    def _routing_changed(self, routing: Routing) -> None:
+        """Take READs only when there is something to take: with the short
+        circuit on and a replica of every chain on this host (a cluster of
+        one host), every READ is the short circuit's and the hook is off."""
+        if self.closed:
+            return
+        all_local = self._local_replica(routing, set(routing.chains), every=True)
+        READ_INODES.hook_reads(None if all_local else self.read, self.ops.inode_reads is not None)
+        if all_local:
+            log.info("fast READs idle: every chain has a replica on this host")
 
     # ---- the READ callback (the loop's thread, inside libfuse's dispatch) ----
 
@@ -237,6 +254,9 @@ class FastReads:
         else:
             return False
         fs = self.fs
+        routing = fs.storage.routing.current
+        if self._local_files.get(ino) is routing:
+            return False  # every chain of the file has a replica here: the short circuit's
         f = fs.files.get(fh)
         if f is None or f.ino != ino or f.layout is None or not f.readable:
             return False
@@ -256,9 +276,16 @@ class FastReads:
             return True
         pieces = plan(extents)
         chains = {p[0] for p in pieces}
-        routing = fs.storage.routing.current
-        if self._local_replica(routing, chains) or not self.channels.connected(routing, chains):
-            return False  # the short circuit (on the loop) serves this host's targets
+        if self._local_replica(routing, chains):
+            # the short circuit (on the loop) serves this host's targets: for the
+            # whole file when each of its chains has one (declined at once next time)
+            if self._local_replica(routing, set(f.layout["chains"]), every=True):
+                if len(self._local_files) >= MAX_LOCAL_FILES:
+                    self._local_files.clear()
+                self._local_files[ino] = routing
+            return False
+        if not self.channels.connected(routing, chains):
+            return False
         out = bytearray(n)
         done = functools.partial(self._done, req, fh, off, size, out, started)
         self.channels.submit(pieces, memoryview(out), done)
@@ -269,17 +296,18 @@ class FastReads:
     def _routing(self) -> Routing:
         return self.fs.storage.routing.current
 
-    def _local_replica(self, routing: Routing, chains: set[int]) -> bool:
-        """Does one of *chains* have a serving replica on this host, which
-        the short circuit reads (when it is on)?"""
+    def _local_replica(self, routing: Routing, chains: set[int], every: bool = False) -> bool:
+        """Does one of *chains* (*every*: each of them) have a serving
+        replica on this host, which the short circuit reads (when it is on)?"""
         storage = self.fs.storage
         if not storage.local.enabled:
             return False
         local = storage.replicas.local_targets(routing)
+        if not local:
+            return False
         serving = storage.replicas.serving
-        return bool(local) and any(
-            t["id"] in local for chain in chains for t in serving(routing, chain)
-        )
+        found = (any(t["id"] in local for t in serving(routing, chain)) for chain in chains)
+        return all(found) if every else any(found)
 
     # ---- answers (a reply thread, or the loop for fallbacks) ----------------
 
@@ -346,7 +374,7 @@ class FastReads:
     def close(self) -> None:
         """Stop taking READs and answering them (before the FUSE session
         closes); connections and reply threads end."""
-        READ_INODES.fast = None
+        READ_INODES.hook_reads(None, self.ops.inode_reads is not None)
         with self._replying:
             self.closed = True
         self.channels.close()

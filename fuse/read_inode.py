@@ -39,6 +39,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pyfuse3
 
@@ -100,6 +101,7 @@ FastRead = Callable[[int, int, int, int, int], bool]  # (req, ino, size, off, fi
 # 32-bit words of bit fields, then the 64-bit handle). Not trusted blindly:
 # `ReadInodes.confirm` checks it against pyfuse3's own reading first.
 FH_OFFSET = 16
+FH_CHECKS = 4  # READs through pyfuse3 whose handle is compared (the first: before any is used)
 
 
 @dataclass
@@ -115,7 +117,20 @@ class ReadInodes:
     fh_checks: int = 0  # READs where that agreed with pyfuse3's handle
     fh_wrong: bool = False  # one disagreed: the offset is wrong for this libfuse
     session: int = 0  # libfuse's struct fuse_session * (once installed)
+    naming: bool = False  # the read slot holds the trampoline (READs name their inode)
+    # (the operation table, the read slot's index, pyfuse3's callback, the trampoline)
+    _read_slot: tuple[Any, int, int, int] | None = None
     _keep: tuple[object, ...] = ()  # the trampoline, alive while the table points at it
+
+    def hook_reads(self, fast: FastRead | None, naming: bool) -> None:
+        """Offer READs to *fast* (None: to no one); *naming*: READs must name
+        their inode (cache=immutable). With neither, pyfuse3's own callback
+        goes back into the table: not even the trampoline's call is paid."""
+        self.fast = fast
+        if self._read_slot is not None and (fast is not None or naming) != self.naming:
+            words, slot, original, trampoline = self._read_slot
+            self.naming = fast is not None or naming
+            words[slot] = trampoline if self.naming else original
 
     def take(self) -> int:
         ino, self.current = self.current, 0
@@ -126,10 +141,15 @@ class ReadInodes:
         """May the fast path read a READ's handle at FH_OFFSET?"""
         return self.fh_checks > 0 and not self.fh_wrong
 
+    @property
+    def checking(self) -> bool:
+        """Is the offset still being checked (the first `FH_CHECKS` READs)?"""
+        return self.fh_checks < FH_CHECKS and not self.fh_wrong
+
     def confirm(self, fh: int) -> None:
         """pyfuse3 handed a READ of handle *fh* to the operations: check the
         handle read at FH_OFFSET for that same READ."""
-        if self.fast is None or fh == 0 or self.fh_wrong:
+        if self.fast is None or fh == 0 or not self.checking:
             return
         if fh == self.fh_word:
             self.fh_checks += 1
@@ -203,7 +223,10 @@ class ReadInodes:
             trampoline = READ_CALLBACK(handler)
             keep.append(trampoline)
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
+            if name == "read":
+                self._read_slot = (words, slot, address[name], words[slot] or 0)
         self._keep = tuple(keep)  # alive while the table points at them
+        self.naming = True
         self.session = session
         self.installed = True
         log.info("READ and READDIRPLUS name their inode; READs may take the fast path")
@@ -221,7 +244,7 @@ class ReadInodes:
             self.current = ino
             fast = self.fast
             if fast is not None:
-                if fi:
+                if fi and self.checking:
                     self.fh_word = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
                 if fast(req, ino, size, off, fi):
                     return
