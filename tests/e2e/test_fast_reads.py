@@ -179,3 +179,17 @@ def test_no_fast_reads_reads_the_same_bytes_the_usual_way(
         path.write_bytes(data)
         assert direct_reads(path, [(0, len(data)), (MiB - 1, 2)]) == [data, data[MiB - 1 : MiB + 1]]
         assert slow.count("taken") == 0
+
+
+def test_beside_every_replica_the_short_circuit_reads_and_the_hook_is_off(
+    mounted: ProcessCluster, tmp_path: Path
+) -> None:
+    """On a one-host cluster every chain has a replica here: READs go to the
+    short circuit without even passing the fast path's hook (none declined)."""
+    (tmp_path / "local-mount").mkdir()
+    for local in mount(mounted, tmp_path / "local-mount", "rw"):
+        data = os.urandom(MiB + 5)
+        path = local.mountpoint / "local.bin"
+        path.write_bytes(data)
+        assert direct_reads(path, [(0, len(data)), (7, 4096)]) == [data, data[7:4103]]
+        assert local.count("taken") == local.count("declined") == 0
