@@ -223,7 +223,11 @@ class NodeChannel:
                 with self.lock:
                     request = self.pending.pop(call_id, None)  # type: ignore[arg-type]
                 if request is not None:
-                    self.owner.answered(request, body, placed, empty=payload is None)
+                    try:
+                        self.owner.answered(request, body, placed, empty=payload is None)
+                    except Exception:  # never leave its reads unanswered
+                        log.exception("a reply from %s could not be handled", self.address)
+                        self.owner.failed(request, errno.EIO)
                 elif call_id == 0 and "e" in body:  # the server refused a frame
                     raise FsError.from_wire(body["e"])
                 self.check_deadlines()
@@ -424,7 +428,10 @@ class ReadChannels:
     def _end(self, read: ChannelRead) -> None:
         if read.failures:
             self.failed_reads += 1
-        read.done(read)
+        try:
+            read.done(read)
+        except Exception:
+            log.exception("the end of a read could not be handled")
 
     # ---- connections -----------------------------------------------------
 
