@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import trio
@@ -52,6 +53,12 @@ from shufflefs.storage.staging import Staged
 from shufflefs.storage.store import ChunkStore
 
 log = logging.getLogger("shufflefs.storage")
+
+
+def _spread(indices: list[int], threads: int) -> list[list[int]]:
+    """*indices* cut into at most *threads* runs of about equal length."""
+    per = -(-len(indices) // threads)
+    return [indices[k : k + per] for k in range(0, len(indices), per)]
 
 
 def _read_reply(results: list[memoryview | int]) -> Reply:
@@ -123,6 +130,7 @@ class StorageService:
         self.open_target = open_target
         self.on_targets_changed = on_targets_changed
         self._add_lock = trio.Lock()
+        self._fan_out: ThreadPoolExecutor | None = None
 
     # ---- reads -----------------------------------------------------------
 
@@ -177,10 +185,20 @@ class StorageService:
 
     def read_sync(self, items: list[ReadItem]) -> Reply:
         """`read` on a thread channel's I/O thread (rpc/channel.py): the
-        page-cache misses are read right here, blocking this thread only."""
+        page-cache misses are read from here, blocking this thread only, and
+        spread over up to `io_threads` threads as on the loop, so that cold
+        reads of one request wait for the disk together, not in turn."""
         results, slow = self._read_cached(items)
         if slow:
-            self._read_blocking(slow, items, results)
+            groups = _spread(slow, self.node.io_threads)
+            if len(groups) > 1:
+                pool = self._fan_out_pool()
+                rest = [pool.submit(self._read_blocking, g, items, results) for g in groups[1:]]
+                self._read_blocking(groups[0], items, results)
+                for future in rest:
+                    future.result()
+            else:
+                self._read_blocking(slow, items, results)
             damaged = [items[i][:2] for i in slow if results[i] == -errno.EIO]
             if damaged and self.node.trio_token is not None:
                 for target, chunk in damaged:
@@ -214,13 +232,21 @@ class StorageService:
                 results[i] = data
         return results, slow
 
+    def _fan_out_pool(self) -> ThreadPoolExecutor:
+        """The threads `read_sync` spreads a request's cold items over (its
+        own: a channel's I/O thread waiting on its own pool could deadlock)."""
+        if self._fan_out is None:
+            self._fan_out = ThreadPoolExecutor(
+                self.node.io_threads, thread_name_prefix="storage-read-spread"
+            )
+        return self._fan_out
+
     async def _read_in_threads(
         self, slow: list[int], items: list[ReadItem], results: list[memoryview | int]
     ) -> None:
         """Read the items at *slow* with `ChunkStore.read`, spread over the
         io threads; queue the damaged chunks found for repair."""
-        per = -(-len(slow) // self.node.io_threads)
-        groups = [slow[k : k + per] for k in range(0, len(slow), per)]
+        groups = _spread(slow, self.node.io_threads)
         if len(groups) == 1:
             await self.node.io(self._read_blocking, groups[0], items, results)
         else:

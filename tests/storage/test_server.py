@@ -479,3 +479,36 @@ async def test_damage_under_warm_caches_is_never_served(
         )
         assert lengths == [-errno.EIO, 512, 8]
         assert bytes(payload) == data[:512] + data[1024:1032]
+
+
+async def test_read_sync_spreads_cold_items_over_threads_and_flags_damage(
+    nursery: trio.Nursery, stores: list[ChunkStore]
+) -> None:
+    """A thread channel's blocking read (`read_sync`): page-cache misses of
+    one request read by several threads at once, every byte as `read` gives
+    it, a damaged block EIO (and nothing else of the request harmed)."""
+    import threading
+
+    service = StorageService(stores, io_threads=4)
+    store = stores[0]
+    blobs = {i: os.urandom(4000 + i) for i in range(12)}
+    for i, blob in blobs.items():
+        await service.write(1, 0, 0, chunk_id(7, i), 0, CS, blob)
+    flip(store.file_path(chunk_id(7, 3)), 700)  # block 1 of chunk 3
+    readers: set[str] = set()
+    real_read = store.read
+
+    def counted(*args: Any) -> memoryview:
+        readers.add(threading.current_thread().name)
+        return real_read(*args)
+
+    store.read_nowait = lambda *args: None  # type: ignore[method-assign]
+    store.read = counted  # type: ignore[method-assign]
+    items = [(1, chunk_id(7, i), 0, 4096) for i in blobs]
+    reply = await trio.to_thread.run_sync(service.read_sync, items)
+    lengths = reply.result["lengths"]
+    assert lengths[3] == -errno.EIO
+    payload = b"".join(bytes(p) for p in reply.payload)  # type: ignore[union-attr]
+    assert [n for n in lengths if n > 0] == [len(blobs[i]) for i in blobs if i != 3]
+    assert payload == b"".join(blobs[i] for i in blobs if i != 3)
+    assert len(readers) > 1  # not one after the other in the calling thread
