@@ -12,8 +12,10 @@ one, drops the cached bytes; bad hints get their errno and change nothing.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -24,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from clusters import ProcessCluster
 from harness import shufflefs
@@ -112,6 +115,36 @@ def read_in_child(paths: list[Path], timeout: float) -> bytes | None:
         return None
 
 
+@contextmanager
+def pinned(paths: list[Path], skip: int = 0) -> Iterator[None]:
+    """The files' pages kept in the kernel's page cache (mlock through a
+    mapping; the first *skip* bytes, page-aligned, of the first file left
+    free, so they can be dropped). These VMs page out cold memory
+    proactively (DAMON), page cache too: a page read a moment ago may be
+    gone, and its READ would reach the mount as one the test did not cause."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    held: list[tuple[mmap.mmap, int]] = []
+    try:
+        for i, path in enumerate(paths):
+            with open(path, "rb") as f:
+                m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            start = skip if i == 0 else 0
+            held.append((m, start))
+            at = ctypes.c_void_p(_address(m) + start)
+            if libc.mlock(at, ctypes.c_size_t(len(m) - start)):
+                raise OSError(ctypes.get_errno(), f"mlock of {path}")
+        yield
+    finally:
+        for m, start in held:
+            libc.munlock(ctypes.c_void_p(_address(m) + start), ctypes.c_size_t(len(m) - start))
+            m.close()
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where a read-only mapping starts (ctypes takes writable buffers only)."""
+    return int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+
+
 def drop_pages(path: Path, length: int) -> None:
     """The kernel drops the first *length* bytes of *path* from its page cache."""
     fd = os.open(path, os.O_RDONLY)
@@ -138,23 +171,24 @@ def test_hinted_files_are_read_without_reaching_storage(
     assert after["hits"] >= before["hits"] + 10
     assert after["served_bytes"] - before["served_bytes"] == 10 * SIZE
     assert (here / "f11").read_bytes() == data[11]
-    # read through this mount, the files are in the kernel's page cache: hints
-    # for them again (a warm epoch) fetch nothing
-    hint(pmnt, [f"{mnt.name}/f{i}" for i in (*range(10), 11)])
-    again = wait_fetched(pmnt, after["fetched"])
-    assert again["resident"] == after["resident"] + 11, again
-    assert again["fetched"] == after["fetched"]
-
-    # the kernel loses a page of f0: that one read reaches the mount, which
-    # goes on skipping (the odd page, not a kernel evicting whole files)
     warm = [here / f"f{i}" for i in (*range(10), 11)]
-    drop_pages(here / "f0", 4096)
-    hint(pmnt, [f"{mnt.name}/{p.name}" for p in warm])
-    wait_fetched(pmnt, again["fetched"])
-    assert read_in_child(warm, timeout=20) == b"".join(data[:10]) + data[11]
-    later = status(pmnt)
-    assert later["evicted"] == again["evicted"] + 1, later
-    assert later["fetched"] == again["fetched"], later
+    with pinned(warm, skip=4096):  # (f0's first page left free: dropped below)
+        # read through this mount, the files are in the kernel's page cache:
+        # hints for them again (a warm epoch) fetch nothing
+        hint(pmnt, [f"{mnt.name}/f{i}" for i in (*range(10), 11)])
+        again = wait_fetched(pmnt, after["fetched"])
+        assert again["resident"] == after["resident"] + 11, again
+        assert again["fetched"] == after["fetched"]
+
+        # the kernel loses a page of f0: that one read reaches the mount, which
+        # goes on skipping (the odd page, not a kernel evicting whole files)
+        drop_pages(here / "f0", 4096)
+        hint(pmnt, [f"{mnt.name}/{p.name}" for p in warm])
+        wait_fetched(pmnt, again["fetched"])
+        assert read_in_child(warm, timeout=20) == b"".join(data[:10]) + data[11]
+        later = status(pmnt)
+        assert later["evicted"] == again["evicted"] + 1, later
+        assert later["fetched"] == again["fetched"], later
     # every page dropped: once a few reads of skipped files reached the
     # mount, the skipped files not read yet are fetched after all
     for p in warm:
