@@ -20,10 +20,16 @@ while more requests are buffered, rpc/channel.py).
 
 It takes a READ only when it can be answered exactly as `ShuffleOps.read`
 would: a known handle of a regular file open for reading, with none of this
-mount's writes in flight for it; no chain with a replica on this host (the
-short circuit serves those, on the loop); a connection to a replica of
-every chain the read needs. Bytes the prefetcher holds (fuse/prefetch.py)
-are answered at once. Everything else, and any READ whose fast attempt
+mount's writes in flight for it; and either a connection to a replica of
+every chain the read needs, or a replica of every one on this host. Those
+last READs are the short circuit's (`_read_local`): the chunk files' bytes
+in the page cache are answered right in the callback, and a READ that must
+wait for the disk goes to a thread of `LOCAL_THREADS`, which answers it
+(on the loop each was a task, a trip through trio's thread pool and back,
+and a wake-up of the loop: most of a cold read's CPU, measured). A READ
+whose chains are partly local is left to the loop. Bytes the prefetcher
+holds (fuse/prefetch.py) are answered at once. Everything else, and any
+READ whose fast attempt
 fails (a replica that is not serving, a checksum error, a reply that does
 not come in time, a broken connection), goes through
 `ShuffleOps.read_handle` on the loop, which fails over, retries and
@@ -45,6 +51,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +62,7 @@ from prometheus_client.metrics_core import Metric
 
 from shufflefs.client.channel_reads import NOT_CONNECTED, ChannelRead, ReadChannels
 from shufflefs.client.fs import FileSystem
-from shufflefs.client.layout import plan
+from shufflefs.client.layout import Piece, plan
 from shufflefs.cluster.routing import Routing
 from shufflefs.fuse.read_inode import FH_OFFSET, READ_INODES
 from shufflefs.rpc.errors import FsError
@@ -66,7 +73,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("shufflefs.fuse.fast_reads")
 
 LIBFUSE = "libfuse3.so"
-MAX_LOCAL_FILES = 65536  # inodes remembered as read by the short circuit
+MAX_LOCAL_FILES = 65536  # inodes remembered as read partly by the short circuit
+LOCAL_THREADS = 16  # short-circuit READs waiting for the disk at once (as the loop's)
 DRAIN_MAX = 64  # requests taken from the kernel's queue per READ, at most (the loop waits)
 
 
@@ -132,8 +140,9 @@ class FastReadCounts:
     thread only, exported when scraped: nothing on the READ's way)."""
 
     taken: int = 0  # taken off the loop (answered there, or after a failure on the loop)
+    local: int = 0  # of those, read from this host's chunk files (the short circuit)
     fell_back: int = 0  # of those, answered on the loop after a failure
-    declined: int = 0  # left to pyfuse3 (local replica, no connection yet, unknown handle...)
+    declined: int = 0  # left to pyfuse3 (partly local, no connection yet, unknown handle...)
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(
@@ -141,7 +150,7 @@ class FastReadCounts:
             "READs of a mount by what its fast path (fuse/fast_reads.py) did with them",
             labels=["outcome"],
         )
-        for outcome in ("taken", "fell_back", "declined"):
+        for outcome in ("taken", "local", "fell_back", "declined"):
             family.add_metric([outcome], getattr(self, outcome))
         yield family
 
@@ -172,9 +181,11 @@ class FastReads:
         self._buf = FuseBuf()  # libfuse allocates its memory on the first receive
         self._draining = False
         self._took = False
-        # inode -> the routing map in which each of its chains had a replica on
-        # this host: its READs are the short circuit's, declined at once
-        self._local_files: dict[int, Routing] = {}
+        # inode -> the routing map in which some of its chains had a replica on
+        # this host and others did not: its READs are declined at once
+        self._mixed_files: dict[int, Routing] = {}
+        # short-circuit READs that must wait for the disk (`_read_local`)
+        self._disk_waits = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="fuse-local")
         self.on_read = on_read  # (started, bytes) of every read answered here: metrics
         self._replying = threading.Lock()  # held while answering; `close` takes it last
         self.closed = False
@@ -182,20 +193,7 @@ class FastReads:
         self._warned = False
 
     def install(self) -> None:
-        routing = self.fs.storage.routing
-        routing.listeners.append(self._routing_changed)
-        self._routing_changed(routing.current)
-
-    def _routing_changed(self, routing: Routing) -> None:
-        """Take READs only when there is something to take: with the short
-        circuit on and a replica of every chain on this host (a cluster of
-        one host), every READ is the short circuit's and the hook is off."""
-        if self.closed:
-            return
-        all_local = self._local_replica(routing, set(routing.chains), every=True)
-        READ_INODES.hook_reads(None if all_local else self.read, self.ops.inode_reads is not None)
-        if all_local:
-            log.info("fast READs idle: every chain has a replica on this host")
+        READ_INODES.hook_reads(self.read, self.ops.inode_reads is not None)
 
     # ---- the READ callback (the loop's thread, inside libfuse's dispatch) ----
 
@@ -255,8 +253,8 @@ class FastReads:
             return False
         fs = self.fs
         routing = fs.storage.routing.current
-        if self._local_files.get(ino) is routing:
-            return False  # every chain of the file has a replica here: the short circuit's
+        if self._mixed_files.get(ino) is routing:
+            return False  # chains with and without a replica here: the loop's
         f = fs.files.get(fh)
         if f is None or f.ino != ino or f.layout is None or not f.readable:
             return False
@@ -277,12 +275,14 @@ class FastReads:
         pieces = plan(extents)
         chains = {p[0] for p in pieces}
         if self._local_replica(routing, chains):
-            # the short circuit (on the loop) serves this host's targets: for the
-            # whole file when each of its chains has one (declined at once next time)
-            if self._local_replica(routing, set(f.layout["chains"]), every=True):
-                if len(self._local_files) >= MAX_LOCAL_FILES:
-                    self._local_files.clear()
-                self._local_files[ino] = routing
+            if self._local_replica(routing, chains, every=True):
+                return self._read_local(req, fh, ino, off, size, pieces, n, started)
+            # partly here: the loop reads both kinds (and every READ of a file
+            # laid out so is declined at once from now on)
+            if not self._local_replica(routing, set(f.layout["chains"]), every=True):
+                if len(self._mixed_files) >= MAX_LOCAL_FILES:
+                    self._mixed_files.clear()
+                self._mixed_files[ino] = routing
             return False
         if not self.channels.connected(routing, chains):
             return False
@@ -293,20 +293,75 @@ class FastReads:
         ops.handed(ino, off, n)
         return True
 
+    def _read_local(
+        self,
+        req: int,
+        fh: int,
+        ino: int,
+        off: int,
+        size: int,
+        pieces: list[Piece],
+        n: int,
+        started: float,
+    ) -> bool:
+        """The short circuit: bytes in the page cache answered now, the rest
+        read by a thread that answers (the loop if a chunk file cannot serve)."""
+        out = bytearray(n)
+        rest = self.fs.storage.local.read_pieces(pieces, memoryview(out), wait=False)
+        self.counts.taken += 1
+        self.counts.local += 1
+        self.ops.handed(ino, off, n)
+        if not rest:
+            self._reply(req, out, started)
+            return True
+        job = functools.partial(self._wait_local, req, fh, off, size, rest, out, started)
+        # (refused once shut down: the mount is closing, the kernel aborts its requests)
+        with contextlib.suppress(RuntimeError):
+            self._disk_waits.submit(job)
+        return True
+
+    def _wait_local(
+        self,
+        req: int,
+        fh: int,
+        off: int,
+        size: int,
+        pieces: list[Piece],
+        out: bytearray,
+        started: float,
+    ) -> None:
+        """(a disk-wait thread) Read what was not in the page cache and answer."""
+        try:
+            rest = self.fs.storage.local.read_pieces(pieces, memoryview(out), wait=True)
+        except Exception:
+            log.exception("short-circuit READ at %d of handle %d", off, fh)
+            rest = pieces
+        if not rest:
+            self._reply(req, out, started)
+            return
+        # a chunk file that cannot serve (changed, damaged, gone): the loop's
+        # read goes through the daemons, which decide
+        with contextlib.suppress(trio.RunFinishedError):
+            self.token.run_sync_soon(self._fall_back, req, fh, off, size, ())
+
     def _routing(self) -> Routing:
         return self.fs.storage.routing.current
 
     def _local_replica(self, routing: Routing, chains: set[int], every: bool = False) -> bool:
         """Does one of *chains* (*every*: each of them) have a serving
-        replica on this host, which the short circuit reads (when it is on)?"""
+        replica on this host that the short circuit can read (it is on, and
+        the target's files are readable by this process)?"""
         storage = self.fs.storage
         if not storage.local.enabled:
             return False
         local = storage.replicas.local_targets(routing)
         if not local:
             return False
-        serving = storage.replicas.serving
-        found = (any(t["id"] in local for t in serving(routing, chain)) for chain in chains)
+        serving, reader = storage.replicas.serving, storage.local.target
+        found = (
+            any(t["id"] in local and reader(routing, t["id"]) for t in serving(routing, chain))
+            for chain in chains
+        )
         return all(found) if every else any(found)
 
     # ---- answers (a reply thread, or the loop for fallbacks) ----------------
@@ -377,6 +432,7 @@ class FastReads:
         READ_INODES.hook_reads(None, self.ops.inode_reads is not None)
         with self._replying:
             self.closed = True
+        self._disk_waits.shutdown(wait=False, cancel_futures=True)
         self.channels.close()
         if self._buf.mem:  # what libfuse allocated for `_drain`'s receives
             ctypes.CDLL(None).free(ctypes.c_void_p(self._buf.mem))

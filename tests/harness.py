@@ -3,9 +3,11 @@ file as a failing disk would. (Clusters are started in clusters.py.)"""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -34,6 +36,16 @@ def flip(path: str | Path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def evict(files: Iterable[str | Path]) -> None:
+    """Drop these files' pages from the page cache (reads of them wait for the disk)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def interruptible() -> None:

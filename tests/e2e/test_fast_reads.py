@@ -4,10 +4,13 @@ storage daemons (``-o no_local_reads``, as a reader off the storage hosts
 does): exact bytes at chunk and block edges from many readers at once (their
 READs drained from the kernel's queue and coalesced per node), a damaged
 replica never served, a file's own writes read back while they are in flight,
-the counters showing the path was taken, and ``no_fast_reads`` turning it off."""
+the counters showing the path was taken, and ``no_fast_reads`` turning it off;
+and on a cluster with a replica of everything on this host, the same READs
+answered from the chunk files (the short circuit) by the same path."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import random
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from clusters import ProcessCluster, chunk_files
-from harness import flip, shufflefs
+from harness import evict, flip, shufflefs
 from opsworld import total
 
 MiB = 1 << 20
@@ -181,15 +184,58 @@ def test_no_fast_reads_reads_the_same_bytes_the_usual_way(
         assert slow.count("taken") == 0
 
 
-def test_beside_every_replica_the_short_circuit_reads_and_the_hook_is_off(
+def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
     mounted: ProcessCluster, tmp_path: Path
 ) -> None:
-    """On a one-host cluster every chain has a replica here: READs go to the
-    short circuit without even passing the fast path's hook (none declined)."""
+    """On a one-host cluster every chain has a replica here: the fast path
+    answers READs from the chunk files, the page cache's bytes in the
+    callback and the disk's in its threads, exact at every edge from many
+    readers; a damaged block is never served (the loop reads another replica)."""
     (tmp_path / "local-mount").mkdir()
     for local in mount(mounted, tmp_path / "local-mount", "rw"):
-        data = os.urandom(MiB + 5)
+        data = os.urandom(SIZE)
         path = local.mountpoint / "local.bin"
         path.write_bytes(data)
-        assert direct_reads(path, [(0, len(data)), (7, 4096)]) == [data, data[7:4103]]
-        assert local.count("taken") == local.count("declined") == 0
+        files = chunk_files(mounted.data_dir, path.stat().st_ino)
+        assert len(files) == 18  # six chunks, three replicas
+        direct_reads(path, [(0, 4096)])  # past the first READs (their handle is checked)
+        taken, declined = local.count("local"), local.count("declined")
+        rng = random.Random(11)
+        per_reader = [
+            EDGES + [(rng.randrange(SIZE), rng.choice([512, 4096, 5000, 65536])) for _ in range(40)]
+            for _ in range(6)
+        ]
+        for cold in (True, False):
+            if cold:
+                evict(files)
+            results = read_concurrently(path, per_reader)
+            for ranges, got in zip(per_reader, results, strict=True):
+                for (off, n), b in zip(ranges, got, strict=True):
+                    assert b == data[off : off + n], (cold, off, n)
+        reads = 2 * sum(len(r) for r in per_reader)
+        assert local.count("local") - taken >= reads * 0.9
+        assert local.count("declined") == declined
+        assert local.count("fell_back") == 0
+
+        by_chunk: dict[str, list[Path]] = {}
+        for f in files:
+            by_chunk.setdefault(f.name[:24], []).append(f)
+        for replicas in by_chunk.values():
+            for f in sorted(replicas)[:2]:  # two of the three replicas of every whole chunk
+                if f.stat().st_size == CHUNK:
+                    flip(f, 70_000)
+        evict(files)
+        ranges = [(off + 69_632, 8192) for off in range(0, 5 * CHUNK, CHUNK)] * 3
+        for got in read_concurrently(path, [ranges] * 3):
+            for (off, n), b in zip(ranges, got, strict=True):
+                assert b == data[off : off + n], (off, n)
+        # every replica of a chunk damaged: an error, never the bytes
+        # (whichever replica the fast path reads, it hands the READ to the loop)
+        ruined = local.mountpoint / "ruined.bin"
+        ruined.write_bytes(data[:CHUNK])
+        for f in chunk_files(mounted.data_dir, ruined.stat().st_ino):
+            flip(f, 70_000)
+        with pytest.raises(OSError) as failed:
+            direct_reads(ruined, [(69_632, 8192)])
+        assert failed.value.errno == errno.EIO
+        assert local.count("fell_back") > 0

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from clusters import ProcessCluster
+from harness import evict
 
 from shufflefs.client.data import FileDataset
 from shufflefs.client.data.urls import client_for
@@ -104,10 +105,7 @@ def test_sampler_on_a_mount_path_hints_the_mount(tree: tuple[Path, str, str]) ->
     ds.sampler.hints.flush()
     assert state()["hinted"] - before == len(order) == len(ds)
     # the dataset's own iteration hints along its reads, and reads right
-    for p in ds.files:  # written through this mount: drop their pages, so reads reach it
-        fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    evict(ds.files)  # written through this mount: drop their pages, so reads reach it
     os.setxattr(mount, "user.shufflefs.prefetch", b"")
     before = state()
     ds.set_epoch(1)

@@ -11,6 +11,7 @@ from typing import Any
 
 from cliworld import run_cli
 from clusters import ProcessCluster, chunk_files
+from harness import evict
 
 from shufflefs.client import Client
 from shufflefs.client.fs import ClientOptions
@@ -66,15 +67,6 @@ def resident_bytes(files: list[Path]) -> int:
         check=True,
     ).stdout
     return sum(int(x) for x in out.split())
-
-
-def evict(files: list[Path]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def test_warmup_makes_the_chunks_resident(ops_cluster: ProcessCluster) -> None:
