@@ -245,8 +245,9 @@ class FastReads:
         ops = self.ops
         if ops.inode_reads is not None:  # cache=immutable: READs carry no handle
             fh = ops.inode_reads.held(ino)
-            if fh is None:
-                return False
+            if fh is None:  # its first READ here: opened on the loop, then read here
+                self.nursery.start_soon(self._open_then_read, req, ino, size, off)
+                return True
         elif READ_INODES.fh_confirmed and fi:
             fh = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
         else:
@@ -343,6 +344,25 @@ class FastReads:
         # read goes through the daemons, which decide
         with contextlib.suppress(trio.RunFinishedError):
             self.token.run_sync_soon(self._fall_back, req, fh, off, size, ())
+
+    async def _open_then_read(self, req: int, ino: int, size: int, off: int) -> None:
+        """(the loop) A cache=immutable file's first READ: its handle (one
+        metadata call, as `ShuffleOps.read` would make), then the fast path."""
+        inode_reads = self.ops.inode_reads
+        assert inode_reads is not None
+        try:
+            fh = await inode_reads.handle(ino)
+        except FsError as exc:
+            self._reply_error(req, exc.code)
+            return
+        except BaseException:
+            self._reply_error(req, errno.EINTR)
+            raise
+        if inode_reads.held(ino) is not None and self._read(req, ino, size, off, 0):
+            self.channels.flush(self._routing)
+        else:
+            self.counts.declined += 1
+            await self._read_on_loop(req, fh, off, size)
 
     def _routing(self) -> Routing:
         return self.fs.storage.routing.current

@@ -239,3 +239,42 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
             direct_reads(ruined, [(69_632, 8192)])
         assert failed.value.errno == errno.EIO
         assert local.count("fell_back") > 0
+
+
+def read_whole(root: Path, files: dict[str, bytes], readers: int) -> None:
+    """Every file read whole and checked, the names dealt over *readers* threads."""
+    errors: list[BaseException] = []
+
+    def reader(names: list[str]) -> None:
+        try:
+            for name in names:
+                assert (root / name).read_bytes() == files[name], name
+        except BaseException as exc:
+            errors.append(exc)
+
+    names = sorted(files)
+    threads = [threading.Thread(target=reader, args=(names[i::readers],)) for i in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+
+
+def test_an_immutable_mounts_first_reads_open_then_take_the_fast_path(
+    mounted: ProcessCluster, tmp_path: Path
+) -> None:
+    """cache=immutable READs name no handle: a file's first READ opens it on
+    the loop, then is read by the fast path like the next ones (short circuit
+    here); exact bytes, each of many files read whole by several readers."""
+    (tmp_path / "rw").mkdir()
+    (tmp_path / "imm").mkdir()
+    files = {f"f{i}.bin": os.urandom(110_000 + i) for i in range(24)}
+    for rw in mount(mounted, tmp_path / "rw", "rw"):
+        for name, data in files.items():
+            (rw.mountpoint / name).write_bytes(data)
+    for imm in mount(mounted, tmp_path / "imm", "ro,cache=immutable"):
+        local, declined = imm.count("local"), imm.count("declined")
+        read_whole(imm.mountpoint, files, 3)
+        assert imm.count("local") - local >= len(files)
+        assert imm.count("declined") == declined
