@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shufflefs.fuse.fast_reads")
 
 LIBFUSE = "libfuse3.so"
-MAX_LOCAL_FILES = 65536  # inodes remembered as read partly by the short circuit
+MAX_LOCAL_FILES = 65536  # inodes remembered as all or partly on this host
 LOCAL_THREADS = 16  # short-circuit READs waiting for the disk at once (as the loop's)
 DRAIN_MAX = 64  # requests taken from the kernel's queue per READ, at most (the loop waits)
 
@@ -184,6 +184,9 @@ class FastReads:
         # inode -> the routing map in which some of its chains had a replica on
         # this host and others did not: its READs are declined at once
         self._mixed_files: dict[int, Routing] = {}
+        # inode -> the routing map in which every chain of it had a replica
+        # here: its READs are the short circuit's without checking again
+        self._local_files: dict[int, Routing] = {}
         # short-circuit READs that must wait for the disk (`_read_local`)
         self._disk_waits = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="fuse-local")
         self.on_read = on_read  # (started, bytes) of every read answered here: metrics
@@ -274,16 +277,18 @@ class FastReads:
             self._reply(req, b"", started)
             return True
         pieces = plan(extents)
+        if self._local_files.get(ino) is routing:  # (checked on an earlier READ)
+            return self._read_local(req, fh, ino, off, size, pieces, n, started)
         chains = {p[0] for p in pieces}
         if self._local_replica(routing, chains):
+            if self._local_replica(routing, set(f.layout["chains"]), every=True):
+                self._remember(self._local_files, ino, routing)
+                return self._read_local(req, fh, ino, off, size, pieces, n, started)
             if self._local_replica(routing, chains, every=True):
                 return self._read_local(req, fh, ino, off, size, pieces, n, started)
             # partly here: the loop reads both kinds (and every READ of a file
             # laid out so is declined at once from now on)
-            if not self._local_replica(routing, set(f.layout["chains"]), every=True):
-                if len(self._mixed_files) >= MAX_LOCAL_FILES:
-                    self._mixed_files.clear()
-                self._mixed_files[ino] = routing
+            self._remember(self._mixed_files, ino, routing)
             return False
         if not self.channels.connected(routing, chains):
             return False
@@ -344,6 +349,12 @@ class FastReads:
         # read goes through the daemons, which decide
         with contextlib.suppress(trio.RunFinishedError):
             self.token.run_sync_soon(self._fall_back, req, fh, off, size, ())
+
+    @staticmethod
+    def _remember(files: dict[int, Routing], ino: int, routing: Routing) -> None:
+        if len(files) >= MAX_LOCAL_FILES:
+            files.clear()
+        files[ino] = routing
 
     async def _open_then_read(self, req: int, ino: int, size: int, off: int) -> None:
         """(the loop) A cache=immutable file's first READ: its handle (one
