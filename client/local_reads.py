@@ -24,12 +24,19 @@ log = logging.getLogger("shufflefs.client.local_reads")
 
 
 def place(out: memoryview, piece: Piece, data: memoryview) -> None:
-    """Put a piece's bytes where they go (zeros past the chunk's end, as a hole reads)."""
+    """Put a piece's bytes where they go (zeros past the chunk's end, as a hole
+    reads); bytes read in place already (`destination`) are not copied again."""
     n = len(data)
     dst = piece[4]
-    out[dst : dst + n] = data
+    if data.obj is not out.obj:  # (a chunk file's bytes read in place are a view of *out*)
+        out[dst : dst + n] = data
     if n < piece[3]:
         out[dst + n : dst + piece[3]] = bytes(piece[3] - n)
+
+
+def destination(out: memoryview, piece: Piece) -> memoryview:
+    """Where a piece's bytes go in *out* (a chunk file may read them there)."""
+    return out[piece[4] : piece[4] + piece[3]]
 
 
 class LocalReads:
@@ -81,9 +88,10 @@ class LocalReads:
                 if t["id"] in local:
                     reader = self.target(routing, t["id"])
                     if reader is not None:
-                        data = reader.read(p[1], p[2], p[3], nowait=True)
+                        into = destination(out, p)
+                        data = reader.read(p[1], p[2], p[3], nowait=True, into=into)
                         if data is None and wait:
-                            data = reader.read(p[1], p[2], p[3], nowait=False)
+                            data = reader.read(p[1], p[2], p[3], nowait=False, into=into)
                     break
             if data is None:
                 rest.append(p)
@@ -100,7 +108,11 @@ class LocalReads:
         for item in items:
             p, tid = item
             reader = self.target(routing, tid)
-            data = None if reader is None else reader.read(p[1], p[2], p[3], nowait)
+            data = (
+                None
+                if reader is None
+                else reader.read(p[1], p[2], p[3], nowait, into=destination(out, p))
+            )
             if data is None:
                 rest.append(item)
             else:

@@ -29,6 +29,8 @@ if array(CRC_TYPECODE).itemsize != 4:  # pragma: no cover - every Linux ABI has 
 _LITTLE = sys.byteorder == "little"
 
 _zero_block_crc: dict[int, int] = {}
+MAX_COMBINED = 1 << 16  # remembered combined CRCs (a few MiB at most), then start over
+_combined: dict[tuple[int, bytes], int] = {}
 
 
 def crc32c(data: bytes) -> int:
@@ -122,7 +124,22 @@ def shift_tables(block_size: int) -> tuple[list[int], ...]:
 
 def combined_crc(crcs: array[int], first: int, count: int, block_size: int) -> int:
     """CRC-32C of blocks first..first+count-1 laid end to end (all whole),
-    from their stored CRCs."""
+    from their stored CRCs. Remembered by those CRCs' values (a pure
+    function of them): a file read again, a sample every epoch, costs a
+    dictionary lookup instead of a Python loop over its blocks (11 µs for a
+    110 KiB file, as much as reading it from the page cache)."""
+    if count <= 2:
+        return _combine(crcs, first, count, block_size)
+    key = (block_size, crcs[first : first + count].tobytes())
+    c = _combined.get(key)
+    if c is None:
+        if len(_combined) >= MAX_COMBINED:
+            _combined.clear()
+        c = _combined[key] = _combine(crcs, first, count, block_size)
+    return c
+
+
+def _combine(crcs: array[int], first: int, count: int, block_size: int) -> int:
     t0, t1, t2, t3 = shift_tables(block_size)
     c = crcs[first]
     for x in crcs[first + 1 : first + count]:

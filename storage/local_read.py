@@ -151,11 +151,22 @@ class LocalTarget:
             return None
         return self._fds.put(key, fd, epoch)
 
-    def read(self, cid: bytes, offset: int, length: int, nowait: bool) -> memoryview | None:
+    def read(
+        self,
+        cid: bytes,
+        offset: int,
+        length: int,
+        nowait: bool,
+        into: memoryview | None = None,
+    ) -> memoryview | None:
         """The committed bytes of [offset, offset + length) of a chunk (short
         past its end, empty if it does not exist); None if the daemon must
         answer, or, with *nowait*, if the bytes are not in the page cache or
-        the chunk file is not open yet."""
+        the chunk file is not open yet. With *into* (bytes, at least *length*
+        long) a range that starts and ends where the checksummed blocks do (a
+        whole chunk or file: most reads of samples) is read straight into it,
+        and the result is a view of it (one copy of the bytes less; *into* may
+        hold anything after a None)."""
         try:
             rec = self._record(cid)
         except (lmdb.Error, FsError) as exc:
@@ -169,7 +180,11 @@ class LocalTarget:
             return EMPTY
         first, start, stop, end = span
         n = stop - start
-        buf = bytearray(n)
+        buf: bytearray | memoryview
+        if into is not None and start == offset and stop == end and len(into) >= n:
+            buf = into[:n]
+        else:
+            buf = bytearray(n)
         key = (cid, rec.generation)
         handle = self._open(cid, rec.generation, nowait)
         if handle is None:
@@ -188,4 +203,6 @@ class LocalTarget:
         if got != n or first_bad_block(buf, first, rec.crcs, bs) >= 0:
             self._drop_chunk(cid, key)  # changed under us (or damaged): the daemon decides
             return None
+        if isinstance(buf, memoryview):
+            return buf
         return memoryview(buf)[offset - start : end - start]

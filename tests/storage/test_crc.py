@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shufflefs.storage import crc as crc_module
 from shufflefs.storage.crc import (
     block_crcs,
     combined_crc,
@@ -109,3 +110,21 @@ def test_a_span_ending_in_a_partial_block_is_checked_whole(
     data[at] ^= 1 << rng.randrange(8)
     assert first_bad_block(data, 0, crcs, block_size) == at // block_size
     assert first_bad_block(memoryview(data), 0, crcs, block_size) == at // block_size
+
+
+def test_combined_crcs_are_remembered_by_value_and_stay_right() -> None:
+    """`combined_crc` answers from its memo for CRCs seen before, the same
+    value as computing it, for any run of blocks; a full memo starts over."""
+    rng = random.Random(3)
+    block_size = 512
+    data = rng.randbytes(40 * block_size)
+    crcs = block_crcs(data, block_size)
+    for first, count in [(0, 40), (3, 17), (0, 3), (39, 1), (10, 2)]:
+        whole = data[first * block_size : (first + count) * block_size]
+        assert combined_crc(crcs, first, count, block_size) == crc32c(whole)
+        assert combined_crc(crcs, first, count, block_size) == crc32c(whole)  # remembered
+    crc_module._combined.clear()
+    for i in range(crc_module.MAX_COMBINED + 5):  # beyond the bound: starts over, no growth
+        crc_module._combined[(i, b"")] = 0
+    assert combined_crc(crcs, 0, 40, block_size) == crc32c(data)
+    assert len(crc_module._combined) <= crc_module.MAX_COMBINED

@@ -82,6 +82,40 @@ def test_corrupt_block_is_never_returned(tmp_path: Path) -> None:
     local.close()
 
 
+def test_whole_blocks_are_read_in_place(tmp_path: Path) -> None:
+    """With *into*, a range that starts and ends on the checksummed blocks
+    (a whole chunk, the committed end) lands straight in the caller's buffer
+    and comes back as a view of it; any other range is read apart; a damaged
+    block in place is still None (and the buffer's bytes are never returned)."""
+    store = open_store(tmp_path / "t")
+    cid = chunk_id(6, 0)
+    data = os.urandom(3 * 512 + 77)  # three whole blocks and a partial one
+    store.write(cid, 0, CS, data)
+    store.close()
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+    out = bytearray(4096)
+    view = memoryview(out)
+    for off, n, in_place in [
+        (0, len(data), True),  # the whole chunk: to its committed end
+        (512, 1024, True),  # two whole blocks
+        (0, 8192, True),  # past the end: short, in place
+        (100, 600, False),  # starts inside a block
+        (512, 100, False),  # ends inside a block
+    ]:
+        into = view[1000 : 1000 + n] if n <= 3000 else view[: len(data)]
+        got = local.read(cid, off, n, nowait=False, into=into)
+        assert got is not None and bytes(got) == data[off : off + n]
+        assert (got.obj is out) == in_place, (off, n)
+    with open(chunk_file(tmp_path / "t", cid), "r+b") as f:
+        f.seek(700)
+        b = f.read(1)
+        f.seek(700)
+        f.write(bytes([b[0] ^ 1]))
+    local.forget()
+    assert local.read(cid, 0, len(data), nowait=False, into=view[: len(data)]) is None
+    local.close()
+
+
 def test_follows_truncation_and_removal(tmp_path: Path) -> None:
     store = open_store(tmp_path / "t")
     cid = chunk_id(8, 0)
