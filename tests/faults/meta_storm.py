@@ -70,8 +70,10 @@ def main() -> int:
             errors.append(f"op {i}: {exc}")
         ops += 1
         stall = max(stall, time.monotonic() - t0)
-        if ops % 10 == 0:
-            progress.write_text(str(ops))
+        if ops % 10 == 0:  # replaced whole: a reader never sees it empty or half written
+            tmp = progress.with_name(progress.name + ".tmp")
+            tmp.write_text(str(ops))
+            os.replace(tmp, progress)
     report.write_text(json.dumps({"model": model, "errors": errors, "ops": ops, "stall": stall}))
     return 0
 

@@ -118,11 +118,7 @@ def storm_during(c: ProcessCluster, name: str, tmp_path: Path, kill: Any) -> tup
         deadline = time.monotonic() + 30
         progress = Path(f"{report}.progress")
         while time.monotonic() < deadline:
-            if (
-                progress.exists()
-                and progress.read_text().strip()
-                and int(progress.read_text()) >= 30
-            ):
+            if progress.exists() and int(progress.read_text() or 0) >= 30:
                 break
             time.sleep(0.05)
         kill()
