@@ -181,12 +181,11 @@ class FastReads:
         self._buf = FuseBuf()  # libfuse allocates its memory on the first receive
         self._draining = False
         self._took = False
-        # inode -> the routing map in which some of its chains had a replica on
-        # this host and others did not: its READs are declined at once
-        self._mixed_files: dict[int, Routing] = {}
-        # inode -> the routing map in which every chain of it had a replica
-        # here: its READs are the short circuit's without checking again
-        self._local_files: dict[int, Routing] = {}
+        # inode -> (routing map, True) when every chain of the file had a
+        # replica here (its READs are the short circuit's without checking
+        # again), (routing map, False) when a READ of it met chains with and
+        # without one (its READs are declined at once)
+        self._here: dict[int, tuple[Routing, bool]] = {}
         # short-circuit READs that must wait for the disk (`_read_local`)
         self._disk_waits = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="fuse-local")
         self.on_read = on_read  # (started, bytes) of every read answered here: metrics
@@ -257,8 +256,10 @@ class FastReads:
             return False
         fs = self.fs
         routing = fs.storage.routing.current
-        if self._mixed_files.get(ino) is routing:
-            return False  # chains with and without a replica here: the loop's
+        here = self._here.get(ino)
+        all_here = here[1] if here is not None and here[0] is routing else None
+        if all_here is False:
+            return False  # a READ of it met chains with and without a replica here
         f = fs.files.get(fh)
         if f is None or f.ino != ino or f.layout is None or not f.readable:
             return False
@@ -277,18 +278,19 @@ class FastReads:
             self._reply(req, b"", started)
             return True
         pieces = plan(extents)
-        if self._local_files.get(ino) is routing:  # (checked on an earlier READ)
+        if all_here:  # (checked on an earlier READ)
             return self._read_local(req, fh, ino, off, size, pieces, n, started)
         chains = {p[0] for p in pieces}
-        if self._local_replica(routing, chains):
-            if self._local_replica(routing, set(f.layout["chains"]), every=True):
-                self._remember(self._local_files, ino, routing)
+        local = self._local_chains(routing, chains)
+        if local:
+            if local == chains:  # the short circuit's; the file's too if all of it is here
+                file_chains = set(f.layout["chains"])
+                if self._local_chains(routing, file_chains) == file_chains:
+                    self._remember(ino, routing, True)
                 return self._read_local(req, fh, ino, off, size, pieces, n, started)
-            if self._local_replica(routing, chains, every=True):
-                return self._read_local(req, fh, ino, off, size, pieces, n, started)
-            # partly here: the loop reads both kinds (and every READ of a file
-            # laid out so is declined at once from now on)
-            self._remember(self._mixed_files, ino, routing)
+            # partly here: the loop reads both kinds (and every READ of this
+            # file is declined at once from now on)
+            self._remember(ino, routing, False)
             return False
         if not self.channels.connected(routing, chains):
             return False
@@ -350,12 +352,6 @@ class FastReads:
         with contextlib.suppress(trio.RunFinishedError):
             self.token.run_sync_soon(self._fall_back, req, fh, off, size, ())
 
-    @staticmethod
-    def _remember(files: dict[int, Routing], ino: int, routing: Routing) -> None:
-        if len(files) >= MAX_LOCAL_FILES:
-            files.clear()
-        files[ino] = routing
-
     async def _open_then_read(self, req: int, ino: int, size: int, off: int) -> None:
         """(the loop) A cache=immutable file's first READ: its handle (one
         metadata call, as `ShuffleOps.read` would make), then the fast path."""
@@ -378,22 +374,25 @@ class FastReads:
     def _routing(self) -> Routing:
         return self.fs.storage.routing.current
 
-    def _local_replica(self, routing: Routing, chains: set[int], every: bool = False) -> bool:
-        """Does one of *chains* (*every*: each of them) have a serving
-        replica on this host that the short circuit can read (it is on, and
-        the target's files are readable by this process)?"""
+    def _remember(self, ino: int, routing: Routing, all_here: bool) -> None:
+        if len(self._here) >= MAX_LOCAL_FILES:
+            self._here.clear()
+        self._here[ino] = (routing, all_here)
+
+    def _local_chains(self, routing: Routing, chains: set[int]) -> set[int]:
+        """Those of *chains* with a serving replica on this host that the
+        short circuit can read (it is on, and the target's files are
+        readable by this process)."""
         storage = self.fs.storage
-        if not storage.local.enabled:
-            return False
-        local = storage.replicas.local_targets(routing)
+        local = storage.replicas.local_targets(routing) if storage.local.enabled else ()
         if not local:
-            return False
+            return set()
         serving, reader = storage.replicas.serving, storage.local.target
-        found = (
-            any(t["id"] in local and reader(routing, t["id"]) for t in serving(routing, chain))
+        return {
+            chain
             for chain in chains
-        )
-        return all(found) if every else any(found)
+            if any(t["id"] in local and reader(routing, t["id"]) for t in serving(routing, chain))
+        }
 
     # ---- answers (a reply thread, or the loop for fallbacks) ----------------
 

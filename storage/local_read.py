@@ -203,6 +203,4 @@ class LocalTarget:
         if got != n or first_bad_block(buf, first, rec.crcs, bs) >= 0:
             self._drop_chunk(cid, key)  # changed under us (or damaged): the daemon decides
             return None
-        if isinstance(buf, memoryview):
-            return buf
-        return memoryview(buf)[offset - start : end - start]
+        return memoryview(buf)[offset - start : end - start]  # (in place: all of *into*'s view)

@@ -5,12 +5,8 @@ threads bounded by ``io_threads`` so a cold pread or an fsync never stalls
 the event loop) and hands the rest to the node's roles: `Forwarding` sends
 updates down the chain, `RepairWorker` heals damaged chunks, `ResyncWorker`
 brings syncing targets up to date, `ScrubWorker` verifies. The protocols are
-described once, in docs/storage.md.
-
-Reads whose record and file are cached and whose bytes are in the page cache
-are served on the event loop with ``preadv2(RWF_NOWAIT)``, which fails
-instead of blocking: a hot 4 KiB read then costs microseconds instead of a
-thread round trip.
+described once, in docs/storage.md. The read methods are its base,
+`ReadHandlers` (storage/read_service.py).
 """
 
 from __future__ import annotations
@@ -19,14 +15,12 @@ import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import trio
 
 from shufflefs.cluster.protocol import MgmtdStub
-from shufflefs.rpc import FsError, Reply, RpcClient, rpc_method
-from shufflefs.rpc.errors import as_fs_error
+from shufflefs.rpc import FsError, RpcClient, rpc_method
 from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.storage.capacity import CapacityFigures
 from shufflefs.storage.chain import Place
@@ -35,17 +29,15 @@ from shufflefs.storage.forwarding import Forwarding
 from shufflefs.storage.layout import check_chunk_id, check_chunk_size
 from shufflefs.storage.protocol import (
     FORWARD_TIMEOUT,
-    MAX_READ_ITEMS,
     NEED_FULL,
     SYNC_BARRIER_TIMEOUT,
     ChunkInfo,
-    ChunkMeta,
     ChunkPage,
-    ReadItem,
     ScrubResult,
     TargetStats,
     WriteResult,
 )
+from shufflefs.storage.read_service import ReadHandlers
 from shufflefs.storage.repair import RepairWorker
 from shufflefs.storage.resync import ResyncWorker
 from shufflefs.storage.scrub import ScrubWorker
@@ -53,17 +45,6 @@ from shufflefs.storage.staging import Staged
 from shufflefs.storage.store import ChunkStore
 
 log = logging.getLogger("shufflefs.storage")
-
-
-def _spread(indices: list[int], threads: int) -> list[list[int]]:
-    """*indices* cut into at most *threads* runs of about equal length."""
-    per = -(-len(indices) // threads)
-    return [indices[k : k + per] for k in range(0, len(indices), per)]
-
-
-def _read_reply(results: list[memoryview | int]) -> Reply:
-    lengths = [r if isinstance(r, int) else len(r) for r in results]
-    return Reply({"lengths": lengths}, [r for r in results if not isinstance(r, int)])
 
 
 def _stage_forwarded(
@@ -95,7 +76,7 @@ def _stage_and_commit(store: ChunkStore, *args: Any) -> WriteResult:
     return store.commit(_stage_forwarded(store, *args))
 
 
-class StorageService:
+class StorageService(ReadHandlers):
     """The storage rpc methods over this node's targets.
 
     *rpc*, *mgmtd* and *node_id* are what chain replication needs (forward
@@ -126,175 +107,10 @@ class StorageService:
         self.resyncer = ResyncWorker(self.node)
         self.repairs = RepairWorker(self.node, self.resyncer)
         self.scrubber = ScrubWorker(self.node, self.repairs, self.resyncer, scrub_interval)
-        self.max_read_bytes = max_read_bytes
+        super().__init__(self.node, self.repairs, max_read_bytes)
         self.open_target = open_target
         self.on_targets_changed = on_targets_changed
         self._add_lock = trio.Lock()
-        self._fan_out: ThreadPoolExecutor | None = None
-
-    # ---- reads -----------------------------------------------------------
-
-    def _check_read_size(self, items: list[ReadItem]) -> None:
-        if len(items) > MAX_READ_ITEMS:
-            raise FsError(
-                errno.EMSGSIZE, f"read of {len(items)} items exceeds {MAX_READ_ITEMS}: split it"
-            )
-        total = sum(max(0, item[3]) for item in items)
-        if total > self.max_read_bytes:
-            raise FsError(
-                errno.EMSGSIZE,
-                f"read of {total} bytes exceeds the reply limit {self.max_read_bytes}: split it",
-            )
-
-    def read_fast(self, items: list[ReadItem]) -> Reply | None:
-        """`read` inline in the connection's reader task when every item is in
-        the page cache (no thread, no task); None to run `read` itself."""
-        self._check_read_size(items)
-        by_id = self.node.by_id
-        data: list[memoryview] = []
-        lengths: list[int] = []
-        readable = self.node.readable
-        for target, chunk, offset, length in items:
-            store = by_id.get(target)
-            if store is None or not readable(target):
-                return None
-            try:
-                got = store.read_nowait(chunk, offset, length)
-            except FsError:
-                return None
-            if got is None:
-                return None
-            lengths.append(len(got))
-            if len(got):
-                data.append(got)
-        return Reply({"lengths": lengths}, data)
-
-    @rpc_method(fast="read_fast", threaded="read_sync")
-    async def read(self, items: list[ReadItem]) -> Reply:
-        """Many ranges, possibly on several targets, in one request. Per item
-        the delivered length or a negative errno; one payload of all bytes.
-        Only committed data is ever returned, and only by a target that serves
-        (`NodeContext.readable`; else the item fails with ESTALE). A damaged
-        chunk fails its item with EIO (the client reads another replica) and
-        is queued for repair.
-        Page-cache hits are read here; the rest in worker threads."""
-        results, slow = self._read_cached(items)
-        if slow:
-            await self._read_in_threads(slow, items, results)
-        return _read_reply(results)
-
-    def read_sync(self, items: list[ReadItem]) -> Reply:
-        """`read` on a thread channel's I/O thread (rpc/channel.py): the
-        page-cache misses are read from here, blocking this thread only, and
-        spread over up to `io_threads` threads as on the loop, so that cold
-        reads of one request wait for the disk together, not in turn."""
-        results, slow = self._read_cached(items)
-        if slow:
-            groups = _spread(slow, self.node.io_threads)
-            if len(groups) > 1:
-                pool = self._fan_out_pool()
-                rest = [pool.submit(self._read_blocking, g, items, results) for g in groups[1:]]
-                self._read_blocking(groups[0], items, results)
-                for future in rest:
-                    future.result()
-            else:
-                self._read_blocking(slow, items, results)
-            damaged = [items[i][:2] for i in slow if results[i] == -errno.EIO]
-            if damaged and self.node.trio_token is not None:
-                for target, chunk in damaged:
-                    self.node.trio_token.run_sync_soon(self.repairs.schedule, target, chunk)
-        return _read_reply(results)
-
-    def _read_cached(self, items: list[ReadItem]) -> tuple[list[memoryview | int], list[int]]:
-        """Each item's bytes if in the page cache, else its errno (negative);
-        and the indices of the items that must wait for the disk."""
-        self._check_read_size(items)
-        by_id = self.node.by_id
-        results: list[memoryview | int] = [0] * len(items)
-        slow: list[int] = []
-        readable = self.node.readable
-        for i, (target, chunk, offset, length) in enumerate(items):
-            store = by_id.get(target)
-            if store is None:
-                results[i] = -errno.ENOENT
-                continue
-            if not readable(target):
-                results[i] = -errno.ESTALE  # not serving (in our map): try another replica
-                continue
-            try:
-                data = store.read_nowait(chunk, offset, length)
-            except FsError as exc:
-                results[i] = -exc.code
-                continue
-            if data is None:
-                slow.append(i)
-            else:
-                results[i] = data
-        return results, slow
-
-    def _fan_out_pool(self) -> ThreadPoolExecutor:
-        """The threads `read_sync` spreads a request's cold items over (its
-        own: a channel's I/O thread waiting on its own pool could deadlock)."""
-        if self._fan_out is None:
-            self._fan_out = ThreadPoolExecutor(
-                self.node.io_threads, thread_name_prefix="storage-read-spread"
-            )
-        return self._fan_out
-
-    async def _read_in_threads(
-        self, slow: list[int], items: list[ReadItem], results: list[memoryview | int]
-    ) -> None:
-        """Read the items at *slow* with `ChunkStore.read`, spread over the
-        io threads; queue the damaged chunks found for repair."""
-        groups = _spread(slow, self.node.io_threads)
-        if len(groups) == 1:
-            await self.node.io(self._read_blocking, groups[0], items, results)
-        else:
-            async with trio.open_nursery() as nursery:
-                for group in groups:
-                    nursery.start_soon(self.node.io, self._read_blocking, group, items, results)
-        for i in slow:
-            if results[i] == -errno.EIO:
-                self.repairs.schedule(items[i][0], items[i][1])
-
-    def _read_blocking(
-        self, indices: list[int], items: list[ReadItem], results: list[memoryview | int]
-    ) -> None:
-        """Worker thread: read the given items into *results* (each its own
-        outcome: one bad item never fails the others)."""
-        by_id = self.node.by_id
-        for i in indices:
-            target, chunk, offset, length = items[i]
-            try:
-                results[i] = by_id[target].read(chunk, offset, length)
-            except Exception as exc:
-                if not isinstance(exc, OSError):
-                    log.exception("read target=%d chunk=%s failed", target, chunk.hex())
-                results[i] = -as_fs_error(exc).code
-
-    @rpc_method
-    async def read_chunk(self, target: int, chunk: bytes) -> Reply:
-        """A whole committed chunk with its version, every block verified (for
-        resync, repair and scrub on another replica). Taken under the chunk's
-        lock: an update in flight here finishes first, so what is returned
-        includes every update that reached the replicas after this one."""
-        store = self.node.store(target)
-        check_chunk_id(chunk)
-        if not self.node.readable(target):
-            raise FsError(errno.ESTALE, f"target {target} is not serving: copy another replica")
-        async with self.node.locks.update(target, chunk):
-            try:
-                rec, data = await self.node.io(store.read_full, chunk)
-            except FsError as exc:
-                if exc.code == errno.EIO:
-                    self.repairs.schedule(target, chunk)
-                raise
-        meta: ChunkMeta = {
-            "version": rec.version,
-            "length": rec.length,
-            "chunk_size": rec.chunk_size,
-        }
-        return Reply(meta, data)
 
     # ---- writes ----------------------------------------------------------
 
