@@ -10,7 +10,8 @@ in the mount, then measured through every way in there is:
     fuse           the mount (``--mount``, else the cluster's own mount)
     fuse-ro        the same files through a ``shufflefs mount -o ro``
     fuse-immutable the same through a ``shufflefs mount -o cache=immutable``
-    fuse-prefetch  the mount, each reader hinting its next files (client/data/hinted_reads.py)
+    fuse-prefetch  the cache=immutable mount (``--prefetch-mount``), each reader
+                   hinting its next files (client/data/hinted_reads.py)
     native         `FileDataset` of `shufflefs.client.data` over the same files
 
 Operations: ``create`` (create+write+close per file; the first part of the
@@ -217,7 +218,10 @@ def targets(
         options = "cache=immutable"
         immutable = stack.enter_context(ro_mount(t.config, workdir / "immutable-mnt", options))
         t.roots["fuse-immutable"] = str(immutable / subdir)
-    prefetch_root = Path(args.prefetch_mount or mnt).absolute()
+    # prefetch along the shuffle is for training data: the dataset mode's
+    # mount, unless told otherwise
+    dataset_mount = Path(t.roots.get("fuse-immutable", mnt / subdir)).parent
+    prefetch_root = Path(args.prefetch_mount or dataset_mount).absolute()
     if prefetch_available(str(prefetch_root)):
         t.roots["fuse-prefetch"] = str(prefetch_root / subdir)
     else:

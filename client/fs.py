@@ -149,6 +149,7 @@ class FileSystem:
             lambda ino, flags: self.open_batch.get((ino, flags)),
             self._release_handle,
             release_many=self._release_handles,
+            open_many=lambda inos: self._open_read_only([(i, os.O_RDONLY) for i in inos]),
             trust=self.options.trust_open_cache,
             linger=self.options.open_linger,
         )

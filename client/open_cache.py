@@ -60,6 +60,7 @@ class OpenCache:
         release: Callable[[int, int], Awaitable[None]],
         *,
         release_many: Callable[[list[tuple[int, int]]], Awaitable[None]] | None = None,
+        open_many: Callable[[list[int]], Awaitable[list[OpenResult | None]]] | None = None,
         trust: bool,
         linger: float,
         limit: int = DEFAULT_LIMIT,
@@ -68,6 +69,7 @@ class OpenCache:
         self._open = open_fresh
         self._release = release  # (ino, handle): give a read-only handle back
         self._release_many = release_many  # [(ino, handle)]: the same, one round trip
+        self._open_many = open_many  # [ino]: read-only opens in one round trip (None: gone)
         self.trust = trust
         self.linger = linger
         self.limit = limit
@@ -103,6 +105,34 @@ class OpenCache:
             await self._drop(old)
         self.entries[ino] = fresh
         return fresh, False
+
+    async def open_ahead(self, inos: list[int]) -> dict[int, CachedOpen]:
+        """Handles for opens expected soon (the prefetcher's, fuse/prefetch.py,
+        before it reads hinted files): what the cache holds is taken as it
+        is (a stale one is caught by the reader's own open, which
+        revalidates unless `trust`), the rest are opened in one call and kept
+        as idle entries, so the reader's open reuses them and they are given
+        back after `linger` like any other. An inode gone is left out."""
+        out = {ino: e for ino in inos if (e := self.entries.get(ino)) is not None}
+        wanted = [ino for ino in dict.fromkeys(inos) if ino not in out]
+        if not wanted:
+            return out
+        assert self._open_many is not None and self.enabled
+        results = await self._open_many(wanted)
+        now = trio.current_time()
+        for res in results:
+            if res is None:
+                continue
+            ino = res["attr"]["ino"]
+            entry = CachedOpen(ino, res["handle"], res["layout"], res["attr"], idle_since=now)
+            if ino in self.entries:  # an open raced ours: its entry stays, ours goes back
+                entry.dropped = True
+                self._unused.append(entry)
+                entry = self.entries[ino]
+            else:
+                self.entries[ino] = entry
+            out[ino] = entry
+        return out
 
     async def discard(self, ino: int) -> None:
         """Out of the cache, its handle given back once unused; also a handle

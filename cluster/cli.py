@@ -503,7 +503,10 @@ def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentPa
         "--ro-mount",
         help="a read-only mount of the same files (default: a `mount -o ro` it starts)",
     )
-    f.add_argument("--prefetch-mount", help="a mount with prefetch (default: --mount)")
+    f.add_argument(
+        "--prefetch-mount",
+        help="a mount with prefetch (default: the cache=immutable mount it starts, else --mount)",
+    )
     f.add_argument("--embedded", action="store_true", help="start a cluster, stop it after")
     f.add_argument(
         "--replicas",

@@ -247,7 +247,13 @@ class FastReads:
         ops = self.ops
         if ops.inode_reads is not None:  # cache=immutable: READs carry no handle
             fh = ops.inode_reads.held(ino)
-            if fh is None:  # its first READ here: opened on the loop, then read here
+            if fh is None:
+                started = time.perf_counter()
+                ahead = ops.read_unopened(ino, off, size)
+                if ahead is not None:  # prefetched: no handle needed
+                    self._reply(req, ahead, started)
+                    return True
+                # its first READ here: opened on the loop, then read here
                 self.nursery.start_soon(self._open_then_read, req, ino, size, off)
                 return True
         elif READ_INODES.fh_confirmed and fi:

@@ -56,6 +56,7 @@ from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.fuse.prefetch import PREFETCH_XATTR, Prefetcher
 from shufflefs.fuse.prefetch_hints import version_of
+from shufflefs.fuse.prefetch_xattr import hint_by_getxattr, hint_by_setxattr
 from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
@@ -88,6 +89,7 @@ class ShuffleOps(pyfuse3.Operations):
         self.dirs: dict[int, DirHandle] = {}
         self.listings: dict[int, DirHandle] = {}  # directory inode -> cursors (`listing`)
         self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
+        self.regular: set[int] = set()  # inodes the kernel was told are regular files
         self._next_dir = 1
         # inode -> bytes from offset 0 handed to the kernel without a gap, for
         # the version in `cached`: what its page cache holds unless it evicted
@@ -118,6 +120,8 @@ class ShuffleOps(pyfuse3.Operations):
         self.kernel_size[attr["ino"]] = attr["size"]
         if attr["parent"]:
             self.parents[attr["ino"]] = attr["parent"]
+        elif stat.S_ISREG(attr["mode"]):
+            self.regular.add(attr["ino"])
         e = pyfuse3.EntryAttributes()
         e.st_ino = attr["ino"]
         e.generation = 0
@@ -149,7 +153,11 @@ class ShuffleOps(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         try:
-            attr = await self.fs.lookup(parent_inode, name)
+            attr = None
+            if self.options.read_only:  # a hinted file's reader: no round trip
+                attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
+            if attr is None:
+                attr = await self.fs.lookup(parent_inode, name)
         except FsError as exc:
             if exc.code != errno.ENOENT or not self.options.negative_timeout:
                 raise
@@ -178,6 +186,7 @@ class ShuffleOps(pyfuse3.Operations):
                 self.kernel_size.pop(ino, None)
                 self.no_caps.pop(ino, None)
                 self.parents.pop(ino, None)
+                self.regular.discard(ino)
                 self.created_in.pop(ino, None)
 
     @fuse_errors
@@ -391,6 +400,9 @@ class ShuffleOps(pyfuse3.Operations):
         if self.inode_reads is not None:
             named = READ_INODES.take()  # first: this READ's inode (fuse/read_inode.py)
             if fh == 0:
+                ahead = self.read_unopened(named, off, size)
+                if ahead is not None:
+                    return ahead
                 fh = await self.inode_reads.handle(named)
         else:
             READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_reads.py)
@@ -403,6 +415,20 @@ class ShuffleOps(pyfuse3.Operations):
         ahead = self.prefetch.read(ino, off, size)
         got = ahead if ahead is not None else await self.fs.read(fh, off, size)
         self.handed(ino, off, len(got))
+        return got
+
+    def read_unopened(self, ino: int, off: int, size: int) -> memoryview | None:
+        """cache=immutable: a READ of a file this mount holds no handle for,
+        answered from prefetched bytes if they have it (no open: the bytes
+        were read under a handle of the prefetcher's, at a version no older
+        than the kernel's pages of the file)."""
+        version = self.prefetch.version_held(ino)
+        if version is None or self.cached.get(ino, version) != version:
+            return None
+        got = self.prefetch.read(ino, off, size)
+        if got is not None:
+            self.cached[ino] = version  # what the kernel's pages of it now hold
+            self.handed(ino, off, len(got))
         return got
 
     def handed(self, ino: int, off: int, n: int) -> None:
@@ -548,8 +574,8 @@ class ShuffleOps(pyfuse3.Operations):
         # the write drop file capabilities?), since a FUSE inode never gets
         # S_NOSEC. Its absence is remembered for attr_timeout, as attributes
         # are, so small writes do not each cost a metadata round trip.
-        if name == PREFETCH_XATTR:  # the prefetch hint interface (fuse/prefetch.py)
-            return await self.prefetch.hint_file(await self.fs.getattr(inode))
+        if name.startswith(PREFETCH_XATTR):  # the prefetch hint interface
+            return await hint_by_getxattr(self, inode, name)
         caps = name == CAPS_XATTR
         if caps and self.no_caps.get(inode, 0.0) > trio.current_time():
             raise FsError(errno.ENODATA, "no security.capability (cached)")
@@ -568,14 +594,8 @@ class ShuffleOps(pyfuse3.Operations):
     ) -> None:
         # pyfuse3 checks XATTR_CREATE/XATTR_REPLACE itself (with getxattr)
         # before calling us, so what is left is a plain set
-        if name == PREFETCH_XATTR:  # the prefetch hint interface (fuse/prefetch.py)
-            if inode != pyfuse3.ROOT_INODE:
-                raise FsError(errno.EINVAL, "prefetch hints are set on the mount root")
-            try:
-                await self.prefetch.hint_batch(value)
-            except FsError as exc:  # as it is: a missing hinted path is ENOENT, not ESTALE
-                log.info("prefetch hint refused: %s", exc.message)
-                raise pyfuse3.FUSEError(exc.code) from None
+        if name == PREFETCH_XATTR:  # the prefetch hint interface
+            await hint_by_setxattr(self, inode, value)
             return
         self.no_caps.pop(inode, None)
         await self.fs.setxattr(inode, name, value, 0)

@@ -15,9 +15,15 @@ its own, which `read` consults before going to storage. Two forms:
   the budget E2BIG, a path that does not exist ENOENT, a directory EISDIR,
   and then nothing changed. An empty value cancels the queued hints and
   drops what is held (an epoch's end, a loader restarted).
-* ``getxattr(<file>, "user.shufflefs.prefetch")``: hint that one whole file.
-  It works on a read-only mount too, where the kernel refuses every
-  setxattr with EROFS before the mount sees it.
+* ``getxattr(<mount root>, "user.shufflefs.prefetch/" + paths)``: the batch
+  form of a read-only mount, where the kernel refuses every setxattr with
+  EROFS before the mount sees it: whole files, the paths (newline-separated)
+  in the attribute's name, up to the kernel's 255 bytes (`hint_named`).
+  The kernel looks none of them up; the mount answers the reader's LOOKUP
+  of a hinted file it holds (`entry_of`), and on cache=immutable its READs
+  with no open (`ShuffleOps.read_unopened`).
+* ``getxattr(<file>, "user.shufflefs.prefetch")``: hint that one whole file
+  (also on a read-only mount, after the kernel's lookup of its path).
 * ``getxattr(<directory>, "user.shufflefs.prefetch")``: the cache's state as
   JSON (budget, bytes held, counters); what a loader probes to know that a
   path is on a shufflefs mount.
@@ -37,7 +43,7 @@ answers its reads, so fetched bytes would only sit in our cache. The mount
 cannot see the kernel evict, only reads of skipped files that reach it
 anyway. A few such reads are the odd page the kernel dropped (the reads
 are small, and go to storage as any read): the hints go on being skipped.
-Once at least EVICTED_MIN of the skipped files opened lately, and one in
+Once at least EVICTED_MIN of the files skipped lately, and one in
 EVICTED_SHARE of them, were read here, the kernel is evicting whole files:
 the other skipped files not read yet are fetched after all and skipping
 stops for DISTRUST_SECONDS (a dataset larger than the page cache is
@@ -52,7 +58,9 @@ byte, or when a handle that read from it is released (a sample is read once
 per epoch), when the file changes
 (a write or truncate through this mount, an open that sees another version
 after another client's close: close-to-open), when its name is unlinked or
-renamed over here, or ENTRY_TTL after it was fetched when room is needed.
+renamed over here, or ENTRY_TTL (10 s) after it was fetched when room is needed
+(on an immutable mount, or in a warm epoch the kernel answers, many are
+never read here).
 """
 
 from __future__ import annotations
@@ -64,18 +72,26 @@ import os
 import stat
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
 from shufflefs.client.fs import FileSystem
-from shufflefs.fuse.prefetch_hints import Hint, HintResolver, Version, parse_hint, version_of
-from shufflefs.metadata.protocol import Attr, Layout
+from shufflefs.fuse.prefetch_hints import (
+    LISTING_TTL,
+    Hint,
+    HintResolver,
+    Version,
+    parse_hint,
+    version_of,
+)
+from shufflefs.metadata.protocol import ROOT_INODE, Attr, Layout
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse.prefetch")
 
 PREFETCH_XATTR = b"user.shufflefs.prefetch"
+NAMED_PREFIX = PREFETCH_XATTR + b"/"  # getxattr names that carry paths (`hint_named`)
 DEFAULT_MEMORY = 256 << 20
 MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
 FETCHERS = 8  # ranges read concurrently
@@ -83,11 +99,11 @@ PAGE = 4096
 MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
 MAX_FILES_PER_READ = 256  # listed files read together (one request per storage node)
 READ_BATCH = 8 << 20  # bytes of listed files read together
-ENTRY_TTL = 120.0  # seconds an unread entry keeps its room when room is needed
+ENTRY_TTL = 10.0  # seconds an unread entry keeps its room when room is needed
 DISTRUST_SECONDS = 60.0  # no hint is skipped as held by the kernel this long after one was wrong
 EVICTED_MIN = 4  # reads of skipped files that reached the mount before it distrusts...
-EVICTED_SHARE = 4  # ...if also one in this many of the skipped files opened lately
-SKIP_WINDOW = 256  # skipped files opened, beyond which both counts are halved ("lately")
+EVICTED_SHARE = 4  # ...if also one in this many of the files skipped lately
+SKIP_WINDOW = 256  # files skipped, beyond which both counts are halved ("lately")
 
 
 @dataclass
@@ -141,6 +157,7 @@ class Prefetcher:
 
     def __post_init__(self) -> None:
         self._wake = trio.Event()  # pending grew, or room was freed
+        self._room = trio.Event()  # room was freed
         self._generation = 0  # counts changes and resets
         self._reset_at = 0
         self._changed: dict[int, int] = {}  # ino -> generation of its last change
@@ -149,7 +166,7 @@ class Prefetcher:
         # none is skipped (a skipped file's read reached us: it had been evicted)
         self._skipped: OrderedDict[int, Hint] = OrderedDict()
         self._distrust_until = -1.0
-        self._skipped_opened = 0  # skipped files opened lately
+        self._skipped_lately = 0  # files skipped lately
         self._skipped_missed = 0  # ... of which a read reached the mount
         self.resolver = HintResolver(self.fs)
 
@@ -172,7 +189,25 @@ class Prefetcher:
             for ino in list(self.entries):
                 self._drop(ino)
             return
-        items = parse_hint(value)
+        await self._hint_items(parse_hint(value))
+
+    async def hint_named(self, ino: int, name: bytes) -> bytes:
+        """getxattr(<mount root>, ``user.shufflefs.prefetch/`` + paths): the
+        whole files at *paths* (newline-separated, relative to the root)
+        queued as `hint_batch` would: the batch form where the kernel
+        refuses setxattr (a read-only mount), and with no LOOKUP of each
+        path by the kernel (see `entry_of`)."""
+        paths = name[len(NAMED_PREFIX) :] if name.startswith(NAMED_PREFIX) else b""
+        lines = [line for line in paths.split(b"\n") if line]
+        if ino != ROOT_INODE or not lines:
+            what = "user.shufflefs.prefetch/PATHS is asked of the mount root"
+            raise FsError(errno.EINVAL, f"prefetch hint: {what}")
+        self._check_enabled()
+        await self._hint_items([(line, 0, None) for line in lines])
+        return b"queued"
+
+    async def _hint_items(self, items: list[tuple[bytes, int, int | None]]) -> None:
+        """Check and resolve all, then queue all."""
         for _, _, length in items:
             if length is not None and length > self.budget:
                 raise FsError(
@@ -186,10 +221,15 @@ class Prefetcher:
         """getxattr on an inode: a directory answers the state, a file is queued."""
         if stat.S_ISDIR(attr["mode"]):
             return self.status()
-        self._check_enabled()
         if not stat.S_ISREG(attr["mode"]):
+            self._check_enabled()
             raise FsError(errno.EINVAL, "prefetch: not a regular file")
-        self._queue(Hint(attr["ino"], 0, None, version=version_of(attr)))
+        return self.hint_inode(attr["ino"], version_of(attr))
+
+    def hint_inode(self, ino: int, version: Version) -> bytes:
+        """Queue the whole file *ino* (of *version* as last seen)."""
+        self._check_enabled()
+        self._queue(Hint(ino, 0, None, version=version))
         return b"queued"
 
     def status(self) -> bytes:
@@ -218,6 +258,11 @@ class Prefetcher:
         self._wake.set()
         self._wake = trio.Event()
 
+    def _freed(self) -> None:
+        self._room.set()
+        self._room = trio.Event()
+        self._notify()
+
     # ---- fetching ----------------------------------------------------------
 
     async def _fetch_loop(self) -> None:
@@ -226,8 +271,7 @@ class Prefetcher:
                 await self._wake.wait()
                 continue
             if self.held >= self.budget and not self._expire():
-                with trio.move_on_after(1.0):
-                    await self._wake.wait()
+                await self._room_or_expiry()
                 continue
             groups = self._next_groups()
             if not groups:
@@ -241,28 +285,32 @@ class Prefetcher:
                 self.counters.failed += sum(len(h) for _, h in groups)
                 log.exception("prefetch of inodes %s", [i for i, _ in groups][:8])
 
+    @property
+    def _batch_bytes(self) -> int:
+        return min(READ_BATCH, max(1, self.budget // 4))
+
     def _next_groups(self) -> list[tuple[int, list[Hint]]]:
-        """The next hints to read together, per file in order: those of
-        listed files (layout known) up to READ_BATCH bytes, many files in
-        one read (one request per storage node); else one file's run of
-        hints, which it opens."""
+        """The next hints to read together, per file in order: up to
+        `_batch_bytes` of up to MAX_FILES_PER_READ files in one read (one
+        request per storage node). A file of unknown size counts once it is
+        known: `_fetch` puts back what it finds beyond the batch."""
         groups: dict[int, list[Hint]] = {}
-        limit = min(READ_BATCH, max(1, self.budget // 4))
-        listed = self.pending[0].layout is not None
+        limit = self._batch_bytes
         size = 0
         while self.pending and len(groups) < MAX_FILES_PER_READ:
             hint = self.pending[0]
-            if (hint.layout is not None) != listed or (
-                not listed and hint.ino not in groups and groups
-            ):
-                break
-            if listed and groups and hint.ino not in groups and size >= limit:
+            if groups and hint.ino not in groups and size >= limit:
                 break
             if len(groups.get(hint.ino, ())) >= MAX_RANGES_PER_READ:
                 break
             self.pending.popleft()
             if self._in_kernel(hint):
                 self.counters.resident += 1
+                # (counted here, not at opens: a cache=immutable mount sees none)
+                self._skipped_lately += 1
+                if self._skipped_lately > SKIP_WINDOW:
+                    self._skipped_lately //= 2
+                    self._skipped_missed //= 2
                 self._skipped[hint.ino] = hint
                 self._skipped.move_to_end(hint.ino)
                 if len(self._skipped) > MAX_PENDING:
@@ -292,34 +340,81 @@ class Prefetcher:
                 return True
         return False
 
+    async def _open_ahead(self, inos: list[int]) -> dict[int, tuple[Version, Layout | None]]:
+        """The version and layout of files about to be read: read-only handles
+        taken in one call and left in the client's open cache, where the
+        reader's own open (and on cache=immutable the first READ that the
+        fetched bytes do not answer) finds them (`OpenCache.open_ahead`).
+        Without that cache: an open and a release each."""
+        cache = self.fs.open_cache
+        if cache.enabled:
+            held = await cache.open_ahead(inos)
+            return {ino: (version_of(e.attr), e.layout) for ino, e in held.items()}
+        out = {}
+        for ino in inos:
+            try:
+                f, attr = await self.fs.open(ino, os.O_RDONLY)
+            except FsError as exc:
+                if exc.code != errno.ENOENT:
+                    raise
+                continue  # gone
+            try:
+                out[ino] = (version_of(attr), f.layout)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.fs.release(f.fh)
+        return out
+
+    def _batch(
+        self, groups: list[tuple[int, list[Hint]]], known: dict[int, tuple[Version, Layout | None]]
+    ) -> list[tuple[int, list[Hint], Version, Layout, list[tuple[int, int]]]]:
+        """What of *groups* one read takes (up to `_batch_bytes`, at least one
+        file); the rest goes back to the front of the queue, its layouts
+        known now."""
+        limit = self._batch_bytes
+        files: list[tuple[int, list[Hint], Version, Layout, list[tuple[int, int]]]] = []
+        length = 0
+        for k, (ino, hints) in enumerate(groups):
+            if ino not in known:
+                self.counters.failed += len(hints)  # gone before we opened it
+                continue
+            version, layout = known[ino]
+            ranges = merged_ranges(hints, version[0])
+            size = sum(e - o for o, e in ranges)
+            if layout is None or size > self.budget:
+                continue  # not a file, or larger than the whole budget
+            if files and length + size > limit:
+                back = [
+                    replace(h, version=known[i][0], layout=known[i][1])
+                    for i, group in groups[k:]
+                    if i in known
+                    for h in group
+                ]
+                self.pending.extendleft(reversed(back))
+                break
+            files.append((ino, hints, version, layout, ranges))
+            length += size
+        return files
+
     async def _fetch(self, groups: list[tuple[int, list[Hint]]]) -> None:
         start = self._generation
         self._in_flight += 1
         reserved = 0
-        opened = None
         try:
-            files: list[tuple[int, list[Hint], Version, list[tuple[int, int]]]] = []
-            extents = []
-            for ino, hints in groups:
-                h = hints[0]
-                layout: Layout | None
-                if h.layout is not None and h.version is not None:
-                    # from a listing: no open, no release (a file removed since
-                    # fails the read, and the reader reads it itself)
-                    version, layout = h.version, h.layout
-                else:
-                    opened, attr = await self.fs.open(ino, os.O_RDONLY)
-                    version, layout = version_of(attr), opened.layout
-                ranges = merged_ranges(hints, version[0])
-                if layout is None or sum(e - o for o, e in ranges) > self.budget:
-                    continue  # not a file, or larger than the whole budget
-                files.append((ino, hints, version, ranges))
-                extents += [(ino, layout, off, end - off) for off, end in ranges]
+            # every file opened (one call for those not held yet): a file
+            # removed since its listing is left out, and none is freed while
+            # it is read
+            known = await self._open_ahead([ino for ino, _ in groups])
+            files = self._batch(groups, known)
+            extents = [
+                (ino, layout, off, end - off)
+                for ino, _, _, layout, ranges in files
+                for off, end in ranges
+            ]
             length = sum(e[3] for e in extents)
             while self.held + length > self.budget:
                 if not self._expire():
-                    with trio.move_on_after(1.0):
-                        await self._wake.wait()
+                    await self._room_or_expiry()
             reserved = length
             self.held += reserved
             data = bytearray(length)
@@ -327,7 +422,7 @@ class Prefetcher:
                 await self.fs.read_into(extents, memoryview(data))
             now = trio.current_time()
             pos = 0
-            for ino, hints, version, ranges in files:
+            for ino, hints, version, _, ranges in files:
                 chunks = []
                 for off, end in ranges:
                     chunks.append((off, data[pos : pos + end - off]))
@@ -346,29 +441,37 @@ class Prefetcher:
                 self.counters.fetched += len(hints)
                 self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
         finally:
-            if opened is not None:
-                with trio.CancelScope(shield=True):
-                    await self.fs.release(opened.fh)
             self.held -= reserved
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._changed.clear()
             if reserved:
-                self._notify()
+                self._freed()
 
     def _expire(self) -> bool:
-        """Drop files whose bytes were fetched ENTRY_TTL ago;
-        whether room was freed."""
+        """Drop files whose bytes were fetched ENTRY_TTL ago (the oldest
+        come first: a fetch moves its file to the end); whether room was
+        freed."""
         now = trio.current_time()
-        old = [
-            ino
-            for ino, held in self.entries.items()
-            if all(now - e.fetched_at > ENTRY_TTL for e in held)
-        ]
+        old = []
+        for ino, held in self.entries.items():
+            if any(now - e.fetched_at <= ENTRY_TTL for e in held):
+                break
+            old.append(ino)
         for ino in old:
             self._drop(ino)
             self.counters.expired += 1
         return bool(old)
+
+    async def _room_or_expiry(self) -> None:
+        """Wait until bytes are dropped or the oldest file's ENTRY_TTL ends
+        (not for new hints: a full cache has no room for them either)."""
+        deadline = trio.current_time() + 1.0
+        if self.entries:
+            oldest = next(iter(self.entries.values()))
+            deadline = max(e.fetched_at for e in oldest) + ENTRY_TTL
+        with trio.move_on_at(deadline):
+            await self._room.wait()
 
     def _drop_entry(self, ino: int, entry: Entry) -> None:
         held = self.entries[ino]
@@ -378,7 +481,7 @@ class Prefetcher:
             del self.entries[ino]
             if entry.name is not None and self.names.get(entry.name) == ino:
                 del self.names[entry.name]
-        self._notify()
+        self._freed()
 
     def _drop(self, ino: int, only_served: bool = False) -> bool:
         """Drop what is held of *ino* (or only the ranges that served a read);
@@ -398,22 +501,39 @@ class Prefetcher:
             name = gone[0].name
             if name is not None and self.names.get(name) == ino:
                 del self.names[name]
-        self._notify()
+        self._freed()
         return True
 
     # ---- hooks of the FUSE operations ------------------------------------
 
     def opened(self, attr: Attr) -> None:
         """An open saw *attr*: data of another version is dropped."""
-        if self._skipped and attr["ino"] in self._skipped:
-            self._skipped_opened += 1
-            if self._skipped_opened > SKIP_WINDOW:
-                self._skipped_opened //= 2
-                self._skipped_missed //= 2
         held = self.entries.get(attr["ino"])
         if held and held[0].version != version_of(attr):
             self._drop(attr["ino"])
             self.counters.invalidated += 1
+
+    def entry_of(self, parent: int, name: bytes, max_age: float) -> Attr | None:
+        """The attributes of *name* in *parent* if its bytes are held here,
+        from the handle they were read under (still in the open cache), and
+        name and attributes are no older than *max_age* (its listing's age
+        counted at most): what a read-only mount answers a LOOKUP with, no
+        round trip (the reader of a hinted file asks for it next)."""
+        ino = self.names.get((parent, name))
+        held = self.entries.get(ino) if ino is not None else None
+        if not held or ino is None:
+            return None
+        cached = self.fs.open_cache.entries.get(ino)
+        if cached is None or version_of(cached.attr) != held[0].version:
+            return None
+        if trio.current_time() - held[0].fetched_at + LISTING_TTL > max_age:
+            return None
+        return cached.attr
+
+    def version_held(self, ino: int) -> Version | None:
+        """The version of *ino* whose bytes are held, if any."""
+        held = self.entries.get(ino)
+        return held[0].version if held else None
 
     def read(self, ino: int, offset: int, size: int) -> memoryview | None:
         """The bytes of a read if one held range has all of them (clamped to
@@ -448,7 +568,7 @@ class Prefetcher:
         """Do the skipped files' reads that reached the mount show the kernel
         evicting whole files (not the odd page)?"""
         missed = self._skipped_missed
-        return missed >= EVICTED_MIN and missed * EVICTED_SHARE >= self._skipped_opened
+        return missed >= EVICTED_MIN and missed * EVICTED_SHARE >= self._skipped_lately
 
     def released(self, ino: int) -> None:
         """A handle was closed: the ranges it read from have served their

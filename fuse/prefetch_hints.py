@@ -6,9 +6,10 @@ docs/training-data.md, "Prefetch through the mount").
 Paths are resolved by a listing of their directory (`readdir_layouts`: one
 request per directory and page instead of a lookup and an open per file),
 kept LISTING_TTL; a name the listing lacks (new since, or not a regular
-file) is looked up. Staleness of a kept listing is caught where it matters:
-an open that sees another version drops the fetched bytes
-(`Prefetcher.opened`).
+file) is looked up. A kept listing may be stale: the fetch opens every file
+before reading it (a file removed since is left out, a changed one read at
+its current version), and an open that sees another version drops the
+fetched bytes (`Prefetcher.opened`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ nothing is sent.
 Hints are advice: they go out on one background thread per process (the
 reader never waits for the mount to resolve them, at most MAX_OUTSTANDING
 batches are queued), and a failure is logged and forgotten. On a read-only
-mount, where the kernel refuses setxattr, each file is hinted by a getxattr
-on it instead (whole files only).
+mount, where the kernel refuses setxattr, files are hinted by getxattrs of
+the mount root whose names carry their paths instead (whole files only;
+`_get_named`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger("shufflefs.client.data")
 
 XATTR = "user.shufflefs.prefetch"
 MAX_VALUE = 60_000  # bytes per setxattr: under the kernel's XATTR_SIZE_MAX (64 KiB)
+NAME_MAX = 255  # bytes of an xattr name (XATTR_NAME_MAX)
 MAX_OUTSTANDING = 8  # hint batches queued on the sender thread
 DEFAULT_AHEAD = 512  # samples hinted ahead of the reads
 
@@ -70,6 +72,7 @@ class MountHints:
         self.ahead = ahead
         self.whole_files = whole_files  # the reads are whole files (else byte ranges)
         self.read_only = False
+        self.named = True  # the mount takes paths in getxattr names (read-only mounts)
         self._pid = -1
         self._jobs: queue.Queue[Callable[[], None] | None] | None = None
 
@@ -147,8 +150,32 @@ class MountHints:
     def _send_files(self, items: list[int]) -> None:
         lines = [os.fsencode(self.relative[i]) for i in items]
         if self.read_only or not self._set_all(pack(lines, b"\n", b"", b"")):
-            for i in items:  # what a read-only mount takes: a getxattr per file
-                os.getxattr(self.paths[i], XATTR)
+            self._get_named(items, lines)
+
+    def _get_named(self, items: list[int], lines: list[bytes]) -> None:
+        """What a read-only mount takes: the paths in the names of getxattrs
+        of the mount root, as many as fit in one (XATTR_NAME_MAX); a path
+        that does not fit (or on a mount of before that form) by a getxattr
+        on the file itself, which costs the kernel's lookup of it too."""
+        prefix = os.fsencode(XATTR) + b"/"
+        alone = [i for i, line in zip(items, lines, strict=True) if not self._nameable(line)]
+        fitting = [line for line in lines if self._nameable(line)]
+        if self.named:
+            try:
+                for name in pack(fitting, b"\n", prefix, b"", NAME_MAX):
+                    os.getxattr(self.root, os.fsdecode(name))
+            except OSError as exc:
+                if exc.errno not in (errno.ENODATA, errno.EOPNOTSUPP, errno.ERANGE):
+                    raise
+                self.named = False  # a mount of before the form
+        if not self.named:
+            alone = items
+        for i in alone:
+            os.getxattr(self.paths[i], XATTR)
+
+    @staticmethod
+    def _nameable(line: bytes) -> bool:
+        return b"\n" not in line and len(XATTR) + 1 + len(line) <= NAME_MAX
 
     def _send_ranges(self, triples: list[tuple[int, int, int]]) -> None:
         if not self.read_only:
@@ -173,12 +200,14 @@ class MountHints:
         return state
 
 
-def pack(items: list[bytes], sep: bytes, head: bytes, tail: bytes) -> Iterator[bytes]:
-    """*items* joined into values of at most MAX_VALUE bytes."""
+def pack(
+    items: list[bytes], sep: bytes, head: bytes, tail: bytes, limit: int = MAX_VALUE
+) -> Iterator[bytes]:
+    """*items* joined into values of at most *limit* bytes."""
     batch: list[bytes] = []
     size = len(head) + len(tail)
     for item in items:
-        if batch and size + len(item) + len(sep) > MAX_VALUE:
+        if batch and size + len(item) + len(sep) > limit:
             yield head + sep.join(batch) + tail
             batch, size = [], len(head) + len(tail)
         batch.append(item)

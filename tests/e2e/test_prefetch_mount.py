@@ -8,6 +8,11 @@ fetched at all, also after the kernel lost a page of one, but they are once
 it dropped them all. A huge hint stream keeps the cache under its budget;
 a change on the other mount, or a write, truncate or unlink through this
 one, drops the cached bytes; bad hints get their errno and change nothing.
+
+A third mount in the dataset mode (``cache=immutable``, read-only) takes
+hints by name (paths in getxattr names of its root) and then answers the
+lookups and reads of the hinted files with the storage daemons and the
+metadata server stopped; `MountHints` hints it that way.
 """
 
 from __future__ import annotations
@@ -82,11 +87,13 @@ def write_files(d: Path, n: int, tag: bytes = b"") -> list[bytes]:
 
 
 @contextmanager
-def storage_stopped(cluster: ProcessCluster) -> Iterator[None]:
+def storage_stopped(cluster: ProcessCluster, *also: str) -> Iterator[None]:
     """Every storage daemon SIGSTOPped (briefly: well under mgmtd's heartbeat
-    timeout), so a read that reaches storage cannot complete."""
-    pids = [p for n in cluster.names() if n.startswith("storage") and (p := cluster.pid(n))]
-    assert pids
+    timeout), so a read that reaches storage cannot complete; and the
+    services whose names start with one of *also*."""
+    kinds = ("storage", *also)
+    pids = [p for n in cluster.names() if n.startswith(kinds) and (p := cluster.pid(n))]
+    assert len(pids) > len(also)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -94,6 +101,13 @@ def storage_stopped(cluster: ProcessCluster) -> Iterator[None]:
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
+
+
+def process_state(pid: int | None) -> str:
+    """The state letter of /proc/PID/stat (T: stopped)."""
+    assert pid is not None
+    stat_line = Path(f"/proc/{pid}/stat").read_text()
+    return stat_line.rsplit(")", 1)[1].split()[0]
 
 
 READER = "import sys; [sys.stdout.buffer.write(open(p, 'rb').read()) for p in sys.argv[1:]]"
@@ -152,6 +166,18 @@ def drop_pages(path: Path, length: int) -> None:
         os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def dmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The dataset mode: read-only, cache=immutable, reads through the daemons."""
+    mountpoint = tmp_path_factory.mktemp("dataset-mount")
+    options = f"cache=immutable,no_local_reads,prefetch_memory={BUDGET}"
+    shufflefs("mount", "--config", str(mounted.client_config), "-o", options, str(mountpoint))
+    try:
+        yield mountpoint
+    finally:
+        shufflefs("umount", str(mountpoint))
 
 
 def test_hinted_files_are_read_without_reaching_storage(
@@ -289,3 +315,86 @@ def test_bad_hints_get_an_error_and_change_nothing(mnt: Path, pmnt: Path) -> Non
     # the mount still works, and a good hint is taken
     os.setxattr(pmnt, XATTR, json.dumps([[good, 0, 1000]]).encode())
     assert status(pmnt)["hinted"] == before["hinted"] + 1
+
+
+def test_a_dataset_mount_reads_hinted_files_with_no_server_at_all(
+    mounted: ProcessCluster, mnt: Path, dmnt: Path
+) -> None:
+    """Hints by name on the read-only mount (the kernel refuses setxattr
+    there): nothing of the files is looked up by the kernel before, and
+    then their lookups and reads are answered with every storage daemon and
+    the metadata server stopped."""
+    d = mnt / "named"
+    d.mkdir()
+    data = write_files(d, 12)
+    here = dmnt / mnt.name / "named"
+    os.stat(here)  # the directory is known to the kernel; its files are not
+    before = status(dmnt)
+    rel = [f"{mnt.name}/named/f{i}" for i in range(10)]
+    with pytest.raises(OSError) as info:
+        hint(dmnt, rel)
+    assert info.value.errno == errno.EROFS
+    parts = [rel[k : k + 2] for k in range(0, 10, 2)]  # paths in the xattr's name (255 bytes)
+    for part in parts:
+        assert os.getxattr(dmnt, XATTR + "/" + "\n".join(part)) == b"queued"
+    wait_fetched(dmnt, before["fetched"] + 10)
+    with storage_stopped(mounted, "meta"):
+        got = read_in_child([here / f"f{i}" for i in range(10)], timeout=20)
+        assert got == b"".join(data[:10])
+        # the control: they are stopped (a read of an unhinted file would
+        # wait for the metadata server's timeout, in the kernel, unkillably)
+        for name in mounted.names():
+            if name.startswith(("storage", "meta")):
+                assert process_state(mounted.pid(name)) == "T", name
+    after = status(dmnt)
+    assert after["hits"] >= before["hits"] + 10
+    assert (here / "f11").read_bytes() == data[11]
+
+
+def test_named_hints_get_an_error_and_change_nothing(mnt: Path, dmnt: Path) -> None:
+    write_files(mnt, 1)
+    (mnt / "subdir").mkdir(exist_ok=True)
+    before = status(dmnt)
+    good = f"{mnt.name}/f0"
+    bad: list[tuple[Path, str, int]] = [
+        (dmnt, f"{good}\n{mnt.name}/missing", errno.ENOENT),
+        (dmnt, f"{mnt.name}/subdir", errno.EISDIR),
+        (dmnt, f"{mnt.name}/f0/x", errno.ENOTDIR),
+        (dmnt, "", errno.EINVAL),  # no path
+        (dmnt / mnt.name, "f0", errno.EINVAL),  # asked of another directory
+    ]
+    for where, paths, code in bad:
+        with pytest.raises(OSError) as info:
+            os.getxattr(where, XATTR + "/" + paths)
+        assert info.value.errno == code, paths
+    after = status(dmnt)
+    for key in ("hinted", "pending", "fetched"):
+        assert after[key] == before[key], key
+
+
+def test_a_loader_hints_a_read_only_mount_by_name(mnt: Path, dmnt: Path) -> None:
+    """`MountHints` (what the datasets of shufflefs.client.data use) sends
+    paths in getxattr names where setxattr is refused; a path too long for
+    a name goes by a getxattr on the file."""
+    from shufflefs.client.data.mount_hints import MountHints
+
+    d = mnt / "loader"
+    d.mkdir()
+    long_name = "L" * 240  # with the prefix, over XATTR_NAME_MAX
+    (d / long_name).write_bytes(b"x" * 5000)
+    data = write_files(d, 6)
+    here = dmnt / mnt.name / "loader"
+    paths = [str(here / f"f{i}") for i in range(6)] + [str(here / long_name)]
+    before = status(dmnt)
+    hints = MountHints.find(paths, whole_files=True)
+    assert hints is not None
+    hints.files(range(len(paths)))
+    hints.flush()
+    assert hints.read_only and hints.named
+    s = wait_fetched(dmnt, before["fetched"] + 7)
+    assert s["failed"] == before["failed"]
+    hints.close()
+    for i in range(6):
+        assert (here / f"f{i}").read_bytes() == data[i]
+    assert (here / long_name).read_bytes() == b"x" * 5000
+    assert status(dmnt)["hits"] >= before["hits"] + 7
