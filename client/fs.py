@@ -154,6 +154,7 @@ class FileSystem:
             linger=self.options.open_linger,
         )
         self._batch_release = True  # until a metadata server answers ENOSYS
+        self._lookup_open = self.open_cache.enabled  # the same
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
         self._fh = itertools.count(1)
@@ -218,6 +219,25 @@ class FileSystem:
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
         return self.overlay(await self.meta.call_read("lookup", lambda m: m.lookup(parent, name)))
+
+    async def lookup_open(self, parent: int, name: bytes) -> Attr:
+        """`lookup` for an open that will not write (a read-only mount's):
+        a regular file is opened read-only in the same call, its handle left
+        in the open cache for that open (metadata/protocol.py `lookup_open`)."""
+        if not self._lookup_open:
+            return await self.lookup(parent, name)
+        try:
+            res = await self.session.call(
+                "lookup_open", lambda m, s: m.lookup_open(parent, name, s)
+            )
+        except FsError as exc:
+            if exc.code != errno.ENOSYS:
+                raise
+            self._lookup_open = False  # a metadata server of before it
+            return await self.lookup(parent, name)
+        if res["handle"]:
+            self.open_cache.adopt(res)
+        return self.overlay(res["attr"])
 
     async def getattr(self, ino: int) -> Attr:
         return self.overlay(await self._server_getattr(ino))

@@ -118,21 +118,26 @@ class OpenCache:
         if not wanted:
             return out
         assert self._open_many is not None and self.enabled
-        results = await self._open_many(wanted)
-        now = trio.current_time()
-        for res in results:
-            if res is None:
-                continue
-            ino = res["attr"]["ino"]
-            entry = CachedOpen(ino, res["handle"], res["layout"], res["attr"], idle_since=now)
-            if ino in self.entries:  # an open raced ours: its entry stays, ours goes back
-                entry.dropped = True
-                self._unused.append(entry)
-                entry = self.entries[ino]
-            else:
-                self.entries[ino] = entry
-            out[ino] = entry
+        for res in await self._open_many(wanted):
+            if res is not None:
+                out[res["attr"]["ino"]] = self.adopt(res)
         return out
+
+    def adopt(self, res: OpenResult) -> CachedOpen:
+        """A read-only open made for an open to come (`open_ahead`, a
+        read-only mount's `lookup_open`): kept as an idle entry, unless the
+        cache holds the inode already (then it is given back by the next
+        `expire`, and the held entry returned)."""
+        ino = res["attr"]["ino"]
+        entry = CachedOpen(ino, res["handle"], res["layout"], res["attr"])
+        entry.idle_since = trio.current_time()
+        held = self.entries.get(ino)
+        if held is not None:  # an open raced ours: its entry stays, ours goes back
+            entry.dropped = True
+            self._unused.append(entry)
+            return held
+        self.entries[ino] = entry
+        return entry
 
     async def discard(self, ino: int) -> None:
         """Out of the cache, its handle given back once unused; also a handle

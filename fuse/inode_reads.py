@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections import OrderedDict
 from typing import Protocol
 
@@ -95,6 +96,22 @@ class InodeReads:
             old, _ = next(iter(self.handles.items()))
             await self.drop(old)
         return f.fh
+
+    async def ready(self, attr: Attr) -> None:
+        """After a lookup of a regular file whose read-only handle the open
+        cache holds (`FileSystem.lookup_open`): its handle taken now, with no
+        round trip, so that the first READ goes straight to the fast path
+        (fuse/fast_reads.py) instead of through the loop. A failure is left
+        for that READ to meet."""
+        ino = attr["ino"]
+        if ino in self.handles or ino not in self.fs.open_cache.entries:
+            return
+        if not stat.S_ISREG(attr["mode"]):
+            return
+        try:
+            await self.handle(ino)
+        except FsError as exc:
+            log.debug("handle of inode %d after its lookup: %s", ino, exc.message)
 
     async def drop(self, ino: int) -> None:
         """Give *ino*'s handle back (if any)."""

@@ -156,6 +156,8 @@ class ShuffleOps(pyfuse3.Operations):
             attr = None
             if self.options.read_only:  # a hinted file's reader: no round trip
                 attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
+                if attr is None:  # an open follows (no write can): one call for both
+                    attr = await self.fs.lookup_open(parent_inode, name)
             if attr is None:
                 attr = await self.fs.lookup(parent_inode, name)
         except FsError as exc:
@@ -166,9 +168,12 @@ class ShuffleOps(pyfuse3.Operations):
             missing.st_ino = 0
             missing.entry_timeout = self.options.negative_timeout
             return missing
-        if self.inode_reads is not None:
-            await self.inode_reads.pages_current(attr)
-        return self.remember(attr)
+        if self.inode_reads is None:
+            return self.remember(attr)
+        await self.inode_reads.pages_current(attr)
+        entry = self.remember(attr)
+        await self.inode_reads.ready(attr)
+        return entry
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import stat
 
 import trio
 
@@ -97,6 +99,17 @@ class SessionsAndHandles(ServiceBase):
             "open", self.store.open, request=request, ino=ino, flags=flags, session=session
         )
         return await self._settle_open(result, flags, session)
+
+    @rpc_method
+    async def lookup_open(self, parent: int, name: bytes, session: int) -> OpenResult:
+        """A lookup and, for a regular file, a read-only open (no write
+        transaction either): one round trip for a read-only mount's cold
+        sample instead of two. A file removed between the two is ENOENT, as
+        if the lookup had come after."""
+        attr = self.store.lookup(parent, name)
+        if not stat.S_ISREG(attr["mode"]):
+            return {"attr": attr, "layout": None, "handle": 0}
+        return await self._open_read_only(attr["ino"], os.O_RDONLY, session)
 
     @rpc_method
     async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:

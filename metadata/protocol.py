@@ -330,6 +330,16 @@ class MetaStub:
         result: OpenResult = await self._call("open", ino=ino, flags=flags, session=session)
         return result
 
+    async def lookup_open(self, parent: int, name: bytes, session: int) -> OpenResult:
+        """`lookup`, and for a regular file a read-only `open` of it, in one
+        call: what a read-only mount's LOOKUP asks (its OPEN or first READ
+        follows). Anything else comes with layout None and handle 0 (nothing
+        to release). ENOSYS from a server of before it."""
+        result: OpenResult = await self._call(
+            "lookup_open", parent=parent, name=name, session=session
+        )
+        return result
+
     async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:
         """`open` of many [ino, flags] that neither write nor truncate, each
         with a handle of its own (None: no such inode; at most READDIR_MAX);

@@ -204,6 +204,23 @@ def test_ro_open_makes_no_metadata_call(
         assert after.get(method, 0) == before.get(method, 0), method
 
 
+@pytest.mark.parametrize("mode", ["R", "I"])
+def test_ro_first_read_makes_one_metadata_call(
+    mounted: ProcessCluster, where: Callable[[str], Path], mode: str
+) -> None:
+    """A sample read for the first time: its lookup opens it too."""
+    a, r = where("A"), where(mode)
+    data = os.urandom(110_000)
+    (a / "first").write_bytes(data)
+    os.stat(r)  # the directory (its lookup opens nothing)
+    before = meta_calls(mounted)
+    assert read(r / "first") == data
+    after = meta_calls(mounted)
+    assert after.get("lookup_open", 0) == before.get("lookup_open", 0) + 1
+    for method in ("open", "open_read_only", "getattr", "getattrs", "lookup"):
+        assert after.get(method, 0) == before.get(method, 0), method
+
+
 @pytest.mark.parametrize("mode", ["S", "J"])
 def test_ro_mount_sees_a_change_made_elsewhere_within_its_timeouts(
     where: Callable[[str], Path], mode: str

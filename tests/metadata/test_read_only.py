@@ -68,6 +68,19 @@ async def test_read_only_work_takes_no_write_transaction(env: Env) -> None:
     with pytest.raises(FsError) as info:
         await meta.open_read_only([[ino, os.O_RDONLY], [ino, os.O_RDWR]], env.session)
     assert info.value.code == errno.EINVAL and env.store.read_only.held() == set()
+    # a lookup with the open that follows it: a handle for a regular file only
+    found = await meta.lookup_open(d["ino"], b"f", env.session)
+    assert found["attr"]["ino"] == ino and found["layout"] is not None
+    assert is_read_only_handle(found["handle"]) and env.store.read_only.held() == {ino}
+    await meta.release(ino, found["handle"], env.session)
+    other = await meta.lookup_open(d["ino"], b"l", env.session)  # a symlink
+    assert other["handle"] == 0 and other["layout"] is None
+    here = await meta.lookup_open(ROOT, b"d", env.session)
+    assert here["attr"]["ino"] == d["ino"] and here["handle"] == 0
+    with pytest.raises(FsError) as info:
+        await meta.lookup_open(d["ino"], b"missing", env.session)
+    assert info.value.code == errno.ENOENT
+    assert env.store.read_only.held() == set()
     assert await env.service.reaper.reap_once() == []
     assert writes(env.store) == before
     assert env.store.counts()["handles"] == 0  # nothing durable either
