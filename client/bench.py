@@ -14,9 +14,20 @@ others.
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+from types import FrameType
+
+
+def _exit_on_term(signum: int, frame: FrameType | None) -> None:
+    sys.exit(128 + signum)
 
 
 def cli_bench(args: argparse.Namespace) -> int:
+    # SIGTERM (a job runner's stop, `kill`) unwinds like Ctrl-C: the cluster,
+    # mounts and files a benchmark started are stopped and removed on the way
+    # out, not left running
+    signal.signal(signal.SIGTERM, _exit_on_term)
     mode = getattr(args, "bench_mode", None)
     if mode == "loader":
         from shufflefs.client.data.bench import cli_loader

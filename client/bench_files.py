@@ -159,15 +159,17 @@ def ro_mount_supported() -> bool:
 def ro_mount(config: str, mountpoint: Path, options: str = "ro") -> Iterator[Path]:
     """A ``shufflefs mount -o OPTIONS`` of *config*'s cluster, unmounted after."""
     mountpoint.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [*CLI, "mount", "-o", options, "--config", config, str(mountpoint)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    try:
+    try:  # (a stop while mounting unmounts too)
+        subprocess.run(
+            [*CLI, "mount", "-o", options, "--config", config, str(mountpoint)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         yield mountpoint
     finally:
-        subprocess.run([*CLI, "umount", str(mountpoint)], stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*CLI, "umount", str(mountpoint)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
 
 
 def cluster_and_mount(

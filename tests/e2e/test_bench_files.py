@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -51,3 +53,44 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
     # the bench removes its files from the mount and the local directory
     assert not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
     assert list(local.iterdir()) == []
+
+
+def test_bench_files_stopped_by_sigterm_leaves_nothing(
+    mounted: ProcessCluster, tmp_path: Path
+) -> None:
+    """A benchmark stopped by SIGTERM (a job runner's stop) unmounts what it
+    mounted and removes its files, as one stopped by Ctrl-C does."""
+    local = tmp_path / "local"
+    local.mkdir()
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "files",
+         "--config", str(mounted.client_config), "--local-dir", str(local),
+         "--files", "5000", "--dirs", "5", "--size", "3000", "--procs", "2", "--json"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        # writing the set: after its -o ro and cache=immutable mounts are up
+        while not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir()):
+            assert bench.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        ours = bench_mounts()
+        assert len(ours) == 2
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=120)
+        assert bench.returncode == 128 + signal.SIGTERM, err
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench_mounts() == []
+    assert all(not Path(m).exists() for m in ours)  # its temporary directory too
+    assert not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
+    assert list(local.iterdir()) == []
+
+
+def bench_mounts() -> list[str]:
+    """Mount points of `shufflefs bench files` (in its temporary directory)."""
+    with open("/proc/mounts") as f:
+        points = [line.split()[1] for line in f]
+    return [p for p in points if "/shufflefs-files-" in p]
