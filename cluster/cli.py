@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-mount", action="store_true", help="start the services only")
 
-    p = sub.add_parser("down", help="unmount and stop everything `up` started")
+    p = sub.add_parser(
+        "down", help="unmount and stop everything `up` started, and the cluster's other mounts"
+    )
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="the cluster to stop")
 
     p = sub.add_parser("status", help="nodes, targets, chains and capacity")

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import errno
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -203,20 +204,62 @@ def down(data_dir: str | Path, out: Any = sys.stdout) -> None:
     cluster.layout()  # a clear error if this is not a cluster
     mountpoint = cluster.recorded_mountpoint()
     if mountpoint is not None:
-        if mounted_fstype(mountpoint) == "fuse.shufflefs":
-            try:
-                unmount(mountpoint)
-            except FsError as exc:
-                print(f"warning: {exc.message}; detaching {mountpoint} lazily", file=out)
-                unmount(mountpoint, lazy=True)
-            print(f"unmounted {mountpoint}", file=out)
+        unmount_reporting(mountpoint, out)
         if procs.stop(cluster.mount_process(mountpoint)):
             print("stopped mount", file=out)
         with contextlib.suppress(OSError):
             (cluster.run / "mountpoint").unlink()
+    for pid, other in other_mounts(cluster):
+        # `shufflefs mount --config <this cluster's>` elsewhere: left running,
+        # it would answer ENOTCONN for good once the servers are gone
+        unmount_reporting(other, out)
+        procs.signal_pid(pid, signal.SIGTERM)
+        if not procs.wait_exit(pid, 10.0):
+            procs.signal_pid(pid, signal.SIGKILL)
     for service in reversed(cluster.services()):
         if procs.stop(service):
             print(f"stopped {service.name}", file=out)
+
+
+def unmount_reporting(mountpoint: Path, out: Any) -> None:
+    """Unmount a shufflefs mount if it is one (lazily if it is busy)."""
+    if mounted_fstype(mountpoint) != "fuse.shufflefs":
+        return
+    try:
+        unmount(mountpoint)
+    except FsError as exc:
+        print(f"warning: {exc.message}; detaching {mountpoint} lazily", file=out)
+        unmount(mountpoint, lazy=True)
+    print(f"unmounted {mountpoint}", file=out)
+
+
+def other_mounts(cluster: LocalCluster) -> list[tuple[int, Path]]:
+    """(pid, mount point) of each mount process of this cluster's client
+    config other than `up`'s (`shufflefs mount` runs them as ``mount
+    --foreground --config CONFIG ... MOUNTPOINT``)."""
+    recorded = cluster.recorded_mountpoint()
+    ours = cluster.client_config.resolve()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        words = [os.fsdecode(a) for a in argv]
+        if "shufflefs.cluster.cli" not in words or "--foreground" not in words:
+            continue
+        at = words.index("shufflefs.cluster.cli")
+        if words[at + 1 : at + 2] != ["mount"] or "--config" not in words:
+            continue
+        config = words[words.index("--config") + 1 : words.index("--config") + 2]
+        if not config or Path(config[0]).resolve() != ours:
+            continue
+        mountpoint = Path(words[-1])
+        if mountpoint != recorded:
+            found.append((int(entry.name), mountpoint))
+    return found
 
 
 def cli_format(args: argparse.Namespace) -> int:

@@ -213,6 +213,29 @@ def test_up_adds_storage_nodes_to_an_existing_cluster(tmp_path: Path) -> None:
     assert processes_naming(str(data)) == []
 
 
+@pytest.mark.e2e
+def test_down_unmounts_the_clusters_other_mounts(tmp_path: Path) -> None:
+    """`shufflefs down` also ends the `shufflefs mount`s of its cluster made
+    apart from `up`'s (else they answer ENOTCONN once the servers are gone)."""
+    data, mnt, other = tmp_path / "c", tmp_path / "mnt", tmp_path / "other"
+    other.mkdir()
+    shufflefs_ok("up", "--data-dir", str(data), "--mountpoint", str(mnt), cwd=tmp_path)
+    try:
+        config = str(data / "client.toml")
+        shufflefs_ok("mount", "--config", config, "-o", "ro", str(other), cwd=tmp_path)
+        (mnt / "f").write_bytes(b"x")
+        assert (other / "f").read_bytes() == b"x"
+        r = run_cli(["down", "--data-dir", str(data)], tmp_path, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"unmounted {other}" in r.stdout
+    finally:
+        run_cli(["down", "--data-dir", str(data)], tmp_path, timeout=120)
+    with open("/proc/mounts") as f:
+        points = [line.split()[1] for line in f]
+    assert str(other) not in points and str(mnt) not in points
+    assert processes_naming(str(data)) == []
+
+
 def test_interrupted_command_exits_130(tmp_path: Path) -> None:
     """Ctrl-C while waiting for a service is exit 130, not a traceback."""
     with socket.socket() as listener:
