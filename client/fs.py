@@ -38,6 +38,7 @@ from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.open_batch import Batcher
 from shufflefs.client.open_cache import CachedOpen, OpenCache
+from shufflefs.client.paths import current_umask, normalize
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
 from shufflefs.client.write_behind import InodeState, WriteBehind, drain
@@ -221,23 +222,22 @@ class FileSystem:
         return self.overlay(await self.meta.call_read("lookup", lambda m: m.lookup(parent, name)))
 
     async def lookup_open(self, parent: int, name: bytes) -> Attr:
-        """`lookup` for an open that will not write (a read-only mount's):
-        a regular file is opened read-only in the same call, its handle left
-        in the open cache for that open (metadata/protocol.py `lookup_open`)."""
-        if not self._lookup_open:
-            return await self.lookup(parent, name)
-        try:
-            res = await self.session.call(
-                "lookup_open", lambda m, s: m.lookup_open(parent, name, s)
-            )
-        except FsError as exc:
-            if exc.code != errno.ENOSYS:
-                raise
-            self._lookup_open = False  # a metadata server of before it
-            return await self.lookup(parent, name)
-        if res["handle"]:
-            self.open_cache.adopt(res)
-        return self.overlay(res["attr"])
+        """`lookup` for an open that will not write (a read-only mount's): a
+        regular file opened read-only in the same call, its handle left in the
+        open cache for that open."""
+        if self._lookup_open:
+            call = self.session.call
+            try:
+                res = await call("lookup_open", lambda m, s: m.lookup_open(parent, name, s))
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                self._lookup_open = False  # a metadata server of before it
+            else:
+                if res["handle"]:
+                    self.open_cache.adopt(res)
+                return self.overlay(res["attr"])
+        return await self.lookup(parent, name)
 
     async def getattr(self, ino: int) -> Attr:
         return self.overlay(await self._server_getattr(ino))
@@ -598,24 +598,3 @@ class FileSystem:
             if not page["more"] or not page["entries"]:
                 return names
             after = page["entries"][-1][0]
-
-
-def normalize(path: str | bytes) -> bytes:
-    """An absolute, normalized path as bytes ('..' resolved lexically)."""
-    p = os.fsencode(path)
-    if not p.startswith(b"/"):
-        p = b"/" + p
-    return posixpath.normpath(p).replace(b"//", b"/")
-
-
-def current_umask() -> int:
-    """This process's umask, read without changing it (os.umask would race
-    with other threads creating files)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022

@@ -29,8 +29,9 @@ from typing import Any, TypeVar
 import trio
 
 from shufflefs.client.blocking_read import BlockingReader
-from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile, current_umask
+from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile
 from shufflefs.client.layout import Extent
+from shufflefs.client.paths import current_umask
 from shufflefs.cluster.config import find_client_config, load_client_config
 from shufflefs.cluster.metrics_client import counted_reads, start_client_metrics
 from shufflefs.cluster.routing import RoutingCache

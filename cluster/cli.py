@@ -169,9 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-mount", action="store_true", help="start the services only")
 
-    p = sub.add_parser(
-        "down", help="unmount and stop everything `up` started, and the cluster's other mounts"
-    )
+    p = sub.add_parser("down", help="unmount and stop what `up` started and the other mounts")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="the cluster to stop")
 
     p = sub.add_parser("status", help="nodes, targets, chains and capacity")
@@ -505,10 +503,7 @@ def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentPa
         "--ro-mount",
         help="a read-only mount of the same files (default: a `mount -o ro` it starts)",
     )
-    f.add_argument(
-        "--prefetch-mount",
-        help="a mount with prefetch (default: the cache=immutable mount it starts, else --mount)",
-    )
+    f.add_argument("--prefetch-mount", help="a mount with prefetch (default: its immutable one)")
     f.add_argument("--embedded", action="store_true", help="start a cluster, stop it after")
     f.add_argument(
         "--replicas",

@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import errno
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -213,9 +212,7 @@ def down(data_dir: str | Path, out: Any = sys.stdout) -> None:
         # `shufflefs mount --config <this cluster's>` elsewhere: left running,
         # it would answer ENOTCONN for good once the servers are gone
         unmount_reporting(other, out)
-        procs.signal_pid(pid, signal.SIGTERM)
-        if not procs.wait_exit(pid, 10.0):
-            procs.signal_pid(pid, signal.SIGKILL)
+        procs.stop_pid(pid)
     for service in reversed(cluster.services()):
         if procs.stop(service):
             print(f"stopped {service.name}", file=out)
@@ -240,25 +237,16 @@ def other_mounts(cluster: LocalCluster) -> list[tuple[int, Path]]:
     recorded = cluster.recorded_mountpoint()
     ours = cluster.client_config.resolve()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()):
+        words = procs.argv(pid)
+        if "shufflefs.cluster.cli" not in words or "--config" not in words:
             continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
-        except OSError:
-            continue
-        words = [os.fsdecode(a) for a in argv]
-        if "shufflefs.cluster.cli" not in words or "--foreground" not in words:
-            continue
-        at = words.index("shufflefs.cluster.cli")
-        if words[at + 1 : at + 2] != ["mount"] or "--config" not in words:
-            continue
-        config = words[words.index("--config") + 1 : words.index("--config") + 2]
-        if not config or Path(config[0]).resolve() != ours:
+        at = words.index("--config")
+        if words[at - 2 : at] != ["mount", "--foreground"] or at + 1 >= len(words):
             continue
         mountpoint = Path(words[-1])
-        if mountpoint != recorded:
-            found.append((int(entry.name), mountpoint))
+        if Path(words[at + 1]).resolve() == ours and mountpoint != recorded:
+            found.append((pid, mountpoint))
     return found
 
 

@@ -44,13 +44,17 @@ class ServiceProcess:
         ]
 
 
-def cmdline(pid: int) -> str:
+def argv(pid: int) -> list[str]:
+    """The process's arguments ([] if it is gone)."""
     try:
-        return (
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        )
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return ""
+        return []
+    return [os.fsdecode(a) for a in raw.split(b"\0")[:-1]]
+
+
+def cmdline(pid: int) -> str:
+    return " ".join(argv(pid))
 
 
 def is_zombie(pid: int) -> bool:
@@ -116,13 +120,18 @@ def stop(proc: ServiceProcess, timeout: float = 10.0) -> bool:
     pid = running_pid(proc)
     if pid is None:
         return False
+    stop_pid(pid, timeout)
+    with contextlib.suppress(OSError):
+        proc.pid_file.unlink()
+    return True
+
+
+def stop_pid(pid: int, timeout: float = 10.0) -> None:
+    """SIGTERM, wait, then SIGKILL."""
     signal_pid(pid, signal.SIGTERM)
     if not wait_exit(pid, timeout):
         signal_pid(pid, signal.SIGKILL)
         wait_exit(pid, 5.0)
-    with contextlib.suppress(OSError):
-        proc.pid_file.unlink()
-    return True
 
 
 def signal_pid(pid: int, sig: int) -> None:

@@ -249,7 +249,7 @@ class FastReads:
             fh = ops.inode_reads.held(ino)
             if fh is None:
                 started = time.perf_counter()
-                ahead = ops.read_unopened(ino, off, size)
+                ahead = ops.inode_reads.read_unopened(ino, off, size)
                 if ahead is not None:  # prefetched: no handle needed
                     self._reply(req, ahead, started)
                     return True

@@ -50,6 +50,8 @@ class KernelView(Protocol):
 
     def kernel_opened(self, attr: Attr) -> bool: ...
 
+    def handed(self, ino: int, off: int, n: int) -> None: ...
+
 
 class InodeReads:
     def __init__(self, view: KernelView, linger: float, limit: int = MAX_HANDLES) -> None:
@@ -96,6 +98,21 @@ class InodeReads:
             old, _ = next(iter(self.handles.items()))
             await self.drop(old)
         return f.fh
+
+    def read_unopened(self, ino: int, off: int, size: int) -> memoryview | None:
+        """A READ of a file with no handle here, answered from prefetched
+        bytes if they have it (no open: the bytes were read under a handle of
+        the prefetcher's, at a version no older than the kernel's pages of
+        the file)."""
+        view = self.view
+        version = view.prefetch.version_held(ino)
+        if version is None or view.cached.get(ino, version) != version:
+            return None
+        got = view.prefetch.read(ino, off, size)
+        if got is not None:
+            view.cached[ino] = version  # what the kernel's pages of it now hold
+            view.handed(ino, off, len(got))
+        return got
 
     async def ready(self, attr: Attr) -> None:
         """After a lookup of a regular file whose read-only handle the open

@@ -153,13 +153,11 @@ class ShuffleOps(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         try:
-            attr = None
-            if self.options.read_only:  # a hinted file's reader: no round trip
-                attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
-                if attr is None:  # an open follows (no write can): one call for both
-                    attr = await self.fs.lookup_open(parent_inode, name)
-            if attr is None:
+            if not self.options.read_only:
                 attr = await self.fs.lookup(parent_inode, name)
+            else:  # a hinted file's reader: no round trip; else the open that follows, too
+                held = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
+                attr = held or await self.fs.lookup_open(parent_inode, name)
         except FsError as exc:
             if exc.code != errno.ENOENT or not self.options.negative_timeout:
                 raise
@@ -405,7 +403,7 @@ class ShuffleOps(pyfuse3.Operations):
         if self.inode_reads is not None:
             named = READ_INODES.take()  # first: this READ's inode (fuse/read_inode.py)
             if fh == 0:
-                ahead = self.read_unopened(named, off, size)
+                ahead = self.inode_reads.read_unopened(named, off, size)
                 if ahead is not None:
                     return ahead
                 fh = await self.inode_reads.handle(named)
@@ -420,20 +418,6 @@ class ShuffleOps(pyfuse3.Operations):
         ahead = self.prefetch.read(ino, off, size)
         got = ahead if ahead is not None else await self.fs.read(fh, off, size)
         self.handed(ino, off, len(got))
-        return got
-
-    def read_unopened(self, ino: int, off: int, size: int) -> memoryview | None:
-        """cache=immutable: a READ of a file this mount holds no handle for,
-        answered from prefetched bytes if they have it (no open: the bytes
-        were read under a handle of the prefetcher's, at a version no older
-        than the kernel's pages of the file)."""
-        version = self.prefetch.version_held(ino)
-        if version is None or self.cached.get(ino, version) != version:
-            return None
-        got = self.prefetch.read(ino, off, size)
-        if got is not None:
-            self.cached[ino] = version  # what the kernel's pages of it now hold
-            self.handed(ino, off, len(got))
         return got
 
     def handed(self, ino: int, off: int, n: int) -> None:

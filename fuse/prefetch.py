@@ -18,10 +18,10 @@ its own, which `read` consults before going to storage. Two forms:
 * ``getxattr(<mount root>, "user.shufflefs.prefetch/" + paths)``: the batch
   form of a read-only mount, where the kernel refuses every setxattr with
   EROFS before the mount sees it: whole files, the paths (newline-separated)
-  in the attribute's name, up to the kernel's 255 bytes (`hint_named`).
+  in the attribute's name, up to the kernel's 255 bytes (fuse/prefetch_xattr.py).
   The kernel looks none of them up; the mount answers the reader's LOOKUP
   of a hinted file it holds (`entry_of`), and on cache=immutable its READs
-  with no open (`ShuffleOps.read_unopened`).
+  with no open (`InodeReads.read_unopened`).
 * ``getxattr(<file>, "user.shufflefs.prefetch")``: hint that one whole file
   (also on a read-only mount, after the kernel's lookup of its path).
 * ``getxattr(<directory>, "user.shufflefs.prefetch")``: the cache's state as
@@ -85,13 +85,12 @@ from shufflefs.fuse.prefetch_hints import (
     parse_hint,
     version_of,
 )
-from shufflefs.metadata.protocol import ROOT_INODE, Attr, Layout
+from shufflefs.metadata.protocol import Attr, Layout
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse.prefetch")
 
 PREFETCH_XATTR = b"user.shufflefs.prefetch"
-NAMED_PREFIX = PREFETCH_XATTR + b"/"  # getxattr names that carry paths (`hint_named`)
 DEFAULT_MEMORY = 256 << 20
 MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
 FETCHERS = 8  # ranges read concurrently
@@ -189,25 +188,11 @@ class Prefetcher:
             for ino in list(self.entries):
                 self._drop(ino)
             return
-        await self._hint_items(parse_hint(value))
+        await self.hint_paths(parse_hint(value))
 
-    async def hint_named(self, ino: int, name: bytes) -> bytes:
-        """getxattr(<mount root>, ``user.shufflefs.prefetch/`` + paths): the
-        whole files at *paths* (newline-separated, relative to the root)
-        queued as `hint_batch` would: the batch form where the kernel
-        refuses setxattr (a read-only mount), and with no LOOKUP of each
-        path by the kernel (see `entry_of`)."""
-        paths = name[len(NAMED_PREFIX) :] if name.startswith(NAMED_PREFIX) else b""
-        lines = [line for line in paths.split(b"\n") if line]
-        if ino != ROOT_INODE or not lines:
-            what = "user.shufflefs.prefetch/PATHS is asked of the mount root"
-            raise FsError(errno.EINVAL, f"prefetch hint: {what}")
+    async def hint_paths(self, items: list[tuple[bytes, int, int | None]]) -> None:
+        """(path, offset, length) items: checked and resolved all, then queued all."""
         self._check_enabled()
-        await self._hint_items([(line, 0, None) for line in lines])
-        return b"queued"
-
-    async def _hint_items(self, items: list[tuple[bytes, int, int | None]]) -> None:
-        """Check and resolve all, then queue all."""
         for _, _, length in items:
             if length is not None and length > self.budget:
                 raise FsError(
@@ -519,9 +504,9 @@ class Prefetcher:
         name and attributes are no older than *max_age* (its listing's age
         counted at most): what a read-only mount answers a LOOKUP with, no
         round trip (the reader of a hinted file asks for it next)."""
-        ino = self.names.get((parent, name))
-        held = self.entries.get(ino) if ino is not None else None
-        if not held or ino is None:
+        ino = self.names.get((parent, name), 0)
+        held = self.entries.get(ino)
+        if not held:
             return None
         cached = self.fs.open_cache.entries.get(ino)
         if cached is None or version_of(cached.attr) != held[0].version:

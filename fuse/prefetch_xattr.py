@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import pyfuse3
@@ -18,16 +19,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shufflefs.fuse")
 
+NAMED_PREFIX = PREFETCH_XATTR + b"/"  # getxattr names that carry paths (`hint_named`)
+
 
 async def hint_by_getxattr(ops: ShuffleOps, inode: int, name: bytes) -> bytes:
     """``user.shufflefs.prefetch`` of a directory: the cache's state; of a
     file: hint it; ``user.shufflefs.prefetch/PATHS`` of the root: hint those."""
     if name != PREFETCH_XATTR:
-        try:
-            return await ops.prefetch.hint_named(inode, name)
-        except FsError as exc:  # as it is: a missing hinted path is ENOENT, not ESTALE
-            log.info("prefetch hint refused: %s", exc.message)
-            raise pyfuse3.FUSEError(exc.code) from None
+        await refused_as_is(hint_named(ops, inode, name))
+        return b"queued"
     known = ops.reported.get(inode)
     if ops.options.read_only and known is not None and inode in ops.regular:
         # a file as the kernel was told of it: queued with no round trip
@@ -40,8 +40,26 @@ async def hint_by_setxattr(ops: ShuffleOps, inode: int, value: bytes) -> None:
     """A batch of hints set on the mount root."""
     if inode != pyfuse3.ROOT_INODE:
         raise FsError(errno.EINVAL, "prefetch hints are set on the mount root")
+    await refused_as_is(ops.prefetch.hint_batch(value))
+
+
+async def hint_named(ops: ShuffleOps, inode: int, name: bytes) -> None:
+    """``user.shufflefs.prefetch/`` + paths of the root: the whole files at
+    the paths (newline-separated, relative to the root) queued as a batch
+    would be; the batch form where the kernel refuses setxattr (a read-only
+    mount), and with no LOOKUP of each path by the kernel."""
+    lines = [line for line in name[len(NAMED_PREFIX) :].split(b"\n") if line]
+    if inode != pyfuse3.ROOT_INODE or not name.startswith(NAMED_PREFIX) or not lines:
+        what = "user.shufflefs.prefetch/PATHS is asked of the mount root"
+        raise FsError(errno.EINVAL, f"prefetch hint: {what}")
+    await ops.prefetch.hint_paths([(line, 0, None) for line in lines])
+
+
+async def refused_as_is(hint: Awaitable[None]) -> None:
+    """A refused hint's errno as it is (a missing hinted path is ENOENT, not
+    the ESTALE of an inode gone), and logged."""
     try:
-        await ops.prefetch.hint_batch(value)
-    except FsError as exc:  # as it is: a missing hinted path is ENOENT, not ESTALE
+        await hint
+    except FsError as exc:
         log.info("prefetch hint refused: %s", exc.message)
         raise pyfuse3.FUSEError(exc.code) from None

@@ -24,8 +24,8 @@ from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path
 
 from shufflefs.client.data.urls import PREFIX, Url, check_cluster, client_for, parse_url
-from shufflefs.client.fs import normalize
 from shufflefs.client.native import Client
+from shufflefs.client.paths import normalize
 from shufflefs.metadata.protocol import Attr
 
 

@@ -33,7 +33,7 @@ import numpy.typing as npt
 import trio
 
 from shufflefs.client.data.urls import Url, check_cluster, client_for, is_url, parse_url
-from shufflefs.client.fs import normalize
+from shufflefs.client.paths import normalize
 from shufflefs.metadata.protocol import READDIR_MAX, Layout
 from shufflefs.rpc.errors import FsError
 

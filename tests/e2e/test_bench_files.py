@@ -6,11 +6,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
-from clusters import ProcessCluster
+from clusters import ProcessCluster, wait_until
 
 
 def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None:
@@ -69,11 +68,12 @@ def test_bench_files_stopped_by_sigterm_leaves_nothing(
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        # writing the set: after its -o ro and cache=immutable mounts are up
-        while not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir()):
-            assert bench.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+
+        def writing() -> bool:  # its set: after its -o ro and cache=immutable mounts are up
+            assert bench.poll() is None, bench.communicate()[1]
+            return any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
+
+        wait_until("the bench writing its set", writing, timeout=120)
         ours = bench_mounts()
         assert len(ours) == 2
         bench.send_signal(signal.SIGTERM)
