@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import trio
 
+from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.open_batch import Batcher
@@ -77,6 +78,7 @@ class ClientOptions:
     # open cache), and whether cached opens skip revalidation (client/open_cache.py)
     open_linger: float = 0.0
     trust_open_cache: bool = False
+    cache_watch: bool = True  # without trust: cached opens kept fresh (client/cache_watch.py)
     mount: MountInfo | None = None  # what a FUSE mount reports of itself with its session
     inline_disk_waits: bool = True  # off for a mount (client/read_engine.py, `ReadEngine`)
 
@@ -154,6 +156,13 @@ class FileSystem:
             trust=self.options.trust_open_cache,
             linger=self.options.open_linger,
         )
+        # a read-write mount's cached opens kept fresh without a round trip each
+        self.cache_watch: CacheWatch | None = None
+        options = self.options
+        if self.open_cache.enabled and options.cache_watch and not options.trust_open_cache:
+            self.open_cache.watch = self.cache_watch = CacheWatch(
+                self.meta, self.session, self.open_cache.changed, self.open_cache.drop_all
+            )
         self._batch_release = True  # until a metadata server answers ENOSYS
         self._lookup_open = self.open_cache.enabled  # the same
         self.files: dict[int, OpenFile] = {}
@@ -168,6 +177,8 @@ class FileSystem:
         await self.session.start(nursery)
         if self.open_cache.enabled:
             nursery.start_soon(self.open_cache.run)
+        if self.cache_watch is not None:
+            await self.cache_watch.start(nursery)
 
     def _read_only_handles(self) -> list[list[int]]:
         """What the session renewal reports: [ino, handle] of each open file
@@ -197,6 +208,8 @@ class FileSystem:
                 await self.release(fh)
             except FsError as exc:
                 log.warning("closing fh=%d: %s", fh, exc.message)
+        if self.cache_watch is not None:
+            self.cache_watch.stop()
         await self.session.close()
 
     # ---- attributes ---------------------------------------------------------

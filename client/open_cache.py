@@ -13,6 +13,10 @@ close, and the next read-only open reuses them:
   has a name, the cached handle and layout are used: close-to-open holds,
   since whatever another client closed before this open raised the counter.
   Else the handle is given back and the file opened afresh.
+* with a cache watch (the read-write mount, client/cache_watch.py): no
+  round trip either, while the watch's lease runs: the metadata server tells
+  this client of every change to a file it caches before the change is
+  acknowledged to its writer, so an entry it has not dropped is current.
 * ``trust`` (the ``-o ro`` dataset mount): no round trip at all. Attributes
   the kernel asks for anyway (after ``attr_timeout``) are compared on the
   way through (`observe`): a changed counter drops the entry, so a change
@@ -30,11 +34,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from shufflefs.metadata.protocol import Attr, Layout, OpenResult
 from shufflefs.rpc.errors import FsError
+
+if TYPE_CHECKING:
+    from shufflefs.client.cache_watch import CacheWatch
 
 log = logging.getLogger("shufflefs.client.open_cache")
 
@@ -50,6 +58,7 @@ class CachedOpen:
     users: int = 0  # open files of this client using the handle now
     idle_since: float = 0.0  # trio time of the last close
     dropped: bool = False  # superseded or expired: give the handle back at the last close
+    stamp: int = -1  # the cache watch's when the open was sent (-1: not trusted by it)
 
 
 class OpenCache:
@@ -64,6 +73,7 @@ class OpenCache:
         trust: bool,
         linger: float,
         limit: int = DEFAULT_LIMIT,
+        watch: CacheWatch | None = None,
     ) -> None:
         self._getattr = getattr
         self._open = open_fresh
@@ -71,6 +81,7 @@ class OpenCache:
         self._release_many = release_many  # [(ino, handle)]: the same, one round trip
         self._open_many = open_many  # [ino]: read-only opens in one round trip (None: gone)
         self.trust = trust
+        self.watch = watch  # set by the owner: cached opens it trusts skip revalidation
         self.linger = linger
         self.limit = limit
         self.entries: dict[int, CachedOpen] = {}
@@ -86,7 +97,7 @@ class OpenCache:
         """A read-only open of *ino*: (the entry now in use, whether it was
         reused from the cache)."""
         entry = self.entries.get(ino)
-        if entry is not None and not self.trust:
+        if entry is not None and not self.trust and not self._watched(entry):
             attr = await self._getattr(ino)
             if attr["change"] == entry.attr["change"] and attr["nlink"] > 0:
                 entry.attr = attr
@@ -97,9 +108,10 @@ class OpenCache:
             self.hits += 1
             entry.users += 1
             return entry, True
+        stamp = self._stamp()
         res = await self._open(ino, flags)
         self.misses += 1
-        fresh = CachedOpen(ino, res["handle"], res["layout"], res["attr"], users=1)
+        fresh = CachedOpen(ino, res["handle"], res["layout"], res["attr"], users=1, stamp=stamp)
         old = self.entries.get(ino)
         if old is not None:  # another open raced ours: the newer one stays
             await self._drop(old)
@@ -118,18 +130,19 @@ class OpenCache:
         if not wanted:
             return out
         assert self._open_many is not None and self.enabled
+        stamp = self._stamp()
         for res in await self._open_many(wanted):
             if res is not None:
-                out[res["attr"]["ino"]] = self.adopt(res)
+                out[res["attr"]["ino"]] = self.adopt(res, stamp)
         return out
 
-    def adopt(self, res: OpenResult) -> CachedOpen:
+    def adopt(self, res: OpenResult, stamp: int = -1) -> CachedOpen:
         """A read-only open made for an open to come (`open_ahead`, a
         read-only mount's `lookup_open`): kept as an idle entry, unless the
         cache holds the inode already (then it is given back by the next
         `expire`, and the held entry returned)."""
         ino = res["attr"]["ino"]
-        entry = CachedOpen(ino, res["handle"], res["layout"], res["attr"])
+        entry = CachedOpen(ino, res["handle"], res["layout"], res["attr"], stamp=stamp)
         entry.idle_since = trio.current_time()
         held = self.entries.get(ino)
         if held is not None:  # an open raced ours: its entry stays, ours goes back
@@ -167,6 +180,20 @@ class OpenCache:
         changed = entry is not None and attr["change"] != entry.attr["change"]
         if entry is not None and changed and self._forget(entry):
             self._unused.append(entry)
+
+    def changed(self, ino: int, change: int) -> None:
+        """The cache watch says another client changed *ino* (its counter is
+        *change* now): an older entry is dropped (given back by `expire`)."""
+        entry = self.entries.get(ino)
+        if entry is not None and entry.attr["change"] < change and self._forget(entry):
+            self._unused.append(entry)
+
+    def drop_all(self) -> None:
+        """A new cache watcher: every entry goes (given back by `expire`, or
+        by its last close)."""
+        for entry in list(self.entries.values()):
+            if self._forget(entry):
+                self._unused.append(entry)
 
     def handles(self) -> list[tuple[int, int]]:
         """(ino, handle) of every cached handle (for the session renewal)."""
@@ -211,6 +238,14 @@ class OpenCache:
                 log.warning("giving back cached read-only handles: %s", exc.message)
 
     # ---- internals -----------------------------------------------------------------
+
+    def _stamp(self) -> int:
+        return -1 if self.watch is None else self.watch.stamp()
+
+    def _watched(self, entry: CachedOpen) -> bool:
+        """Kept fresh by the cache watch: no need to ask."""
+        watch = self.watch
+        return watch is not None and watch.trusts(entry.ino, entry.attr["change"], entry.stamp)
 
     def _forget(self, entry: CachedOpen) -> bool:
         """Out of the cache; returns whether nobody uses its handle (the

@@ -74,6 +74,7 @@ async def run_mount(
             local_reads=options.local_reads,
             open_linger=options.handle_linger,
             trust_open_cache=options.read_only,
+            cache_watch=options.cache_watch,
             mount=options.info(str(mountpoint)),
             inline_disk_waits=False,
         )

@@ -3,9 +3,11 @@
 Two modes (docs/operations.md, "Mount modes and caches" states what a reader
 sees when):
 
-* ``rw`` (the default): close-to-open. Every open revalidates with the
-  metadata server (one read-only call when the file is already cached here);
-  kernel timeouts default to 1 s, negative entries are not cached.
+* ``rw`` (the default): close-to-open. An open of a file cached here makes
+  no round trip while the mount's cache watch holds (the metadata server
+  tells it of every change first: client/cache_watch.py), else one read-only
+  call (``no_cache_watch``: always); kernel timeouts default to 1 s,
+  negative entries are not cached.
 * ``ro`` (a dataset mode for data nobody changes): every mutation answers
   EROFS, opens and closes make no round trip once a file was opened, and
   kernel timeouts default to `DATASET_TIMEOUT`.
@@ -40,7 +42,7 @@ DATASET_LINGER = DATASET_TIMEOUT
 MAX_TASKS = 1024
 
 TIMEOUTS = ("attr_timeout", "entry_timeout", "negative_timeout")
-FLAGS = ("ro", "rw", "no_local_reads", "no_fast_reads", "debug")
+FLAGS = ("ro", "rw", "no_local_reads", "no_fast_reads", "no_cache_watch", "debug")
 VALUED = (*TIMEOUTS, "handle_linger", "max_tasks", "prefetch_memory", "metrics", "cache")
 
 
@@ -60,6 +62,7 @@ class MountOptions:
     max_tasks: int = 64
     local_reads: bool = True
     fast_reads: bool = True  # READs answered off the event loop (fuse/fast_reads.py)
+    cache_watch: bool = True  # rw: cached opens kept fresh by the server (client/cache_watch.py)
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
     debug: bool = False
@@ -118,6 +121,7 @@ def parse_options(items: list[str]) -> MountOptions:
         handle_linger=_seconds(given, "handle_linger", DATASET_LINGER if read_only else RW_LINGER),
         local_reads="no_local_reads" not in given,
         fast_reads="no_fast_reads" not in given,
+        cache_watch="no_cache_watch" not in given,
         debug="debug" in given,
     )
     if "max_tasks" in given:

@@ -15,6 +15,7 @@ import trio
 from shufflefs.metadata.files import opens_for_writing
 from shufflefs.metadata.protocol import (
     READDIR_MAX,
+    CacheWatchReply,
     MountInfo,
     OpenResult,
     Session,
@@ -23,6 +24,7 @@ from shufflefs.metadata.protocol import (
 )
 from shufflefs.metadata.readonly import FreeInProgress
 from shufflefs.metadata.service_base import ServiceBase
+from shufflefs.metadata.sessions import live_session
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.schema import rpc_method
 
@@ -84,8 +86,23 @@ class SessionsAndHandles(ServiceBase):
             "session_close", self.store.session_close, request=request, session=session
         )
         log.info("session closed session=%d handles=%d freed=%d", session, handles, freed)
+        self.cache_watches.forget(session)
         if freed:
             self.jobs.wake()
+
+    @rpc_method
+    async def cache_watch(self, session: int, token: int, acked: int) -> CacheWatchReply:
+        """A read-write mount's long poll for changes of the files it caches
+        (cache_watch.py). Only the primary answers: a deposed one must not
+        let clients trust a cache it no longer keeps fresh."""
+        if self.role is not None:
+            self.role.check_writable()
+        if session not in self.cache_watches.watchers:  # a watcher only for a live session
+            self.store.txns.read(lambda tx: live_session(tx, session, self.store.clock()))
+        reply = await self.cache_watches.watch(session, token, acked)
+        if self.role is not None:
+            self.role.check_writable()
+        return reply
 
     # ---- file handles ---------------------------------------------------------
 

@@ -163,6 +163,13 @@ MUTATIONS = frozenset(
 )
 
 
+class CacheWatchReply(TypedDict):
+    token: int  # the watcher's: a new one means trust nothing cached before
+    seq: int  # acknowledge with this once `changed` is applied
+    changed: list[list[int]]  # [ino, change counter now] of files this client caches
+    lease: float  # seconds from the request's sending that the cache may be trusted
+
+
 class MetaStub:
     """Typed calls to a metadata server at one address. With *request*
     (`[client nonce, counter]`), mutations carry it as their request id.
@@ -337,6 +344,16 @@ class MetaStub:
         to release). ENOSYS from a server of before it."""
         result: OpenResult = await self._call(
             "lookup_open", parent=parent, name=name, session=session
+        )
+        return result
+
+    async def cache_watch(self, session: int, token: int, acked: int) -> CacheWatchReply:
+        """The long poll of a client's cache watch (metadata/cache_watch.py):
+        answered at once if there are changes it has not acknowledged, else
+        after a second. *acked*: the `seq` of the last reply applied;
+        *token*: that reply's (0 at first)."""
+        result: CacheWatchReply = await self._call(
+            "cache_watch", session=session, token=token, acked=acked
         )
         return result
 

@@ -56,12 +56,18 @@ class ReadOnlyHandles:
         self._lock = threading.Lock()
         self._sessions: dict[int, dict[int, int]] = {}
         self._holders: Counter[int] = Counter()
+        # {ino: {session: handles}} of the handles `open` gave (a client's
+        # cached opens among them): whom a change of the inode concerns
+        # (cache_watch.py); `hold`'s handles are a writer's own
+        self._readers: dict[int, Counter[int]] = {}
+        self._opened: set[int] = set()  # the handles in `_readers`
         self._freeing: set[int] = set()
         # unnamed inodes a free left alive for their read-only handles: the
         # release of the last of those frees them
         self._kept: set[int] = set()
         self._closing: set[int] = set()
         self._grace: set[int] = set()  # sessions live at startup that have not re-reported
+        self.started_with: set[int] = set()  # every session live at startup
         self.sweep_due = False
         # a follower's namespace: the handles are in the primary's memory, so
         # an unnamed inode may be held by any live session (until promotion
@@ -85,6 +91,7 @@ class ReadOnlyHandles:
             handle = RO_HANDLE_BIT | next(self._ids)
             self._sessions.setdefault(session, {})[handle] = ino
             self._holders[ino] += 1
+            self._add_reader(ino, session, handle)
             return handle
 
     def hold(self, tx: Tx, session: int, ino: int) -> int:
@@ -113,6 +120,7 @@ class ReadOnlyHandles:
                 if any(handle in held for held in self._sessions.values()):
                     raise FsError(errno.EBADF, f"handle {handle} belongs to another session")
                 return None
+            self._drop_reader(ino, session, handle)
             if self._drop(ino) and ino in self._kept:
                 self._kept.discard(ino)
                 return ino
@@ -131,6 +139,7 @@ class ReadOnlyHandles:
                 if is_read_only_handle(handle) and handle not in held:
                     held[handle] = ino
                     self._holders[ino] += 1
+                    self._add_reader(ino, session, handle)  # which kind is not known
             self._end_grace(session)
 
     # ---- the writer side (inside a write transaction) --------------------------
@@ -155,8 +164,9 @@ class ReadOnlyHandles:
         *tx* aborts) and return the inode of each."""
         with self._lock:
             held = self._sessions.pop(session, {})
-            for ino in held.values():
+            for handle, ino in held.items():
                 self._drop(ino)
+                self._drop_reader(ino, session, handle)
             self._closing.add(session)
             in_grace = session in self._grace
             self._end_grace(session)
@@ -168,6 +178,7 @@ class ReadOnlyHandles:
     def begin_grace(self, sessions: Iterable[int]) -> None:
         with self._lock:
             self._grace = set(sessions)
+            self.started_with = set(self._grace)
             self.following = False
             self.sweep_due = not self._grace
 
@@ -177,6 +188,11 @@ class ReadOnlyHandles:
 
     def in_grace(self) -> bool:
         return bool(self._grace) or self.following
+
+    def readers(self, ino: int) -> list[int]:
+        """The sessions holding a handle `open` gave on *ino*."""
+        with self._lock:
+            return list(self._readers.get(ino, ()))
 
     def held(self) -> set[int]:
         """Inodes held by a read-only handle now."""
@@ -201,6 +217,21 @@ class ReadOnlyHandles:
             return False
         del self._holders[ino]
         return True
+
+    def _add_reader(self, ino: int, session: int, handle: int) -> None:
+        self._readers.setdefault(ino, Counter())[session] += 1
+        self._opened.add(handle)
+
+    def _drop_reader(self, ino: int, session: int, handle: int) -> None:
+        if handle not in self._opened:
+            return
+        self._opened.discard(handle)
+        sessions = self._readers[ino]
+        sessions[session] -= 1
+        if sessions[session] <= 0:
+            del sessions[session]
+            if not sessions:
+                del self._readers[ino]
 
     def _unhold(self, session: int, handle: int, committed: bool) -> None:
         """After `hold`'s transaction: the handle stays if it committed."""
@@ -229,8 +260,9 @@ class ReadOnlyHandles:
             if committed:
                 return
             self._sessions.setdefault(session, {}).update(held)
-            for ino in held.values():
+            for handle, ino in held.items():
                 self._holders[ino] += 1
+                self._add_reader(ino, session, handle)  # which kind is not known
             if in_grace:
                 self._grace.add(session)
                 self.sweep_due = False

@@ -17,6 +17,7 @@ import trio
 
 from shufflefs.cluster.routing import Routing
 from shufflefs.metadata import request_ids
+from shufflefs.metadata.cache_watch import CacheWatches
 from shufflefs.metadata.gc import SessionReaper, StorageJobs
 from shufflefs.metadata.replication_role import MetaRole
 from shufflefs.metadata.store import NamespaceStore
@@ -63,10 +64,15 @@ class ServiceBase:
         self.routing = routing
         self.refresh_routing = refresh_routing
         self.role = role
+        handles = store.txns.read_only
+        self.cache_watches = CacheWatches(
+            handles.readers, handles.in_grace, lambda session: session in handles.started_with
+        )
+        notify = self.cache_watches.changed
         self.write = (
-            Writer(store.txns)
+            Writer(store.txns, notify=notify)
             if role is None
-            else Writer(store.txns, gate=role.check_writable, durable=role.durable)
+            else Writer(store.txns, gate=role.check_writable, durable=role.durable, notify=notify)
         )
         self.jobs = StorageJobs(
             store,
@@ -89,6 +95,7 @@ class ServiceBase:
         if self.role is not None:
             await self.role.run(self._primary_duties, task_status=task_status)
             return
+        self.cache_watches.begin()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.jobs.run)
             nursery.start_soon(self.reaper.run)
@@ -98,6 +105,7 @@ class ServiceBase:
         """A new primary (also a restarted one) gives every session a fresh
         lease and starts the restart grace (the read-only handles were in
         another process's memory), then carries out jobs and reaps."""
+        self.cache_watches.begin()
         sessions = await self.write(self.store.restart_leases)
         log.info("serving as primary: %d sessions get a fresh lease", sessions)
         async with trio.open_nursery() as nursery:

@@ -18,6 +18,7 @@ and shipping each committed transaction's changes to followers.
 from __future__ import annotations
 
 import errno
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +67,7 @@ class Tx:
         self._raw: dict[int, bytes | None] = {}
         self.ended: list[Callable[[bool], None]] = []
         self.changed: dict[int, int] = {}  # ino -> its change counter, raised by `flush`
+        self.changed_files: dict[int, int] = {}  # the regular files among them
         self.ops: list[Op] = []  # every put/delete, in order: the replication log's entry
 
     def after(self, fn: Callable[[bool], None]) -> None:
@@ -173,6 +175,8 @@ class Tx:
                 # it is unchanged while getattr still says N (open_cache.py)
                 rec["change"] = rec.get("change", 0) + 1
                 self.changed[ino] = rec["change"]
+                if stat.S_ISREG(rec.get("mode", 0)):
+                    self.changed_files[ino] = rec["change"]
                 self.put(DB_INODES, u64(ino), pack(rec))
 
     def stamped(self, result: T) -> T:
@@ -225,6 +229,7 @@ class _Group:
         self.txn: Any = None
         self.ended: list[Callable[[bool], None]] = []
         self.ops: list[Op] = []  # of the mutations that succeeded, in order
+        self.changed_files: dict[int, int] = {}  # of the mutations that succeeded
 
 
 class Transactions:
@@ -256,6 +261,10 @@ class Transactions:
         self.write_count = 0
         self.commit_count = 0
         self._local = threading.local()  # .group: the group open in this thread
+        # {ino: change} of regular files changed by commits since the last
+        # `take_changed_files` (what cache watches tell clients: cache_watch.py)
+        self._changed_files: dict[int, int] = {}
+        self._changed_lock = threading.Lock()
 
     def group(self, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
         """Run *calls* (each a mutation: checks, then its `write`) in one
@@ -278,6 +287,7 @@ class Transactions:
                 group.txn.commit()
                 self.commit_count += 1
                 self.last_seq = seq
+                self._files_committed(group.changed_files)
             committed = True
             return results
         except lmdb.MapFullError:
@@ -315,6 +325,7 @@ class Transactions:
         assert tx is not None
         group.ended.extend(tx.ended)  # they follow the group's commit
         group.ops.extend(tx.ops)
+        group.changed_files.update(tx.changed_files)
         return result
 
     def _log_entry(self, txn: Any, ops: list[Op]) -> int:
@@ -376,6 +387,7 @@ class Transactions:
             committed = True
             self.commit_count += 1
             self.last_seq = seq
+            self._files_committed(tx.changed_files)
             return result
         except lmdb.MapFullError:
             raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
@@ -383,6 +395,18 @@ class Transactions:
             if tx is not None:
                 for fn in tx.ended:
                     fn(committed)
+
+    def _files_committed(self, files: dict[int, int]) -> None:
+        if files:
+            with self._changed_lock:
+                self._changed_files.update(files)
+
+    def take_changed_files(self) -> dict[int, int]:
+        """{ino: change} of the regular files committed changes have changed
+        since the last call."""
+        with self._changed_lock:
+            files, self._changed_files = self._changed_files, {}
+        return files
 
     def read(self, body: Callable[[Tx], T]) -> T:
         """Run *body* on one read snapshot (it never waits for the writer)."""

@@ -54,3 +54,19 @@ def interruptible() -> None:
     non-interactive shell) ignores SIGINT, and a child inherits that: the
     Ctrl-C the test sends would do nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def read_whole(p: Path) -> bytes:
+    """The file's bytes, by one open, read and close (a loader's sample)."""
+    with open(p, "rb") as f:
+        return f.read()
+
+
+def rewrite_in_place(p: Path, data: bytes) -> None:
+    """Overwrite the start of *p* without truncating it: with the same size,
+    only the inode's change counter tells the versions apart."""
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)

@@ -64,7 +64,7 @@ async def test_revalidated_open_costs_one_getattr_and_sees_closed_changes(
     open_fs: OpenFs,
 ) -> None:
     writer = await open_fs(ClientOptions(local_reads=False))
-    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0, cache_watch=False))
     ino = await put(writer, b"f", DATA)
     assert await read(reader, ino) == DATA  # opened afresh, handle kept
     before = await calls(reader)
@@ -89,7 +89,7 @@ async def test_concurrent_revalidations_go_in_one_call_and_see_closed_changes(
     call (client/open_batch.py), each still seeing what was closed before it;
     so do the opens once the handles lingered out (`open_read_only`)."""
     writer = await open_fs(ClientOptions(local_reads=False))
-    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0, cache_watch=False))
     inos = [await put(writer, b"c%d" % i, DATA) for i in range(8)]
     for ino in inos:
         assert await read(reader, ino) == DATA
@@ -158,7 +158,8 @@ async def test_cached_handle_keeps_an_unlinked_file_until_it_lingers_out(
     open_fs: OpenFs, meta_cluster: ChainCluster
 ) -> None:
     writer = await open_fs(ClientOptions(local_reads=False))
-    reader = await open_fs(ClientOptions(local_reads=False, open_linger=1.0))
+    # (a cache watch would drop the entry at the unlink: see the watch's test)
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=1.0, cache_watch=False))
     ino = await put(writer, b"h", DATA)
     other = await put(writer, b"h2", DATA)
     before = await calls(reader)
@@ -210,3 +211,83 @@ async def test_an_open_for_writing_does_not_reach_a_file_only_the_cache_kept(
         await reader.open(ino, os.O_WRONLY)
     assert err.value.code == errno.ENOENT
     assert reader.open_cache.handles() == []
+
+
+async def test_watched_open_costs_nothing_and_sees_closed_changes(open_fs: OpenFs) -> None:
+    """With a cache watch (the read-write mount's default), an open of a
+    cached file asks nothing, and a change closed elsewhere is still seen by
+    the next open: the writer's close returned only once the reader had
+    dropped its entry (metadata/cache_watch.py)."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    assert reader.cache_watch is not None and writer.cache_watch is None
+    ino = await put(writer, b"cw", DATA)
+    assert await read(reader, ino) == DATA
+    methods = ("open", "release", "getattr", "getattrs", "open_read_only")
+    before = await calls(reader)
+    for _ in range(5):
+        assert await read(reader, ino) == DATA
+    assert delta(before, await calls(reader), *methods) == (0, 0, 0, 0, 0)
+    assert reader.open_cache.hits == 5
+
+    for round_ in range(3):  # same size, in place: only the change counter differs
+        data = DATA.upper() if round_ % 2 == 0 else DATA
+        await put(writer, b"cw", data)
+        assert ino not in reader.open_cache.entries  # dropped before the close returned
+        assert await read(reader, ino) == data
+        assert await read(reader, ino) == data  # the fresh open is trusted in turn
+    await writer.unlink(ROOT_INODE, b"cw")
+    assert ino not in reader.open_cache.entries
+    # opened afresh: removed (the mount answers ESTALE, and the kernel
+    # looks the name up again), or gone once the dropped handle went back
+    try:
+        f, attr = await reader.open(ino, os.O_RDONLY)
+    except FsError as exc:
+        assert exc.code == errno.ENOENT
+    else:
+        assert attr["nlink"] == 0
+        await reader.release(f.fh)
+
+
+async def test_a_silent_watcher_holds_a_writer_only_for_its_lease(open_fs: OpenFs) -> None:
+    """A reader whose watch stops answering (a stopped or cut-off mount)
+    delays the close of a writer of a file it caches until its lease is
+    over, and then no longer trusts its cache: its next open revalidates and
+    sees the change."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    watch = reader.cache_watch
+    assert watch is not None
+    ino = await put(writer, b"quiet", DATA)
+    assert await read(reader, ino) == DATA
+    watch._scope.cancel()  # silent from now on, as far as the server knows
+    with trio.fail_after(30):  # generous: at most a lease, a poll and a margin
+        await put(writer, b"quiet", DATA.upper())
+    assert not watch.trusts(ino, reader.open_cache.entries[ino].attr["change"], watch.stamp())
+    before = await calls(reader)
+    assert await read(reader, ino) == DATA.upper()
+    assert delta(before, await calls(reader), "getattr")[0] == 1  # revalidated
+
+
+async def test_a_new_watcher_drops_every_cached_open(open_fs: OpenFs) -> None:
+    """A reply with a token the client does not know (its watcher was
+    dropped, the server restarted or another was promoted) means the server
+    does not know what this client caches: every entry goes."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    watch = reader.cache_watch
+    assert watch is not None
+    inos = [await put(writer, b"t%d" % i, DATA) for i in range(3)]
+    for ino in inos:
+        assert await read(reader, ino) == DATA
+    generation = watch.generation
+    watch.token ^= 1  # as if the server had never seen ours
+    with trio.fail_after(10):
+        while watch.generation == generation:
+            await trio.sleep(0.05)
+    assert reader.open_cache.entries == {}
+    for ino in inos:
+        assert await read(reader, ino) == DATA
+    before = await calls(reader)
+    assert await read(reader, inos[0]) == DATA
+    assert delta(before, await calls(reader), "getattr", "open")[0:2] == (0, 0)

@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 import trio
 from clusters import ProcessCluster, wait_until
-from harness import shufflefs
+from harness import read_whole as read
+from harness import rewrite_in_place, shufflefs
 
 from shufflefs.cluster.routing import Routing
 
@@ -83,19 +84,6 @@ def meta_calls(cluster: ProcessCluster) -> dict[str, int]:
             return result
 
     return trio.run(fetch)
-
-
-def read(p: Path) -> bytes:
-    with open(p, "rb") as f:
-        return f.read()
-
-
-def rewrite_in_place(p: Path, data: bytes) -> None:
-    fd = os.open(p, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
 
 
 def eventually_reads(p: Path, want: bytes) -> float:
@@ -152,8 +140,10 @@ def test_default_mount_close_to_open_and_cached_open(
     for _ in range(10):
         assert read(b / "f") == b"A" * 5000
     after = meta_calls(mounted)
-    assert after.get("open", 0) == before.get("open", 0)  # revalidated, not reopened
-    assert after.get("getattr", 0) - before.get("getattr", 0) >= 10  # one per open
+    # neither reopened nor revalidated: B's cache watch keeps the entry fresh
+    # (at most the kernel asking for attributes again after attr_timeout)
+    asked = {m: after.get(m, 0) - before.get(m, 0) for m in ("open", "getattr", "getattrs")}
+    assert asked["open"] == 0 and asked["getattr"] + asked["getattrs"] <= 3, asked
     # close-to-open: closed on A, seen by B's next open (same size: only the
     # inode's change counter tells the versions apart)
     rewrite_in_place(a / "f", b"B" * 5000)

@@ -1,18 +1,26 @@
 """An unlinked file open read-only on one mount keeps its data across a
 metadata server kill -9: the server held that handle in memory only, and
 learns it back from the mount's next session renewal; until every session
-has re-reported, nothing is freed (docs/metadata.md, "Read-only handles")."""
+has re-reported, nothing is freed (docs/metadata.md, "Read-only handles").
+
+A read-write mount's cached opens, kept fresh by its cache watch instead of
+a round trip per open (metadata/cache_watch.py), stay close-to-open when the
+mount is stopped while another one writes, and across a metadata server
+kill -9."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from clusters import ProcessCluster, chunk_files, wait_until
-from harness import shufflefs
+from harness import read_whole as read
+from harness import rewrite_in_place, shufflefs
 
 CHUNK = 1 << 20
 LEASE = 6.0  # the metadata server's session_timeout here: mounts renew every 2 s
@@ -116,3 +124,39 @@ def test_immutable_mount_reads_through_a_meta_kill9(
     assert read_direct(b / "read-before", len(read_before)) == read_before
     assert read_direct(b / "first-after", len(first_after)) == first_after
     assert (b / "first-after").read_bytes() == first_after
+
+
+def mount_pid(c: ProcessCluster, mountpoint: Path) -> int:
+    out = shufflefs("status", "--json", "--config", str(c.client_config)).stdout
+    return int(
+        next(m["pid"] for m in json.loads(out)["mounts"] if m["mountpoint"] == str(mountpoint))
+    )
+
+
+def test_watched_cache_stays_close_to_open_with_a_stopped_reader_and_a_meta_kill9(
+    two_mounts: tuple[ProcessCluster, Path, Path],
+) -> None:
+    c, a, b = two_mounts
+    size = 100_000
+    (a / "f").write_bytes(b"1" * size)
+    assert read(b / "f") == b"1" * size
+    assert read(b / "f") == b"1" * size  # B's open now comes from its cache
+    # B stopped: A's close waits for B's acknowledgement at most B's lease,
+    # then goes on; B, woken, no longer trusts its cache
+    pid = mount_pid(c, b)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        rewrite_in_place(a / "f", b"2" * size)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert read(b / "f") == b"2" * size
+    assert read(b / "f") == b"2" * size
+    # the metadata server killed and restarted: what its watcher told B is
+    # lost with it; the new one makes A's close wait out B's lease (or B's
+    # acknowledgement of the new watcher) before it returns
+    c.kill("meta")
+    c.restart_missing()
+    rewrite_in_place(a / "f", b"3" * size)
+    assert read(b / "f") == b"3" * size
+    rewrite_in_place(a / "f", b"4" * size)  # and once the watch is back
+    assert read(b / "f") == b"4" * size

@@ -1,0 +1,153 @@
+"""The metadata server's side of cache watches (metadata/cache_watch.py), on
+trio's virtual clock: who is told of a change, when a writer may go on, and
+what a server that just began must wait out. The client's side, against a
+real server, is in tests/client/test_open_cache.py."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from shufflefs.metadata.cache_watch import MARGIN, CacheWatches
+
+LEASE, POLL = 3.0, 1.0
+
+
+class Holders:
+    """What ReadOnlyHandles would say."""
+
+    def __init__(self) -> None:
+        self.readers: dict[int, list[int]] = {}
+        self.unknown = False
+        self.earlier: set[int] = set()
+
+    def watches(self) -> CacheWatches:
+        return CacheWatches(
+            lambda ino: self.readers.get(ino, []),
+            lambda: self.unknown,
+            lambda session: session in self.earlier,
+            lease=LEASE,
+            poll=POLL,
+        )
+
+
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def run(clock: trio.testing.MockClock, fn: object) -> None:
+    trio.run(fn, clock=clock)  # type: ignore[arg-type]
+
+
+def test_a_change_reaches_the_watching_reader_before_the_writer_goes_on(
+    clock: trio.testing.MockClock,
+) -> None:
+    holders = Holders()
+    holders.readers = {7: [1], 8: [2]}
+
+    async def main() -> None:
+        watches = holders.watches()
+        watches.begin()
+        first = await watches.watch(1, 0, 0)  # a new watcher: answered at once
+        assert first["changed"] == [] and first["lease"] == LEASE and trio.current_time() == 0
+        token = first["token"]
+        # nothing to tell: answered after a poll
+        idle = await watches.watch(1, token, first["seq"])
+        assert idle["changed"] == [] and trio.current_time() == POLL
+        events: list[str] = []
+        acknowledged_at: list[float] = []
+
+        async def writer() -> None:
+            await watches.changed({7: 5, 9: 2})  # 9: nobody caches it
+            events.append("acknowledged to the writer")
+            acknowledged_at.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            reply = await watches.watch(1, token, idle["seq"])  # woken by the change
+            assert reply["changed"] == [[7, 5]] and trio.current_time() == POLL
+            events.append("told the reader")
+            await trio.sleep(0.2)
+            assert events == ["told the reader"]  # waits for the acknowledgement
+            with trio.move_on_after(0.1):
+                await watches.watch(1, token, reply["seq"])  # the acknowledgement
+        assert events == ["told the reader", "acknowledged to the writer"]
+        assert acknowledged_at == [pytest.approx(POLL + 0.2)]  # when the ack came
+        # a change of a file only another session caches, with no watch: no wait
+        now = trio.current_time()
+        await watches.changed({8: 3})
+        assert trio.current_time() == now
+
+    run(clock, main)
+
+
+def test_an_unacknowledged_change_is_sent_again_and_a_silent_reader_costs_one_lease(
+    clock: trio.testing.MockClock,
+) -> None:
+    holders = Holders()
+    holders.readers = {7: [1]}
+
+    async def main() -> None:
+        watches = holders.watches()
+        watches.begin()
+        first = await watches.watch(1, 0, 0)
+        asked_at = trio.current_time()
+        await trio.sleep(0.5)
+        await watches.changed({7: 2})  # the reader never asks again
+        # its lease ran from when its last answered request arrived
+        assert trio.current_time() == pytest.approx(asked_at + LEASE + MARGIN)
+        # it comes back: the change is sent (again), and acknowledged
+        again = await watches.watch(1, first["token"], first["seq"])
+        assert again["changed"] == [[7, 2]]
+        done = await watches.watch(1, first["token"], 0)  # an old ack changes nothing
+        assert done["changed"] == [[7, 2]]
+
+    run(clock, main)
+
+
+def test_a_stale_token_is_answered_at_once_with_the_watchers_own(
+    clock: trio.testing.MockClock,
+) -> None:
+    async def main() -> None:
+        watches = Holders().watches()
+        watches.begin()
+        first = await watches.watch(1, 0, 0)
+        stale = await watches.watch(1, first["token"] + 1, 99)
+        assert stale["token"] == first["token"] and trio.current_time() == 0
+        watches.forget(1)  # the session ended
+        fresh = await watches.watch(1, first["token"], 0)
+        assert fresh["token"] != first["token"] and trio.current_time() == 0
+
+    run(clock, main)
+
+
+def test_a_server_that_just_began_waits_out_what_an_earlier_one_granted(
+    clock: trio.testing.MockClock,
+) -> None:
+    """Sessions from before this server (restart, promotion) may trust a
+    cache an earlier server kept fresh: their files' writers wait until one
+    lease after the start. Sessions new to it, or a later change, do not."""
+    holders = Holders()
+    holders.readers = {7: [1], 8: [2]}
+    holders.earlier = {1}
+
+    async def main() -> None:
+        watches = holders.watches()
+        await trio.sleep(10)
+        watches.begin()
+        await watches.changed({8: 1})  # session 2 is new: nothing to wait for
+        assert trio.current_time() == 10
+        await watches.changed({7: 1})
+        assert trio.current_time() == pytest.approx(10 + LEASE + MARGIN)
+        await watches.changed({7: 2})  # the grace is over
+        assert trio.current_time() == pytest.approx(10 + LEASE + MARGIN)
+
+        watches.begin()  # promoted again; holders not all re-reported yet
+        holders.unknown = True
+        start = trio.current_time()
+        await watches.changed({9: 1})  # anyone may cache it
+        assert trio.current_time() == pytest.approx(start + LEASE + MARGIN)
+
+    run(clock, main)
