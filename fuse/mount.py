@@ -97,6 +97,7 @@ async def run_mount(
             opts.add("allow_other")  # every user of a training node may use the mount
         pyfuse3.init(ops, str(mountpoint), opts)
         fast: FastReads | None = None
+        READ_INODES.noflush_read_only = not options.read_only
         hooked = (options.immutable or options.fast_reads) and READ_INODES.install()
         if options.immutable:
             if hooked:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes.util
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -60,3 +61,29 @@ def test_take_hands_out_the_inode_once() -> None:
     reads = ReadInodes(current=42)
     assert reads.take() == 42
     assert reads.take() == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "noflush"),
+    [
+        (os.O_RDONLY, True),
+        (os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC, True),
+        (os.O_WRONLY, False),
+        (os.O_RDWR, False),
+        (os.O_RDONLY | os.O_TRUNC, False),
+    ],
+)
+def test_open_trampoline_asks_for_no_flush_on_read_only_opens(flags: int, noflush: bool) -> None:
+    """A read-write mount's read-only opens set `noflush` (the eighth bit
+    field after `flags` in libfuse 3's struct fuse_file_info) before
+    pyfuse3's callback copies the file info; nothing else is touched."""
+    seen: list[tuple[int, int, int]] = []
+    info = (ctypes.c_uint32 * 10)()
+    info[0] = flags
+    info[1] = 0b101  # writepage and keep_cache, say: left as they are
+    address = ctypes.addressof(info)
+    trampoline = ReadInodes()._open(lambda req, ino, fi: seen.append((req, ino, fi)))
+    trampoline(7, 42, address)
+    assert seen == [(7, 42, address)]
+    assert info[0] == flags
+    assert info[1] == (0b101 | 1 << 7 if noflush else 0b101)
