@@ -240,6 +240,7 @@ class FileSystem:
         open cache for that open."""
         if self._lookup_open:
             call = self.session.call
+            stamp = self.open_cache.stamp()
             try:
                 res = await call("lookup_open", lambda m, s: m.lookup_open(parent, name, s))
             except FsError as exc:
@@ -248,7 +249,7 @@ class FileSystem:
                 self._lookup_open = False  # a metadata server of before it
             else:
                 if res["handle"]:
-                    self.open_cache.adopt(res)
+                    self.open_cache.adopt(res, stamp)
                 return self.overlay(res["attr"])
         return await self.lookup(parent, name)
 

@@ -108,7 +108,7 @@ class OpenCache:
             self.hits += 1
             entry.users += 1
             return entry, True
-        stamp = self._stamp()
+        stamp = self.stamp()
         res = await self._open(ino, flags)
         self.misses += 1
         fresh = CachedOpen(ino, res["handle"], res["layout"], res["attr"], users=1, stamp=stamp)
@@ -130,7 +130,7 @@ class OpenCache:
         if not wanted:
             return out
         assert self._open_many is not None and self.enabled
-        stamp = self._stamp()
+        stamp = self.stamp()
         for res in await self._open_many(wanted):
             if res is not None:
                 out[res["attr"]["ino"]] = self.adopt(res, stamp)
@@ -239,7 +239,8 @@ class OpenCache:
 
     # ---- internals -----------------------------------------------------------------
 
-    def _stamp(self) -> int:
+    def stamp(self) -> int:
+        """For an open about to be sent whose handle may be `adopt`ed."""
         return -1 if self.watch is None else self.watch.stamp()
 
     def _watched(self, entry: CachedOpen) -> bool:

@@ -154,7 +154,11 @@ class ShuffleOps(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         try:
             if not self.options.read_only:
-                attr = await self.fs.lookup(parent_inode, name)
+                # with a cache watch, the open that follows comes from the cache
+                watched = self.fs.cache_watch is not None
+                attr = await (self.fs.lookup_open if watched else self.fs.lookup)(
+                    parent_inode, name
+                )
             else:  # a hinted file's reader: no round trip; else the open that follows, too
                 held = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
                 attr = held or await self.fs.lookup_open(parent_inode, name)

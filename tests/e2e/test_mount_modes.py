@@ -194,11 +194,12 @@ def test_ro_open_makes_no_metadata_call(
         assert after.get(method, 0) == before.get(method, 0), method
 
 
-@pytest.mark.parametrize("mode", ["R", "I"])
-def test_ro_first_read_makes_one_metadata_call(
+@pytest.mark.parametrize("mode", ["B", "R", "I"])
+def test_first_read_makes_one_metadata_call(
     mounted: ProcessCluster, where: Callable[[str], Path], mode: str
 ) -> None:
-    """A sample read for the first time: its lookup opens it too."""
+    """A sample read for the first time: its lookup opens it too (on the
+    read-write mount B as well: its cache watch keeps that handle fresh)."""
     a, r = where("A"), where(mode)
     data = os.urandom(110_000)
     (a / "first").write_bytes(data)
