@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from shufflefs.cluster.metrics_catalog import OPEN_CACHE
 from shufflefs.metadata.protocol import Attr, Layout, OpenResult
 from shufflefs.rpc.errors import FsError
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shufflefs.client.open_cache")
 
+TRUSTED, REVALIDATED, OPENED = (OPEN_CACHE.labels(r) for r in ("trusted", "revalidated", "opened"))
 DEFAULT_LIMIT = 65536  # cached handles per client (the server holds each in memory)
 
 
@@ -97,7 +99,9 @@ class OpenCache:
         """A read-only open of *ino*: (the entry now in use, whether it was
         reused from the cache)."""
         entry = self.entries.get(ino)
+        how = TRUSTED
         if entry is not None and not self.trust and not self._watched(entry):
+            how = REVALIDATED
             attr = await self._getattr(ino)
             if attr["change"] == entry.attr["change"] and attr["nlink"] > 0:
                 entry.attr = attr
@@ -106,11 +110,13 @@ class OpenCache:
                 entry = None
         if entry is not None and self.entries.get(ino) is entry:
             self.hits += 1
+            how.inc()
             entry.users += 1
             return entry, True
         stamp = self.stamp()
         res = await self._open(ino, flags)
         self.misses += 1
+        OPENED.inc()
         fresh = CachedOpen(ino, res["handle"], res["layout"], res["attr"], users=1, stamp=stamp)
         old = self.entries.get(ino)
         if old is not None:  # another open raced ours: the newer one stays

@@ -28,6 +28,25 @@ COMMIT_BATCH = Histogram(
     "Mutations per metadata group commit (one LMDB write transaction, one fsync)",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+CACHE_WATCH_WAITS = Counter(
+    "shufflefs_meta_cache_watch_waits",
+    "Commits that waited for a client caching a changed file, by how the wait ended "
+    "(acked: the client dropped it; lease: it did not answer within its lease; grace: "
+    "a server that just began waited out what an earlier one granted)",
+    ["result"],
+)
+CACHE_WATCH_WAIT_SECONDS = Histogram(
+    "shufflefs_meta_cache_watch_wait_seconds",
+    "Time a commit's callers waited for the clients caching the files it changed",
+    buckets=LATENCY_BUCKETS,
+)
+OPEN_CACHE = Counter(
+    "shufflefs_client_open_cache",
+    "Read-only opens of a client with an open cache, by how each was answered (trusted: "
+    "from the cache, no round trip; revalidated: from the cache after a getattr; opened: "
+    "a round trip)",
+    ["result"],
+)
 RESYNC_CHUNKS = Counter(
     "shufflefs_resync_chunks_copied", "Chunks copied to a syncing replica by resync"
 )

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from shufflefs.cluster.metrics_catalog import CACHE_WATCH_WAIT_SECONDS, CACHE_WATCH_WAITS
 from shufflefs.metadata.protocol import CacheWatchReply
 
 log = logging.getLogger("shufflefs.metadata.cache_watch")
@@ -173,12 +174,20 @@ class CacheWatches:
             with trio.move_on_at(deadline) as scope:
                 while w is None or w.acked < seq:
                     await (trio.sleep_forever() if w is None else w.moved.wait())
-            if scope.cancelled_caught and w is not None:
+            if w is None:
+                result = "grace"
+            elif scope.cancelled_caught:
+                result = "lease"
                 log.info(
                     "cache watch: no acknowledgement of change %d from a client within its "
                     "lease; going on (its lease has ended)",
                     seq,
                 )
+            else:
+                result = "acked"
+            CACHE_WATCH_WAITS.labels(result).inc()
+        if waits:
+            CACHE_WATCH_WAIT_SECONDS.observe(trio.current_time() - now)
 
     def _prune(self, now: float) -> None:
         """Drop the watchers silent for `FORGET` seconds (their clients
