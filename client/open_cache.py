@@ -61,6 +61,7 @@ class CachedOpen:
     idle_since: float = 0.0  # trio time of the last close
     dropped: bool = False  # superseded or expired: give the handle back at the last close
     stamp: int = -1  # the cache watch's when the open was sent (-1: not trusted by it)
+    used: bool = False  # an open used it (an `adopt`ed one is fresh until then)
 
 
 class OpenCache:
@@ -84,6 +85,7 @@ class OpenCache:
         self._open_many = open_many  # [ino]: read-only opens in one round trip (None: gone)
         self.trust = trust
         self.watch = watch  # set by the owner: cached opens it trusts skip revalidation
+        self.on_forget: Callable[[int], None] | None = None  # an inode left the cache
         self.linger = linger
         self.limit = limit
         self.entries: dict[int, CachedOpen] = {}
@@ -96,8 +98,9 @@ class OpenCache:
         return self.linger > 0
 
     async def open(self, ino: int, flags: int) -> tuple[CachedOpen, bool]:
-        """A read-only open of *ino*: (the entry now in use, whether it was
-        reused from the cache)."""
+        """A read-only open of *ino*: (the entry now in use, whether an
+        earlier open used it: if not, what the client cached of the file
+        must be read afresh)."""
         entry = self.entries.get(ino)
         how = TRUSTED
         if entry is not None and not self.trust and not self._watched(entry):
@@ -112,12 +115,16 @@ class OpenCache:
             self.hits += 1
             how.inc()
             entry.users += 1
-            return entry, True
+            # an entry made ahead of its open (`adopt`) is a fresh open at its first use
+            before, entry.used = entry.used, True
+            return entry, before
         stamp = self.stamp()
         res = await self._open(ino, flags)
         self.misses += 1
         OPENED.inc()
-        fresh = CachedOpen(ino, res["handle"], res["layout"], res["attr"], users=1, stamp=stamp)
+        fresh = CachedOpen(
+            ino, res["handle"], res["layout"], res["attr"], users=1, stamp=stamp, used=True
+        )
         old = self.entries.get(ino)
         if old is not None:  # another open raced ours: the newer one stays
             await self._drop(old)
@@ -210,6 +217,8 @@ class OpenCache:
         """The session was lost: its handles are gone on the server."""
         for entry in self.entries.values():
             entry.dropped = True
+            if self.on_forget is not None:
+                self.on_forget(entry.ino)
         self.entries.clear()
         self._unused.clear()
 
@@ -249,6 +258,14 @@ class OpenCache:
         """For an open about to be sent whose handle may be `adopt`ed."""
         return -1 if self.watch is None else self.watch.stamp()
 
+    def trusted_for(self, ino: int) -> float:
+        """Seconds the cache watch keeps *ino*'s cached open fresh from now
+        (0: not cached, or not trusted)."""
+        entry = self.entries.get(ino)
+        if entry is None or self.watch is None or not self._watched(entry):
+            return 0.0
+        return self.watch.trusted_until - trio.current_time()
+
     def _watched(self, entry: CachedOpen) -> bool:
         """Kept fresh by the cache watch: no need to ask."""
         watch = self.watch
@@ -259,6 +276,8 @@ class OpenCache:
         caller gives it back), else the last close does."""
         if self.entries.get(entry.ino) is entry:
             del self.entries[entry.ino]
+            if self.on_forget is not None:
+                self.on_forget(entry.ino)
         entry.dropped = True
         return entry.users <= 0
 

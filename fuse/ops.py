@@ -58,6 +58,7 @@ from shufflefs.fuse.prefetch import PREFETCH_XATTR, Prefetcher
 from shufflefs.fuse.prefetch_hints import version_of
 from shufflefs.fuse.prefetch_xattr import hint_by_getxattr, hint_by_setxattr
 from shufflefs.fuse.read_inode import READ_INODES
+from shufflefs.fuse.watched_entries import WatchedEntries
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
 
@@ -97,6 +98,8 @@ class ShuffleOps(pyfuse3.Operations):
         self.prefetch = Prefetcher(fs, self.options.prefetch_memory, self.kernel_holds)
         # cache=immutable with kernel-served reads: handles by inode (`serve_by_inode`)
         self.inode_reads: InodeReads | None = None
+        # rw with a cache watch: kernel entries of files it keeps fresh live longer
+        self.watched = WatchedEntries(fs) if fs.cache_watch is not None else None
         self._nursery: trio.Nursery | None = None
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -153,12 +156,10 @@ class ShuffleOps(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         try:
-            if not self.options.read_only:
-                # with a cache watch, the open that follows comes from the cache
-                watched = self.fs.cache_watch is not None
-                attr = await (self.fs.lookup_open if watched else self.fs.lookup)(
-                    parent_inode, name
-                )
+            if self.watched is not None:  # the open that follows comes from the cache
+                attr = await self.fs.lookup_open(parent_inode, name)
+            elif not self.options.read_only:
+                attr = await self.fs.lookup(parent_inode, name)
             else:  # a hinted file's reader: no round trip; else the open that follows, too
                 held = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
                 attr = held or await self.fs.lookup_open(parent_inode, name)
@@ -171,7 +172,10 @@ class ShuffleOps(pyfuse3.Operations):
             missing.entry_timeout = self.options.negative_timeout
             return missing
         if self.inode_reads is None:
-            return self.remember(attr)
+            entry = self.remember(attr)
+            if self.watched is not None:
+                self.watched.extend(entry, parent_inode, name)
+            return entry
         await self.inode_reads.pages_current(attr)
         entry = self.remember(attr)
         await self.inode_reads.ready(attr)
@@ -539,7 +543,10 @@ class ShuffleOps(pyfuse3.Operations):
                 entries, more = page["entries"], page["more"]
             for i, (name, attr) in enumerate(entries):
                 next_id = h.next_id
-                if not pyfuse3.readdir_reply(token, name, self.entry(attr), next_id):
+                entry = self.entry(attr)
+                if self.watched is not None:
+                    self.watched.extend(entry, h.ino, name)
+                if not pyfuse3.readdir_reply(token, name, entry, next_id):
                     h.pending, h.pending_after, h.pending_more = entries[i:], after, more
                     return
                 h.next_id += 1

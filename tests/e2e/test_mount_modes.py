@@ -152,6 +152,27 @@ def test_default_mount_close_to_open_and_cached_open(
     assert read(b / "f") == b"shorter"
 
 
+def test_default_mount_keeps_names_and_attributes_of_watched_files_fresh(
+    where: Callable[[str], Path],
+) -> None:
+    """B caches the file (its cache watch keeps it fresh, so the kernel may
+    keep its name and attributes longer than attr_timeout): a change closed
+    on A was told to B first, which dropped the kernel's attributes before
+    acknowledging it, so a stat right after A's close sees it; a rename over
+    the name reaches B's kernel entry as soon as its queued invalidation runs."""
+    a, b = where("A"), where("B")
+    (a / "w").write_bytes(b"x" * 1000)
+    assert read(b / "w") == b"x" * 1000
+    with open(a / "w", "ab") as f:
+        f.write(b"y" * 500)
+    assert os.stat(b / "w").st_size == 1500
+    assert read(b / "w") == b"x" * 1000 + b"y" * 500
+    (a / "w2").write_bytes(b"z" * 10)
+    os.rename(a / "w2", a / "w")
+    eventually_reads(b / "w", b"z" * 10)
+    assert os.stat(b / "w").st_size == 10
+
+
 @pytest.mark.parametrize("mode", ["R", "I"])
 def test_ro_mount_refuses_every_mutation(where: Callable[[str], Path], mode: str) -> None:
     a, r = where("A"), where(mode)

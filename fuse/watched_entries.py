@@ -1,0 +1,59 @@
+"""Longer kernel caching of names and attributes on a read-write mount, for
+the files its cache watch keeps fresh (client/cache_watch.py).
+
+A read-write mount tells the kernel to keep names and attributes 1 s
+(``entry_timeout``, ``attr_timeout``): after that, every open of a sample
+costs a LOOKUP round trip. For a regular file the mount caches under the
+watch, though, the metadata server tells the mount of every change to the
+file's inode record before the change is acknowledged, and every change that
+could make a name of it wrong changes that record: an unlink or a rename
+over it (its link count), a rename of it (its ctime). So its LOOKUP reply
+may let the kernel keep the name and attributes until the watch's lease
+ends (`extend`), and when the mount drops the file from its cache (told of a
+change, lingered out, a new watcher), it drops what it told the kernel too
+(`forget`): the names asynchronously (pyfuse3 queues them to a thread: a
+handler may be waiting on the directory), the attributes at once (attribute
+invalidation does not wait on pages).
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+
+import pyfuse3
+
+from shufflefs.client.fs import FileSystem
+
+log = logging.getLogger("shufflefs.fuse")
+
+
+class WatchedEntries:
+    def __init__(self, fs: FileSystem) -> None:
+        self.fs = fs
+        self.names: dict[int, set[tuple[int, bytes]]] = {}  # what the kernel was told, per inode
+        fs.open_cache.on_forget = self.forget
+
+    def extend(self, entry: pyfuse3.EntryAttributes, parent: int, name: bytes) -> None:
+        """A LOOKUP reply: for a regular file the watch keeps fresh, the
+        kernel keeps name and attributes until the watch's lease ends."""
+        ino = entry.st_ino
+        if not stat.S_ISREG(entry.st_mode):
+            return
+        left = self.fs.open_cache.trusted_for(ino)
+        if left <= max(entry.entry_timeout, entry.attr_timeout):
+            return
+        entry.entry_timeout = entry.attr_timeout = left
+        self.names.setdefault(ino, set()).add((parent, name))
+
+    def forget(self, ino: int) -> None:
+        """The mount no longer caches *ino*: no longer kept fresh."""
+        names = self.names.pop(ino, None)
+        if not names:
+            return
+        for parent, name in names:
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError as exc:  # the kernel forgot the inode already
+            log.debug("invalidate_inode(%d): %s", ino, exc)
