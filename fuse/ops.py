@@ -6,9 +6,11 @@ reader sees when is stated in docs/operations.md, "Mount modes and caches"):
 * attributes and entries are cached for ``attr_timeout``/``entry_timeout``,
   misses for ``negative_timeout`` (0 on a read-write mount: not cached);
   readdir is readdirplus, so a listing fills the entry and attribute cache;
-* read-write mount, close-to-open like NFS: every open revalidates with the
-  metadata server (a read-only open of a file this mount holds cached costs
-  one getattr, see client/open_cache.py); if the file changed since this
+* read-write mount, close-to-open like NFS: an open of a file this mount
+  caches is current without a round trip while its cache watch holds (the
+  server tells it of changes first: client/cache_watch.py; such a file's
+  name and attributes live as long, fuse/watched_entries.py), else it costs
+  a getattr (client/open_cache.py); if the file changed since this
   mount last cached its data (size, mtime or ctime differ) the kernel's page
   cache for it is dropped (``keep_cache=False``), else the page cache is
   kept, so re-reading unchanged training data costs no data transfer; the
