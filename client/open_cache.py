@@ -232,7 +232,8 @@ class OpenCache:
         over = max(0, len(self.entries) - self.limit)
         expired = [e for i, e in enumerate(idle) if i < over or now - e.idle_since >= self.linger]
         unused, self._unused = self._unused, []
-        back = [e for e in expired if self._forget(e)] + unused
+        # (what the kernel was told of them expired before they did: `trusted_for`)
+        back = [e for e in expired if self._forget(e, tell=False)] + unused
         if self._release_many is not None and back:
             # one round trip for them all: an epoch longer than `linger`
             # expires a handle per sample, which would otherwise cost the
@@ -260,23 +261,28 @@ class OpenCache:
 
     def trusted_for(self, ino: int) -> float:
         """Seconds the cache watch keeps *ino*'s cached open fresh from now
-        (0: not cached, or not trusted)."""
+        (0: not cached, or not trusted), and it stays cached: within the
+        watch's lease and, if idle, its linger."""
         entry = self.entries.get(ino)
         if entry is None or self.watch is None or not self._watched(entry):
             return 0.0
-        return self.watch.trusted_until - trio.current_time()
+        now = trio.current_time()
+        left = self.watch.trusted_until - now
+        if entry.users <= 0:  # no longer than it may stay idle: `expire` tells no one
+            left = min(left, entry.idle_since + self.linger - now)
+        return left
 
     def _watched(self, entry: CachedOpen) -> bool:
         """Kept fresh by the cache watch: no need to ask."""
         watch = self.watch
         return watch is not None and watch.trusts(entry.ino, entry.attr["change"], entry.stamp)
 
-    def _forget(self, entry: CachedOpen) -> bool:
+    def _forget(self, entry: CachedOpen, tell: bool = True) -> bool:
         """Out of the cache; returns whether nobody uses its handle (the
-        caller gives it back), else the last close does."""
+        caller gives it back), else the last close does. *tell*: `on_forget`."""
         if self.entries.get(entry.ino) is entry:
             del self.entries[entry.ino]
-            if self.on_forget is not None:
+            if tell and self.on_forget is not None:
                 self.on_forget(entry.ino)
         entry.dropped = True
         return entry.users <= 0

@@ -9,11 +9,14 @@ file's inode record before the change is acknowledged, and every change that
 could make a name of it wrong changes that record: an unlink or a rename
 over it (its link count), a rename of it (its ctime). So its LOOKUP reply
 may let the kernel keep the name and attributes until the watch's lease
-ends (`extend`), and when the mount drops the file from its cache (told of a
-change, lingered out, a new watcher), it drops what it told the kernel too
-(`forget`): the names asynchronously (pyfuse3 queues them to a thread: a
-handler may be waiting on the directory), the attributes at once (attribute
-invalidation does not wait on pages).
+ends, and no longer than the file may stay cached idle (`extend`). When the
+mount drops the file from its cache before that (told of a change, a new
+watcher), it drops what it told the kernel too (`forget`): the names
+asynchronously (pyfuse3 queues them to a thread: a handler may be waiting
+on the directory), the attributes at once (attribute invalidation does not
+wait on pages). A file that lingers out needs nothing: what the kernel was
+told has expired by then (and invalidating its name would make the kernel
+evict the inode with its pages).
 """
 
 from __future__ import annotations
