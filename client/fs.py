@@ -37,9 +37,9 @@ import trio
 from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.meta_client import MetaClient
-from shufflefs.client.open_batch import Batcher
 from shufflefs.client.open_cache import CachedOpen, OpenCache
 from shufflefs.client.paths import current_umask, normalize
+from shufflefs.client.read_only_calls import ReadOnlyCalls
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
 from shufflefs.client.write_behind import InodeState, WriteBehind, drain
@@ -136,23 +136,14 @@ class FileSystem:
             self._read_only_handles,
             mount=self.options.mount,
         )
-        # the metadata calls of concurrent read-only opens, batched (client/open_batch.py)
-        self.attr_batch: Batcher[int, Attr] = Batcher(
-            lambda ino: self.meta.call_idempotent("getattr", lambda m: m.getattr(ino)),
-            self._primary_getattrs,
-            "getattr",
-        )
-        self.open_batch: Batcher[tuple[int, int], OpenResult] = Batcher(
-            lambda key: self.session.call("open", lambda m, s: m.open(key[0], key[1], s)),
-            self._open_read_only,
-            "open",
-        )
+        # the metadata calls of read-only opens (batched) and of giving handles back
+        self.read_only = calls = ReadOnlyCalls(self.meta, self.session)
         self.open_cache = OpenCache(
-            self.fresh_attr,
-            lambda ino, flags: self.open_batch.get((ino, flags)),
-            self._release_handle,
-            release_many=self._release_handles,
-            open_many=lambda inos: self._open_read_only([(i, os.O_RDONLY) for i in inos]),
+            calls.fresh_attr,
+            calls.open,
+            calls.release,
+            release_many=calls.release_many,
+            open_many=lambda inos: calls.open_many([(i, os.O_RDONLY) for i in inos]),
             trust=self.options.trust_open_cache,
             linger=self.options.open_linger,
         )
@@ -163,8 +154,6 @@ class FileSystem:
             self.open_cache.watch = self.cache_watch = CacheWatch(
                 self.meta, self.session, self.open_cache.changed, self.open_cache.drop_all
             )
-        self._batch_release = True  # until a metadata server answers ENOSYS
-        self._lookup_open = self.open_cache.enabled  # the same
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
         self._fh = itertools.count(1)
@@ -235,19 +224,13 @@ class FileSystem:
         return self.overlay(await self.meta.call_read("lookup", lambda m: m.lookup(parent, name)))
 
     async def lookup_open(self, parent: int, name: bytes) -> Attr:
-        """`lookup` for an open that will not write (a read-only mount's): a
-        regular file opened read-only in the same call, its handle left in the
-        open cache for that open."""
-        if self._lookup_open:
-            call = self.session.call
+        """`lookup` for an open that will not write (a read-only mount's, or a
+        watched read-write mount's): a regular file opened read-only in the
+        same call, its handle left in the open cache for that open."""
+        if self.open_cache.enabled:
             stamp = self.open_cache.stamp()
-            try:
-                res = await call("lookup_open", lambda m, s: m.lookup_open(parent, name, s))
-            except FsError as exc:
-                if exc.code != errno.ENOSYS:
-                    raise
-                self._lookup_open = False  # a metadata server of before it
-            else:
+            res = await self.read_only.lookup_open(parent, name)
+            if res is not None:
                 if res["handle"]:
                     self.open_cache.adopt(res, stamp)
                 return self.overlay(res["attr"])
@@ -258,20 +241,6 @@ class FileSystem:
 
     async def _server_getattr(self, ino: int) -> Attr:
         return await self.meta.call_read("getattr", lambda m: m.getattr(ino))
-
-    async def fresh_attr(self, ino: int) -> Attr:
-        """Attributes from the primary (a follower may not have applied
-        another client's change yet): what an open revalidates a cached file
-        with (close-to-open); concurrent ones go in one call
-        (client/open_batch.py)."""
-        return await self.attr_batch.get(ino)
-
-    async def _primary_getattrs(self, inos: list[int]) -> list[Attr | None]:
-        return await self.meta.call_idempotent("getattrs", lambda m: m.getattrs(inos))
-
-    async def _open_read_only(self, keys: list[tuple[int, int]]) -> list[OpenResult | None]:
-        opens = [[ino, flags] for ino, flags in keys]
-        return await self.session.call("open_read_only", lambda m, s: m.open_read_only(opens, s))
 
     async def setattr(
         self,
@@ -540,30 +509,7 @@ class FileSystem:
             if f.cached is not None:
                 await self.open_cache.close(f.cached)  # no round trip
             else:
-                await self._release_handle(f.ino, f.handle)
-
-    async def _release_handle(self, ino: int, handle: int) -> None:
-        await self.meta.call_at_most_once(
-            "release", lambda m: m.release(ino, handle, self.session.id)
-        )
-
-    async def _release_handles(self, pairs: list[tuple[int, int]]) -> None:
-        """Read-only handles given back in one call (`release` each from a
-        metadata server of before `release_read_only`)."""
-        if self._batch_release:
-            handles = [[ino, handle] for ino, handle in pairs]
-            try:
-                await self.meta.call_at_most_once(
-                    "release_read_only",
-                    lambda m: m.release_read_only(handles, self.session.id),
-                )
-                return
-            except FsError as exc:
-                if exc.code != errno.ENOSYS:
-                    raise
-                self._batch_release = False
-        for ino, handle in pairs:
-            await self._release_handle(ino, handle)
+                await self.read_only.release(f.ino, f.handle)
 
     # ---- paths (the native API) ---------------------------------------------------
 

@@ -190,23 +190,21 @@ class OpenCache:
         """Attributes fetched for any reason: a changed counter drops the
         entry (its handle is given back by the next `expire`)."""
         entry = self.entries.get(attr["ino"])
-        changed = entry is not None and attr["change"] != entry.attr["change"]
-        if entry is not None and changed and self._forget(entry):
-            self._unused.append(entry)
+        if entry is not None and attr["change"] != entry.attr["change"]:
+            self._retire(entry)
 
     def changed(self, ino: int, change: int) -> None:
         """The cache watch says another client changed *ino* (its counter is
         *change* now): an older entry is dropped (given back by `expire`)."""
         entry = self.entries.get(ino)
-        if entry is not None and entry.attr["change"] < change and self._forget(entry):
-            self._unused.append(entry)
+        if entry is not None and entry.attr["change"] < change:
+            self._retire(entry)
 
     def drop_all(self) -> None:
         """A new cache watcher: every entry goes (given back by `expire`, or
         by its last close)."""
         for entry in list(self.entries.values()):
-            if self._forget(entry):
-                self._unused.append(entry)
+            self._retire(entry)
 
     def handles(self) -> list[tuple[int, int]]:
         """(ino, handle) of every cached handle (for the session renewal)."""
@@ -286,6 +284,12 @@ class OpenCache:
                 self.on_forget(entry.ino)
         entry.dropped = True
         return entry.users <= 0
+
+    def _retire(self, entry: CachedOpen) -> None:
+        """Out of the cache, its handle given back by the next `expire` (or
+        by its last close)."""
+        if self._forget(entry):
+            self._unused.append(entry)
 
     async def _drop(self, entry: CachedOpen) -> None:
         if self._forget(entry):

@@ -1,27 +1,15 @@
 """pyfuse3 operations over the client library.
 
-Kernel caching policy (the mount modes of fuse/mount_options.py; what a
-reader sees when is stated in docs/operations.md, "Mount modes and caches"):
+Kernel caching (the modes and their timeouts: fuse/mount_options.py; what a
+reader sees when: docs/operations.md, "Mount modes and caches"):
 
-* attributes and entries are cached for ``attr_timeout``/``entry_timeout``,
-  misses for ``negative_timeout`` (0 on a read-write mount: not cached);
-  readdir is readdirplus, so a listing fills the entry and attribute cache;
-* read-write mount, close-to-open like NFS: an open of a file this mount
-  caches is current without a round trip while its cache watch holds (the
-  server tells it of changes first: client/cache_watch.py; such a file's
-  name and attributes live as long, fuse/watched_entries.py), else it costs
-  a getattr (client/open_cache.py); if the file changed since this
-  mount last cached its data (size, mtime or ctime differ) the kernel's page
-  cache for it is dropped (``keep_cache=False``), else the page cache is
-  kept, so re-reading unchanged training data costs no data transfer; the
-  kernel's cached attributes are invalidated whenever they differ from the
-  fresh ones (also for a file this mount only stat'ed), so reads are not
-  clamped to a stale size;
-* ``-o ro`` (dataset mode): every mutation is EROFS; opens of a file opened
-  before are answered from the cache with no round trip, closes make none
-  (FLUSH is switched off), pages are kept;
-* ``-o cache=immutable``: as ``ro``, and OPEN and OPENDIR are switched off:
-  the kernel serves warm reads and listings alone (fuse/inode_reads.py);
+* readdir is readdirplus, so a listing fills the entry and attribute cache;
+* an open keeps the kernel's pages of a file (``keep_cache``) only if the
+  file is the version this mount last cached (`kernel_opened`), and drops
+  the kernel's attributes whenever they differ from fresh ones (also of a
+  file only stat'ed), so reads are not clamped to a stale size; how an open
+  knows the version is current: client/open_cache.py, client/cache_watch.py
+  (the read-write mount), fuse/inode_reads.py (``cache=immutable``);
 * an O_APPEND open while the kernel's size is stale writes at the real end
   (see `file_info` and `write`);
 * a file written through this mount drops its cache marker on release, so
@@ -234,7 +222,11 @@ class ShuffleOps(pyfuse3.Operations):
         # ESTALE makes the kernel look the name up again and truncate what it
         # names now, not the removed file (ftruncate of an open file comes
         # with its fh and is not asked)
-        if fields.update_size and fh is None and (await self.fs.fresh_attr(inode))["nlink"] == 0:
+        if (
+            fields.update_size
+            and fh is None
+            and (await self.fs.read_only.fresh_attr(inode))["nlink"] == 0
+        ):
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
         new = await self.fs.setattr(
             inode,
