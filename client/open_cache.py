@@ -85,11 +85,13 @@ class OpenCache:
         self._open_many = open_many  # [ino]: read-only opens in one round trip (None: gone)
         self.trust = trust
         self.watch = watch  # set by the owner: cached opens it trusts skip revalidation
-        self.on_forget: Callable[[int], None] | None = None  # an inode left the cache
+        # an inode left the cache: (ino, whether what others were told of it must go)
+        self.on_forget: Callable[[int, bool], None] | None = None
         self.linger = linger
         self.limit = limit
         self.entries: dict[int, CachedOpen] = {}
         self._unused: list[CachedOpen] = []  # dropped by `observe`, to give back
+        self._giving_back: dict[int, trio.Event] = {}  # ino -> set once `expire` gave it back
         self.hits = 0  # opens answered from the cache (revalidated or trusted)
         self.misses = 0
 
@@ -177,6 +179,9 @@ class OpenCache:
             self._unused = [e for e in self._unused if e.ino != ino]
             for e in waiting:
                 await self._release(e.ino, e.handle)
+        returned = self._giving_back.get(ino)
+        if returned is not None:  # `expire` is giving it back right now
+            await returned.wait()
 
     async def close(self, entry: CachedOpen) -> None:
         """An open file using *entry* was closed: no round trip unless the
@@ -216,7 +221,7 @@ class OpenCache:
         for entry in self.entries.values():
             entry.dropped = True
             if self.on_forget is not None:
-                self.on_forget(entry.ino)
+                self.on_forget(entry.ino, True)
         self.entries.clear()
         self._unused.clear()
 
@@ -232,14 +237,23 @@ class OpenCache:
         unused, self._unused = self._unused, []
         # (what the kernel was told of them expired before they did: `trusted_for`)
         back = [e for e in expired if self._forget(e, tell=False)] + unused
-        if self._release_many is not None and back:
-            # one round trip for them all: an epoch longer than `linger`
-            # expires a handle per sample, which would otherwise cost the
-            # metadata server (and this client) a `release` call each
-            await self._release_many([(e.ino, e.handle) for e in back])
-        else:
+        done = trio.Event()
+        for entry in back:
+            self._giving_back[entry.ino] = done
+        try:
+            if self._release_many is not None and back:
+                # one round trip for them all: an epoch longer than `linger`
+                # expires a handle per sample, which would otherwise cost the
+                # metadata server (and this client) a `release` call each
+                await self._release_many([(e.ino, e.handle) for e in back])
+            else:
+                for entry in back:
+                    await self._release(entry.ino, entry.handle)
+        finally:
             for entry in back:
-                await self._release(entry.ino, entry.handle)
+                if self._giving_back.get(entry.ino) is done:
+                    del self._giving_back[entry.ino]
+            done.set()
         return len(expired) + len(unused)
 
     async def run(self) -> None:
@@ -277,11 +291,13 @@ class OpenCache:
 
     def _forget(self, entry: CachedOpen, tell: bool = True) -> bool:
         """Out of the cache; returns whether nobody uses its handle (the
-        caller gives it back), else the last close does. *tell*: `on_forget`."""
+        caller gives it back), else the last close does. *tell*: what
+        `on_forget` told others of it must be taken back (not for an entry
+        that lingered out: that expired with it)."""
         if self.entries.get(entry.ino) is entry:
             del self.entries[entry.ino]
-            if tell and self.on_forget is not None:
-                self.on_forget(entry.ino)
+            if self.on_forget is not None:
+                self.on_forget(entry.ino, tell)
         entry.dropped = True
         return entry.users <= 0
 

@@ -9,7 +9,11 @@ file's inode record before the change is acknowledged, and every change that
 could make a name of it wrong changes that record: an unlink or a rename
 over it (its link count), a rename of it (its ctime). So its LOOKUP reply
 may let the kernel keep the name and attributes until the watch's lease
-ends, and no longer than the file may stay cached idle (`extend`). When the
+ends, and no longer than the file may stay cached idle (`extend`); once
+that has expired, the kernel's next LOOKUP of the name (or GETATTR) is
+answered from the mount's cache while the watch still keeps the file fresh
+(`lookup`, `attributes`): a loader's epoch longer than the lease then costs
+no metadata round trip per sample. When the
 mount drops the file from its cache before that (told of a change, a new
 watcher), it drops what it told the kernel too (`forget`): the names
 asynchronously (pyfuse3 queues them to a thread: a handler may be waiting
@@ -27,6 +31,7 @@ import stat
 import pyfuse3
 
 from shufflefs.client.fs import FileSystem
+from shufflefs.metadata.protocol import Attr
 
 log = logging.getLogger("shufflefs.fuse")
 
@@ -35,6 +40,7 @@ class WatchedEntries:
     def __init__(self, fs: FileSystem) -> None:
         self.fs = fs
         self.names: dict[int, set[tuple[int, bytes]]] = {}  # what the kernel was told, per inode
+        self.by_name: dict[tuple[int, bytes], int] = {}  # the same, by (parent, name)
         fs.open_cache.on_forget = self.forget
 
     def extend(self, entry: pyfuse3.EntryAttributes, parent: int, name: bytes) -> None:
@@ -48,11 +54,40 @@ class WatchedEntries:
             return
         entry.entry_timeout = entry.attr_timeout = left
         self.names.setdefault(ino, set()).add((parent, name))
+        self.by_name[(parent, name)] = ino
 
-    def forget(self, ino: int) -> None:
-        """The mount no longer caches *ino*: no longer kept fresh."""
+    def lookup(self, parent: int, name: bytes) -> Attr | None:
+        """A LOOKUP of a name `extend` told the kernel, whose file the watch
+        still keeps fresh: its attributes, with no round trip (the kernel's
+        entry expired with the lease it was given, the watch's lease has
+        been renewed since; the name is as current as the attributes)."""
+        ino = self.by_name.get((parent, name))
+        if ino is None or self.fs.open_cache.trusted_for(ino) <= 0:
+            return None
+        return self.fs.open_cache.entries[ino].attr
+
+    def attributes(self, ino: int) -> Attr | None:
+        """A GETATTR of a file the watch keeps fresh: its cached attributes."""
+        if self.fs.open_cache.trusted_for(ino) <= 0:
+            return None
+        return self.fs.open_cache.entries[ino].attr
+
+    def name_changed(self, parent: int, name: bytes) -> None:
+        """This mount unlinked or renamed *name*: not answered from here again."""
+        ino = self.by_name.pop((parent, name), None)
+        if ino is not None:
+            self.names.get(ino, set()).discard((parent, name))
+
+    def forget(self, ino: int, tell: bool) -> None:
+        """The mount no longer caches *ino*: no longer kept fresh. *tell*:
+        drop what the kernel was told too."""
         names = self.names.pop(ino, None)
         if not names:
+            return
+        for key in names:
+            if self.by_name.get(key) == ino:
+                del self.by_name[key]
+        if not tell:
             return
         for parent, name in names:
             pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)

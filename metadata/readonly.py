@@ -68,6 +68,9 @@ class ReadOnlyHandles:
         self._closing: set[int] = set()
         self._grace: set[int] = set()  # sessions live at startup that have not re-reported
         self.started_with: set[int] = set()  # every session live at startup
+        # sessions opened since this server last became the primary: their
+        # handles were all taken here, so no grace waits for them
+        self._opened_here: set[int] = set()
         self.sweep_due = False
         # a follower's namespace: the handles are in the primary's memory, so
         # an unnamed inode may be held by any live session (until promotion
@@ -175,9 +178,24 @@ class ReadOnlyHandles:
 
     # ---- startup and inspection ----------------------------------------------------
 
-    def begin_grace(self, sessions: Iterable[int]) -> None:
+    def promoted(self) -> None:
+        """This server is the primary from now on (before its first commit
+        as such): sessions opened from here on are its own."""
         with self._lock:
-            self._grace = set(sessions)
+            self._opened_here = set()
+
+    def opened(self, session: int) -> None:
+        """A session opened (committed) on this server as the primary."""
+        with self._lock:
+            self._opened_here.add(session)
+            self._end_grace(session)  # if its commit came with `begin_grace`'s
+
+    def begin_grace(self, sessions: Iterable[int]) -> None:
+        """The sessions live when this server became the primary; those
+        opened on it since (a client may open one before this runs) took
+        every handle they hold here."""
+        with self._lock:
+            self._grace = set(sessions) - self._opened_here
             self.started_with = set(self._grace)
             self.following = False
             self.sweep_due = not self._grace

@@ -196,6 +196,7 @@ class MetaRole:
                 resync=self.resync,
             )
         )
+        self.txns.read_only.promoted()  # before the first commit as the primary
         self.role, self.lease_until = PRIMARY, until
         self._duties = trio.CancelScope()
         log.info("primary now, epoch %d, applied seq %d", epoch, self.txns.last_seq)

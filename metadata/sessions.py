@@ -90,6 +90,12 @@ class SessionOps:
                 "mount": mount,
             }
             tx.put(DB_SESSIONS, u64(session), pack(rec))
+
+            def opened(committed: bool) -> None:
+                if committed:
+                    tx.read_only.opened(session)
+
+            tx.after(opened)
             return {"session": session, "lease": self.session_timeout}
 
         return self.txns.write(body)

@@ -290,3 +290,39 @@ def test_a_hold_in_an_aborted_transaction_is_dropped(ns: NamespaceStore, fs: Fs)
     with pytest.raises(FsError):
         ns.txns.write(body)
     assert ns.read_only.held() == set() and ns.read_only.count() == 0
+
+
+async def test_a_session_opened_before_the_restart_grace_begins_is_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    """A client may open its session on a new primary before the primary's
+    duties start the restart grace: that session took every handle it holds
+    here, so its unlinked files are freed at its last close, not after its
+    next renewal (the grace lists only the sessions live at the promotion)."""
+    clock = ShiftedClock()
+    path = tmp_path / "ns"
+    store = open_store(path, clock)
+    async with service_env(store, clock) as env:
+        old = (await env.meta.session_open("old", "elsewhere", 2))["session"]
+        await env.meta.session_close(env.session)
+    store.close()
+
+    store = open_store(path, clock)
+    try:
+        store.txns.read_only.promoted()
+        async with service_env(store, clock) as env:
+            new = (await env.meta.session_open("new", "here", 3))["session"]
+            assert store.restart_leases() >= 2  # the duties ran after the new session's open
+            assert store.read_only.started_with >= {old}
+            assert new not in store.read_only.started_with
+            ino = (await env.meta.mknod(ROOT, b"f", 0o644, 0, 0, 0))["ino"]
+            handle = (await env.meta.open(ino, os.O_RDONLY, new))["handle"]
+            await env.meta.unlink(ROOT, b"f")
+            await env.meta.release(ino, handle, new)
+            assert store.gc_jobs() == []  # the old session may hold it
+            await env.meta.session_renew(old, [])
+            await env.service.reaper.reap_once()
+            assert [j["ino"] for j in store.gc_jobs()] == [ino]
+            store.gc_done(ino)
+    finally:
+        store.close()
