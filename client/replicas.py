@@ -1,5 +1,5 @@
 """Which replica of a chain serves a read: load- and locality-aware, avoiding
-replicas that failed lately.
+replicas that failed lately, and otherwise always the same one per chunk.
 
 Every replica of a chain holds the same committed bytes, so a read may go to
 any serving one. We prefer the one with the fewest of our requests in flight,
@@ -8,6 +8,18 @@ to reach, and may be read straight from its chunk file), and avoid for a few
 seconds one that failed us. A replica that looked dead is reported to mgmtd,
 which checks for itself and takes a dead node out of its chains at once
 rather than after the heartbeat timeout.
+
+Among replicas that are equally good, a chunk goes to its *home* replica: one
+chosen by a hash of the chunk id over the chain's serving targets in chain
+order, the same in every process of every client. A chunk read again (the
+next epoch, another DataLoader worker, another training node) then finds its
+bytes in the page cache of the host that served it last time, and its chunk
+file open there: the replicas' hosts cache different chunks instead of each
+caching whatever the reads happened to ask it for, so the cluster's page
+caches add up (three replicas' hosts hold three times as much of a dataset
+warm). Load still comes first: a home replica busier than another is passed
+over, and reads of many chunks still spread over all the replicas (different
+chunks, different homes).
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import logging
 import random
 import threading
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -92,11 +105,17 @@ class Replicas:
         return self._local[1]
 
     def pick(
-        self, routing: Routing, chain: int, avoid: set[int] | frozenset[int] = frozenset()
+        self,
+        routing: Routing,
+        chain: int,
+        avoid: set[int] | frozenset[int] = frozenset(),
+        chunk: bytes | None = None,
     ) -> TargetInfo:
         """The serving replica with the fewest of our requests in flight,
         counting a replica on another host as REMOTE_PENALTY requests busier,
-        and preferring replicas that have not failed lately."""
+        and preferring replicas that have not failed lately; among equals,
+        *chunk*'s home replica (without a chunk: one that depends on this
+        process, so readers spread)."""
         targets = self.serving(routing, chain)
         if not targets:
             raise FsError(errno.ENXIO, f"chain {chain} has no serving target")
@@ -107,12 +126,24 @@ class Replicas:
         healthy = [t for t in targets if t["id"] not in avoid and suspect.get(t["id"], 0) <= now]
         untried = healthy or [t for t in targets if t["id"] not in avoid] or targets
         local = self.local_targets(routing)
-        # ties go to a replica that depends on this process, so readers spread
+        outstanding = self.outstanding
+        if chunk is None:
+            salt = self._salt
+            return min(
+                untried,
+                key=lambda t: (
+                    outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
+                    (t["id"] + salt) % 7919,
+                ),
+            )
+        n = len(targets)
+        home = zlib.crc32(chunk) % n
+        rank = {t["id"]: (i - home) % n for i, t in enumerate(targets)}
         return min(
             untried,
             key=lambda t: (
-                self.outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
-                (t["id"] + self._salt) % 7919,
+                outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
+                rank[t["id"]],
             ),
         )
 
@@ -143,7 +174,7 @@ class Replicas:
         every replica's disk busy instead of one."""
         if len(pieces) == 1:  # one piece (a lone 4 KiB read): one replica, no grouping
             piece = pieces[0]
-            t = self.pick(routing, piece[0], avoid[piece[0]] if avoid else frozenset())
+            t = self.pick(routing, piece[0], avoid[piece[0]] if avoid else frozenset(), piece[1])
             return {routing.target_address(t["id"]): [(piece, t["id"])]}
         per_chain: dict[int, list[Piece]] = defaultdict(list)
         for piece in pieces:
@@ -151,17 +182,31 @@ class Replicas:
         groups: dict[str, list[Placed]] = defaultdict(list)
         for chain, chain_pieces in per_chain.items():
             skip: set[int] | frozenset[int] = avoid[chain] if avoid else frozenset()
-            if len(chain_pieces) < SPREAD_THRESHOLD:
-                choices = [self.pick(routing, chain, skip)]
-            else:
+            if len(chain_pieces) >= SPREAD_THRESHOLD:
                 choices = self.equal_replicas(routing, chain, skip)
+            else:
+                best = self.pick(routing, chain, skip, chain_pieces[0][1])
+                choices = [best]
+                if len(chain_pieces) > 1 and best["id"] in self.local_targets(routing):
+                    # on this host several replicas cost no more requests than
+                    # one: each piece to its home among those as little loaded
+                    load = self.outstanding[best["id"]]
+                    equal = self.equal_replicas(routing, chain, skip)
+                    choices = [t for t in equal if self.outstanding[t["id"]] <= load] or choices
             places = [(routing.target_address(t["id"]), t["id"]) for t in choices]
             if len(places) == 1:
                 address, tid = places[0]
                 groups[address].extend((p, tid) for p in chain_pieces)
                 continue
-            for i, piece in enumerate(chain_pieces):
-                address, tid = places[i % len(places)]
+            # each piece to its chunk's home among the equal replicas (in
+            # chain order, as everywhere), so a batch spreads over them all
+            # and a chunk is still read from the same one every time
+            order = {t["id"]: i for i, t in enumerate(self.serving(routing, chain))}
+            places.sort(key=lambda place: order[place[1]])
+            n = len(places)
+            crc32 = zlib.crc32
+            for piece in chain_pieces:
+                address, tid = places[crc32(piece[1]) % n]
                 groups[address].append((piece, tid))
         return groups
 

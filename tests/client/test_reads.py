@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shufflefs.client.blocking_read import BlockingReader
-from shufflefs.client.layout import Extent, plan
+from shufflefs.client.layout import Extent, Piece, plan
 from shufflefs.client.read_batcher import QueuedRead, ReadBatcher, split_reply
 from shufflefs.client.read_engine import ReadEngine, landing_views
 from shufflefs.client.replicas import REMOTE_PENALTY, SPREAD_THRESHOLD, Replicas
@@ -171,6 +171,38 @@ async def test_replica_choice_load_locality_failures(cluster: ChainCluster) -> N
     groups = replicas.assign(real, pieces)
     assert sorted(groups) == sorted(real.target_address(t) for t in targets)
     assert sorted(p for items in groups.values() for p, _ in items) == sorted(pieces)
+
+
+async def test_a_chunk_is_read_from_its_home_replica_in_every_process(
+    cluster: ChainCluster,
+) -> None:
+    """Among equally good replicas a chunk always goes to the same one, in
+    every process (so its host's page cache serves it next time), while
+    different chunks spread over all of them, alone or in a batch; load
+    still comes first."""
+    real = cluster.routing.current
+    chain = cluster.chain_ids()[0]
+    targets = [t["id"] for t in real.serving_targets(chain)]
+    layout: Layout = {"chunk_size": CS, "chains": [chain]}
+    pieces = plan([(INO, layout, 0, 60 * CS)])
+    readers = [Replicas(cluster.routing) for _ in range(3)]
+    for r in readers:
+        r.host = "a-reader-host"  # every replica equally far
+    for r in readers[1:]:
+        r._salt = readers[0]._salt + 1  # as two processes differ
+
+    def home(r: Replicas, piece: Piece) -> int:
+        return r.pick(real, chain, chunk=piece[1])["id"]
+
+    homes = [home(readers[0], p) for p in pieces]
+    assert all(home(r, p) == h for r in readers[1:] for p, h in zip(pieces, homes, strict=True))
+    assert set(homes) == set(targets)  # different chunks, different homes
+    for r in readers:  # a batch: every piece to its home
+        placed = {p: tid for items in r.assign(real, pieces).values() for p, tid in items}
+        assert [placed[p] for p in pieces] == homes
+    busy = homes[0]
+    readers[0].outstanding[busy] = 3
+    assert home(readers[0], pieces[0]) != busy  # load beats the home
 
 
 async def test_read_fails_over_a_killed_replica(cluster: ChainCluster) -> None:
