@@ -38,6 +38,11 @@ RW_TIMEOUT = 1.0  # s: attr/entry cache of a read-write mount
 DATASET_TIMEOUT = 300.0  # s: every kernel cache timeout of an -o ro mount
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: the kernel keeps timeouts as jiffies; beyond is a typo
 RW_LINGER = 5.0  # s a read-write mount keeps an idle read-only handle for the next open
+# ... with its cache watch: the server tells the mount when a cached file
+# changes or loses its name (the handle is then given back at once), so
+# keeping it longer only costs memory (bounded by the open cache's limit) and
+# saves a loader an open, or a lookup, per sample in epochs under this long
+WATCHED_LINGER = 30.0
 DATASET_LINGER = DATASET_TIMEOUT
 MAX_TASKS = 1024
 
@@ -118,7 +123,9 @@ def parse_options(items: list[str]) -> MountOptions:
         attr_timeout=_seconds(given, "attr_timeout", default),
         entry_timeout=_seconds(given, "entry_timeout", default),
         negative_timeout=_seconds(given, "negative_timeout", default if read_only else 0.0),
-        handle_linger=_seconds(given, "handle_linger", DATASET_LINGER if read_only else RW_LINGER),
+        handle_linger=_seconds(
+            given, "handle_linger", _linger(read_only, "no_cache_watch" in given)
+        ),
         local_reads="no_local_reads" not in given,
         fast_reads="no_fast_reads" not in given,
         cache_watch="no_cache_watch" not in given,
@@ -190,3 +197,10 @@ def _size(text: str) -> int:
         raise FsError(
             errno.EINVAL, f"mount option 'prefetch_memory={text}': a size such as 256M expected"
         ) from None
+
+
+def _linger(read_only: bool, unwatched: bool) -> float:
+    """The default `handle_linger` of a mount mode."""
+    if read_only:
+        return DATASET_LINGER
+    return RW_LINGER if unwatched else WATCHED_LINGER

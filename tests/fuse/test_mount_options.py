@@ -12,6 +12,7 @@ from shufflefs.fuse.mount_options import (
     DATASET_TIMEOUT,
     RW_LINGER,
     RW_TIMEOUT,
+    WATCHED_LINGER,
     parse_options,
 )
 from shufflefs.rpc.errors import FsError
@@ -21,7 +22,8 @@ def test_default_mount_is_read_write_close_to_open() -> None:
     o = parse_options([])
     assert not o.read_only and o.fuse_options() == set()
     assert (o.attr_timeout, o.entry_timeout, o.negative_timeout) == (RW_TIMEOUT, RW_TIMEOUT, 0.0)
-    assert o.handle_linger == RW_LINGER and o.local_reads
+    assert o.handle_linger == WATCHED_LINGER and o.local_reads and o.cache_watch
+    assert parse_options(["no_cache_watch"]).handle_linger == RW_LINGER  # opens revalidate
 
 
 @pytest.mark.parametrize("given", [["ro"], ["cache=immutable"], ["ro,cache=immutable"]])
