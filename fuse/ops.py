@@ -41,6 +41,7 @@ import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
 from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
+from shufflefs.fuse.entry_attrs import BLOCK_SIZE, entry_attributes
 from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.mount_options import MountOptions
@@ -55,7 +56,6 @@ from shufflefs.rpc.errors import FsError
 log = logging.getLogger("shufflefs.fuse")
 
 CAPS_XATTR = b"security.capability"
-BLOCK_SIZE = 4096  # st_blksize: small, so buffered readers do not turn a 2 KiB read into 1 MiB
 
 
 class ShuffleOps(pyfuse3.Operations):
@@ -115,23 +115,7 @@ class ShuffleOps(pyfuse3.Operations):
             self.parents[attr["ino"]] = attr["parent"]
         elif stat.S_ISREG(attr["mode"]):
             self.regular.add(attr["ino"])
-        e = pyfuse3.EntryAttributes()
-        e.st_ino = attr["ino"]
-        e.generation = 0
-        e.entry_timeout = self.options.entry_timeout
-        e.attr_timeout = self.options.attr_timeout
-        e.st_mode = attr["mode"]
-        e.st_nlink = attr["nlink"]
-        e.st_uid = attr["uid"]
-        e.st_gid = attr["gid"]
-        e.st_rdev = attr["rdev"]
-        e.st_size = attr["size"]
-        e.st_blksize = BLOCK_SIZE
-        e.st_blocks = (attr["size"] + 511) // 512
-        e.st_atime_ns = attr["atime"]
-        e.st_mtime_ns = attr["mtime"]
-        e.st_ctime_ns = attr["ctime"]
-        return e
+        return entry_attributes(attr, self.options.entry_timeout, self.options.attr_timeout)
 
     def remember(self, attr: Attr) -> pyfuse3.EntryAttributes:
         """An entry handed to the kernel: its lookup count rises by one."""
