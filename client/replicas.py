@@ -52,6 +52,17 @@ REPORT_INTERVAL = 2.0  # at most one unreachable-report per node per interval
 Placed = tuple[Piece, int]  # a piece and the target chosen to read it from
 
 
+def home_of(chunk: bytes, n: int) -> int:
+    """*chunk*'s home: a position among its chain's *n* serving targets, the
+    same in every process of every client."""
+    return zlib.crc32(chunk) % n
+
+
+def positions(targets: list[TargetInfo]) -> dict[int, int]:
+    """Target id -> its position in the chain."""
+    return {t["id"]: i for i, t in enumerate(targets)}
+
+
 class InFlight(dict[int, int]):
     """Requests in flight per target id (0 when absent). Changed with `add`,
     under a lock: the reply threads of the channel reads
@@ -127,23 +138,23 @@ class Replicas:
         untried = healthy or [t for t in targets if t["id"] not in avoid] or targets
         local = self.local_targets(routing)
         outstanding = self.outstanding
-        if chunk is None:
+        if chunk is None:  # ties go to a replica that depends on this process
             salt = self._salt
-            return min(
-                untried,
-                key=lambda t: (
-                    outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
-                    (t["id"] + salt) % 7919,
-                ),
-            )
-        n = len(targets)
-        home = zlib.crc32(chunk) % n
-        rank = {t["id"]: (i - home) % n for i, t in enumerate(targets)}
+
+            def tie(t: TargetInfo) -> int:
+                return (t["id"] + salt) % 7919
+
+        else:  # ties go to the chunk's home, then the next ones in chain order
+            home, order = home_of(chunk, len(targets)), positions(targets)
+
+            def tie(t: TargetInfo) -> int:
+                return (order[t["id"]] - home) % len(targets)
+
         return min(
             untried,
             key=lambda t: (
                 outstanding[t["id"]] + (0 if t["id"] in local else REMOTE_PENALTY),
-                rank[t["id"]],
+                tie(t),
             ),
         )
 
@@ -198,15 +209,14 @@ class Replicas:
                 address, tid = places[0]
                 groups[address].extend((p, tid) for p in chain_pieces)
                 continue
-            # each piece to its chunk's home among the equal replicas (in
-            # chain order, as everywhere), so a batch spreads over them all
-            # and a chunk is still read from the same one every time
-            order = {t["id"]: i for i, t in enumerate(self.serving(routing, chain))}
-            places.sort(key=lambda place: order[place[1]])
-            n = len(places)
-            crc32 = zlib.crc32
+            # each piece to its chunk's home, or the first of these after it
+            # in chain order (as `pick` ranks them): a batch spreads over them
+            # all, and a chunk is read from the same one every time
+            serving = self.serving(routing, chain)
+            n, order = len(serving), positions(serving)
+            by_home = [min(places, key=lambda p: (order[p[1]] - h) % n) for h in range(n)]
             for piece in chain_pieces:
-                address, tid = places[crc32(piece[1]) % n]
+                address, tid = by_home[home_of(piece[1], n)]
                 groups[address].append((piece, tid))
         return groups
 

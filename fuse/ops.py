@@ -132,10 +132,7 @@ class ShuffleOps(pyfuse3.Operations):
         try:
             if self.watched is not None:  # the open that follows comes from the cache
                 known = self.watched.lookup(parent_inode, name)
-                if known is not None:
-                    attr = self.fs.overlay(known)
-                else:
-                    attr = await self.fs.lookup_open(parent_inode, name)
+                attr = known or await self.fs.lookup_open(parent_inode, name)
             elif not self.options.read_only:
                 attr = await self.fs.lookup(parent_inode, name)
             else:  # a hinted file's reader: no round trip; else the open that follows, too
@@ -189,11 +186,8 @@ class ShuffleOps(pyfuse3.Operations):
         fresh = self.created_in.pop(inode, None)
         if fresh is not None and fresh[1] > trio.current_time():
             return self.entry(fresh[0])
-        known = self.watched.attributes(inode) if self.watched is not None else None
-        if known is not None:
-            entry = self.entry(self.fs.overlay(known))
-            entry.attr_timeout = max(entry.attr_timeout, self.fs.open_cache.trusted_for(inode))
-            return entry
+        if self.watched is not None and (known := self.watched.attributes(inode)) is not None:
+            return self.watched.keep(self.entry(known))
         attr = await self.fs.getattr(inode)
         if self.inode_reads is not None:
             await self.inode_reads.pages_current(attr)
@@ -289,14 +283,12 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     @mutation
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.name_changed(parent_inode, name)
         await self.fs.unlink(parent_inode, name)
-        self.name_changed(parent_inode, name)
+        self.prefetch.name_changed(parent_inode, name)
 
     @fuse_errors
     @mutation
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.name_changed(parent_inode, name)
         await self.fs.rmdir(parent_inode, name)
 
     @fuse_errors
@@ -310,17 +302,9 @@ class ShuffleOps(pyfuse3.Operations):
         flags: int,
         ctx: pyfuse3.RequestContext,
     ) -> None:
-        self.name_changed(parent_inode_old, name_old)
-        self.name_changed(parent_inode_new, name_new)
         await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
-        self.name_changed(parent_inode_old, name_old)
-        self.name_changed(parent_inode_new, name_new)
-
-    def name_changed(self, parent: int, name: bytes) -> None:
-        """This mount changes what *name* is: nothing of it answered from caches."""
-        self.prefetch.name_changed(parent, name)
-        if self.watched is not None:
-            self.watched.name_changed(parent, name)
+        self.prefetch.name_changed(parent_inode_old, name_old)
+        self.prefetch.name_changed(parent_inode_new, name_new)
 
     # ---- files ------------------------------------------------------------------
 

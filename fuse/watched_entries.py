@@ -46,37 +46,34 @@ class WatchedEntries:
     def extend(self, entry: pyfuse3.EntryAttributes, parent: int, name: bytes) -> None:
         """A LOOKUP reply: for a regular file the watch keeps fresh, the
         kernel keeps name and attributes until the watch's lease ends."""
-        ino = entry.st_ino
         if not stat.S_ISREG(entry.st_mode):
             return
-        left = self.fs.open_cache.trusted_for(ino)
+        left = self.fs.open_cache.trusted_for(entry.st_ino)
         if left <= max(entry.entry_timeout, entry.attr_timeout):
             return
         entry.entry_timeout = entry.attr_timeout = left
-        self.names.setdefault(ino, set()).add((parent, name))
-        self.by_name[(parent, name)] = ino
+        self.names.setdefault(entry.st_ino, set()).add((parent, name))
+        self.by_name[(parent, name)] = entry.st_ino
+
+    def keep(self, entry: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
+        """A GETATTR reply of such a file: the attributes kept as long."""
+        entry.attr_timeout = max(entry.attr_timeout, self.fs.open_cache.trusted_for(entry.st_ino))
+        return entry
 
     def lookup(self, parent: int, name: bytes) -> Attr | None:
         """A LOOKUP of a name `extend` told the kernel, whose file the watch
         still keeps fresh: its attributes, with no round trip (the kernel's
         entry expired with the lease it was given, the watch's lease has
-        been renewed since; the name is as current as the attributes)."""
+        been renewed since; the name is as current as the attributes: any
+        change to it, this mount's own too, is told to the watch)."""
         ino = self.by_name.get((parent, name))
-        if ino is None or self.fs.open_cache.trusted_for(ino) <= 0:
-            return None
-        return self.fs.open_cache.entries[ino].attr
+        return None if ino is None else self.attributes(ino)
 
     def attributes(self, ino: int) -> Attr | None:
-        """A GETATTR of a file the watch keeps fresh: its cached attributes."""
+        """The attributes of a file the watch keeps fresh (None: ask)."""
         if self.fs.open_cache.trusted_for(ino) <= 0:
             return None
-        return self.fs.open_cache.entries[ino].attr
-
-    def name_changed(self, parent: int, name: bytes) -> None:
-        """This mount unlinked or renamed *name*: not answered from here again."""
-        ino = self.by_name.pop((parent, name), None)
-        if ino is not None:
-            self.names.get(ino, set()).discard((parent, name))
+        return self.fs.overlay(self.fs.open_cache.entries[ino].attr)
 
     def forget(self, ino: int, tell: bool) -> None:
         """The mount no longer caches *ino*: no longer kept fresh. *tell*:
