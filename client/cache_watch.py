@@ -11,6 +11,13 @@ before the next request acknowledges them) and extends the lease to
 change of its file. Anything else (no watch yet, the server unreachable
 for a lease, a new watcher token after a server restart or promotion) falls
 back to revalidating each open, as without a watch.
+
+The watch keeps directory listings too (`watched_dir`, after the server's
+`watch_dir` gave the first page): while `dir_attr` answers, the listing the
+kernel holds of the directory (``FOPEN_CACHE_DIR``) and the directory's
+attributes are current. A change of it named by a reply ends that, once
+(`dir_changed` is told, to drop the kernel's listing): the next listing
+watches it again.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import trio
 
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.session import Session
-from shufflefs.metadata.protocol import CacheWatchReply
+from shufflefs.metadata.protocol import Attr, CacheWatchReply, WatchedDirPage
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.client.cache_watch")
@@ -51,6 +58,10 @@ class CacheWatch:
         # {ino: (change, when)}: an open sent before a reply named the change
         # may come back after it, with the attributes from before
         self._recent: dict[int, tuple[int, float]] = {}
+        # {directory ino: (its attributes, stamp)}: listings this watch keeps fresh
+        self.dirs: dict[int, tuple[Attr, int]] = {}
+        self.dir_changed: Callable[[int], None] | None = None  # told when one is dropped
+        self.dirs_supported = True  # the server has `watch_dir`
         self.replies = 0
         self._scope = trio.CancelScope()
 
@@ -66,6 +77,39 @@ class CacheWatch:
             return False
         recent = self._recent.get(ino)
         return recent is None or change >= recent[0]
+
+    async def watch_dir(self, ino: int, limit: int) -> WatchedDirPage | None:
+        """The first page of directory *ino*'s listing, which the watch keeps
+        fresh from here if it can (`dir_attr`); None: list it as usual (the
+        server cannot watch it; any error is the plain listing's to give)."""
+        if not self.dirs_supported or trio.current_time() >= self.trusted_until:
+            return None
+        stamp, session = self.generation, self.session.id
+        try:
+            page = await self.meta.call_idempotent(
+                "watch_dir", lambda m: m.watch_dir(session, ino, limit)
+            )
+        except FsError as exc:
+            if exc.code == errno.ENOSYS:
+                log.info("the metadata server cannot watch directories: listings are not kept")
+                self.dirs_supported = False
+            return None
+        attr = page["attr"]
+        if page["watched"] and self.trusts(ino, attr["change"], stamp):
+            self.dirs[ino] = (attr, stamp)
+        return page
+
+    def dir_attr(self, ino: int) -> Attr | None:
+        """The attributes of a directory whose listing the watch keeps fresh
+        (and so may the kernel's), or None: list it afresh."""
+        watched = self.dirs.get(ino)
+        if watched is None:
+            return None
+        attr, stamp = watched
+        if not self.trusts(ino, attr["change"], stamp):
+            del self.dirs[ino]
+            return None
+        return attr
 
     async def start(self, nursery: trio.Nursery) -> None:
         """The first reply (answered at once: a new watcher), then the long
@@ -93,6 +137,7 @@ class CacheWatch:
         """No more polls (the session is closing): nothing is trusted after."""
         self._scope.cancel()
         self.trusted_until = float("-inf")
+        self.dirs.clear()
 
     async def _poll(self) -> None:
         session = self.session.id
@@ -108,12 +153,15 @@ class CacheWatch:
             if self.token:
                 log.info("cache watch: a new watcher; cached opens are dropped")
                 self._distrust()
+            self.dirs.clear()
             self.token = reply["token"]
             self.generation += 1
         now = trio.current_time()
         for ino, change in reply["changed"]:
             self._recent[ino] = (change, now)
             self._changed(ino, change)
+            if self.dirs.pop(ino, None) is not None and self.dir_changed is not None:
+                self.dir_changed(ino)
         if len(self._recent) > 4096 or self.replies % 64 == 0:
             self._recent = {i: r for i, r in self._recent.items() if now - r[1] < RECENT}
         self.acked = reply["seq"]

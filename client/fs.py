@@ -329,8 +329,19 @@ class FileSystem:
         page["entries"] = [(n, self.overlay(a), lay) for n, a, lay in page["entries"]]
         return page
 
-    async def readdir(self, ino: int, after: bytes | None, limit: int) -> ReaddirPage:
-        page = await self.meta.call_read("readdir", lambda m: m.readdir(ino, after, limit))
+    async def readdir(
+        self, ino: int, after: bytes | None, limit: int, watch: bool = False
+    ) -> ReaddirPage:
+        """A page of directory *ino*; *watch* (a first page): the cache watch
+        keeps the listing fresh from here if it can (`CacheWatch.dir_attr`)."""
+        watched = None
+        if watch and after is None and self.cache_watch is not None:
+            watched = await self.cache_watch.watch_dir(ino, limit)
+        page: ReaddirPage = (
+            await self.meta.call_read("readdir", lambda m: m.readdir(ino, after, limit))
+            if watched is None
+            else {"entries": watched["entries"], "more": watched["more"]}
+        )
         return {
             "entries": [(name, self.overlay(attr)) for name, attr in page["entries"]],
             "more": page["more"],

@@ -98,7 +98,12 @@ async def run_mount(
         pyfuse3.init(ops, str(mountpoint), opts)
         fast: FastReads | None = None
         READ_INODES.noflush_read_only = not options.read_only
-        hooked = (options.immutable or options.fast_reads) and READ_INODES.install()
+        keeps_listings = not options.immutable and (options.read_only or fs.cache_watch is not None)
+        READ_INODES.dir_flags = ops.listings.flags if keeps_listings else None
+        wanted = options.immutable or options.fast_reads or keeps_listings
+        hooked = wanted and READ_INODES.install()
+        if hooked and not options.immutable and not options.fast_reads:
+            READ_INODES.hook_reads(None, False)  # the opendir trampoline alone
         if options.immutable:
             if hooked:
                 ops.serve_by_inode()

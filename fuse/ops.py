@@ -4,6 +4,7 @@ Kernel caching (the modes and their timeouts: fuse/mount_options.py; what a
 reader sees when: docs/operations.md, "Mount modes and caches"):
 
 * readdir is readdirplus, so a listing fills the entry and attribute cache;
+  the kernel keeps listings as long as each mode allows (fuse/listings.py);
 * an open keeps the kernel's pages of a file (``keep_cache``) only if the
   file is the version this mount last cached (`kernel_opened`), and drops
   the kernel's attributes whenever they differ from fresh ones (also of a
@@ -40,10 +41,10 @@ import pyfuse3
 import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
-from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
 from shufflefs.fuse.entry_attrs import BLOCK_SIZE, entry_attributes
 from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
+from shufflefs.fuse.listings import Listings
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.fuse.prefetch import PREFETCH_XATTR, Prefetcher
 from shufflefs.fuse.prefetch_hints import version_of
@@ -77,11 +78,8 @@ class ShuffleOps(pyfuse3.Operations):
         self.dir_changes = 0  # mutations begun or ended (see `mutation`)
         self.append_direct: set[int] = set()  # O_APPEND handles that write at the real end
         self.kernel_size: dict[int, int] = {}  # inode -> i_size as the kernel has it
-        self.dirs: dict[int, DirHandle] = {}
-        self.listings: dict[int, DirHandle] = {}  # directory inode -> cursors (`listing`)
         self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
         self.regular: set[int] = set()  # inodes the kernel was told are regular files
-        self._next_dir = 1
         # inode -> bytes from offset 0 handed to the kernel without a gap, for
         # the version in `cached`: what its page cache holds unless it evicted
         self.read_through: dict[int, int] = {}
@@ -90,10 +88,12 @@ class ShuffleOps(pyfuse3.Operations):
         self.inode_reads: InodeReads | None = None
         # rw with a cache watch: kernel entries of files it keeps fresh live longer
         self.watched = WatchedEntries(fs) if fs.cache_watch is not None else None
+        self.listings = Listings(self)  # directories: opendir, readdir, releasedir
         self._nursery: trio.Nursery | None = None
 
     async def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+        self.listings.start(nursery)
         await self.prefetch.start(nursery)
 
     def serve_by_inode(self) -> None:
@@ -165,7 +165,7 @@ class ShuffleOps(pyfuse3.Operations):
                 self.lookups.pop(ino, None)
                 if self.inode_reads is not None:
                     await self.inode_reads.drop(ino)
-                    self.listings.pop(ino, None)
+                    self.listings.forget(ino)
                 self.cached.pop(ino, None)
                 self.read_through.pop(ino, None)
                 self.reported.pop(ino, None)
@@ -469,78 +469,15 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     @stale_when_gone
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if self.inode_reads is not None:
-            # no OPENDIR/RELEASEDIR from now on, listings cached by the
-            # kernel (FOPEN_CACHE_DIR): READDIRPLUS names its directory
-            raise pyfuse3.FUSEError(errno.ENOSYS)
-        parent = self.parents.get(inode) if self.options.read_only else None
-        if parent is None:  # (a read-write mount checks the directory is still there)
-            attr = await self.fs.getattr(inode)
-            if not stat.S_ISDIR(attr["mode"]):
-                raise FsError(errno.ENOTDIR, "not a directory")
-            parent = attr["parent"] or inode
-        fh = self._next_dir
-        self._next_dir += 1
-        self.dirs[fh] = DirHandle(inode, parent)
-        return fh
-
-    def listing(self, ino: int) -> DirHandle:
-        """cache=immutable: the one cursor state of directory *ino* (no
-        OPENDIR: every listing of it resumes from offsets handed out here;
-        the kernel lists a directory once and answers from its cache)."""
-        h = self.listings.get(ino)
-        if h is None or len(h.cursors) > MAX_CURSORS:
-            h = self.listings[ino] = DirHandle(ino, self.parents.get(ino, 0))
-        return h
+        return await self.listings.open(inode)
 
     @fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        h = self.dirs.get(fh)
-        if self.inode_reads is not None and fh == 0:
-            h = self.listing(READ_INODES.take())  # first: this READDIRPLUS's directory
-            if h.parent == 0:  # its first listing here
-                h.parent = (await self.fs.getattr(h.ino))["parent"] or h.ino
-        if h is None:
-            raise FsError(errno.EBADF, "directory not open")
-        if start_id == 0:
-            if not pyfuse3.readdir_reply(token, b".", dot_entry(h.ino), 1):
-                return
-            start_id = 1
-        if start_id == 1:
-            if not pyfuse3.readdir_reply(token, b"..", dot_entry(h.parent), 2):
-                return
-            after: bytes | None = None
-        elif start_id == 2:
-            after = None
-        else:
-            if start_id not in h.cursors:
-                raise FsError(errno.EINVAL, f"stale directory offset {start_id}")
-            after = h.cursors[start_id]
-        while True:
-            if h.pending and h.pending_after == after:
-                entries, more = h.pending, h.pending_more
-            else:
-                page = await self.fs.readdir(h.ino, after, READDIR_PAGE)
-                entries, more = page["entries"], page["more"]
-            for i, (name, attr) in enumerate(entries):
-                next_id = h.next_id
-                entry = self.entry(attr)
-                if self.watched is not None:
-                    self.watched.extend(entry, h.ino, name)
-                if not pyfuse3.readdir_reply(token, name, entry, next_id):
-                    h.pending, h.pending_after, h.pending_more = entries[i:], after, more
-                    return
-                h.next_id += 1
-                h.cursors[next_id] = name
-                self.lookups[attr["ino"]] = self.lookups.get(attr["ino"], 0) + 1
-                after = name
-            h.pending = []
-            if not more or not entries:
-                return
+        await self.listings.read(fh, start_id, token)
 
     @fuse_errors
     async def releasedir(self, fh: int) -> None:
-        self.dirs.pop(fh, None)
+        self.listings.release(fh)
 
     @fuse_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:

@@ -30,6 +30,14 @@ FLUSH at the close of such a file (``FOPEN_NOFLUSH``, Linux 5.19), one
 upcall less per sample for a loader; there is nothing to report at the close
 of a file not written through it (its RELEASE still comes, and drains).
 
+The trampoline in front of pyfuse3's ``opendir`` (`dir_flags`, set before
+`install`) asks the kernel to cache the directory's listing
+(``FOPEN_CACHE_DIR``) and, when the mount knows the listing the kernel
+holds is still current, to keep it (``FOPEN_KEEP_CACHE``; without it the
+kernel drops the listing at this open): the decision is the mount's
+(fuse/listings.py), taken as the OPENDIR arrives, since pyfuse3's opendir
+handler returns a handle only.
+
 Where things are is found, not assumed: pyfuse3's session pointer and C
 callbacks by their names in the extension's symbol table (pyelftools), the
 operation table in the session by the five consecutive callbacks (open,
@@ -57,6 +65,7 @@ SESSION_SYMBOL = "__pyx_v_7pyfuse3_session"
 ANCHOR_SYMBOL = "PyInit_pyfuse3"  # exported: its address gives the load base
 # pyfuse3's callbacks for the slots around `read`, in fuse_lowlevel_ops order
 SLOTS = ("open", "read", "write", "flush", "release")
+OPENDIR = "opendir"  # (req, ino, fi), as open
 PATCHED = ("read", "readdirplus")  # same signature: (req, ino, size, off, fi)
 SCAN_WORDS = 128  # the table starts within the first few words of the session
 TABLE_WORDS = 64  # fuse_lowlevel_ops has fewer slots than this
@@ -74,6 +83,8 @@ PYFUSE3_OPEN = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.
 # 32-bit word, `noflush` the eighth (writepage, direct_io, keep_cache, flush,
 # nonseekable, flock_release, cache_readdir, noflush)
 BITS_OFFSET = 4
+KEEP_CACHE_BIT = 1 << 2
+CACHE_DIR_BIT = 1 << 6
 NOFLUSH_BIT = 1 << 7
 WRITES = os.O_WRONLY | os.O_RDWR | os.O_TRUNC
 
@@ -87,7 +98,11 @@ def _callback(slot: str) -> str:
 def _needed_symbols(path: str) -> dict[str, int] | None:
     """Every symbol `install` needs, from *path*'s symbol table (read once:
     the mount checks before its session opens, then installs), or None."""
-    names = {SESSION_SYMBOL, ANCHOR_SYMBOL, *(_callback(s) for s in (*SLOTS, *PATCHED))}
+    names = {
+        SESSION_SYMBOL,
+        ANCHOR_SYMBOL,
+        *(_callback(s) for s in (*SLOTS, *PATCHED, OPENDIR)),
+    }
     syms = _symbols(path, names)
     missing = names - syms.keys()
     if missing:
@@ -135,6 +150,8 @@ class ReadInodes:
     session: int = 0  # libfuse's struct fuse_session * (once installed)
     # set before `install`: read-only opens ask the kernel for no FLUSH (rw mounts)
     noflush_read_only: bool = False
+    # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
+    dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
     # (the operation table, the read slot's index, pyfuse3's callback, the trampoline)
     _read_slot: tuple[Any, int, int, int] | None = None
@@ -213,7 +230,7 @@ class ReadInodes:
         if not session:
             log.warning("READ hook unavailable: no FUSE session yet")
             return False
-        address = {slot: base + syms[_callback(slot)] for slot in (*SLOTS, *PATCHED)}
+        address = {slot: base + syms[_callback(slot)] for slot in (*SLOTS, *PATCHED, OPENDIR)}
         want = [address[slot] for slot in SLOTS]
         words = (ctypes.c_void_p * (SCAN_WORDS + TABLE_WORDS)).from_address(session)
         at = next(
@@ -228,14 +245,15 @@ class ReadInodes:
             log.warning("READ hook unavailable: operation table not found")
             return False
         slots = {}
-        for name in PATCHED:
+        for name in (*PATCHED, OPENDIR):
             found = [i for i in range(at, at + TABLE_WORDS) if words[i] == address[name]]
             if len(found) != 1:
                 log.warning("READ hook unavailable: %s slot not found once", name)
                 return False
             slots[name] = found[0]
         keep: list[object] = []
-        for name, slot in slots.items():
+        for name in PATCHED:
+            slot = slots[name]
             original = PYFUSE3_READ(address[name])
             handler = self._read(original) if name == "read" else self._named(original)
             trampoline = READ_CALLBACK(handler)
@@ -247,6 +265,12 @@ class ReadInodes:
             opener = OPEN_CALLBACK(self._open(PYFUSE3_OPEN(address["open"])))
             keep.append(opener)
             words[at] = ctypes.cast(opener, ctypes.c_void_p).value
+        if self.dir_flags is not None:
+            dir_opener = OPEN_CALLBACK(
+                self._opendir(PYFUSE3_OPEN(address[OPENDIR]), self.dir_flags)
+            )
+            keep.append(dir_opener)
+            words[slots[OPENDIR]] = ctypes.cast(dir_opener, ctypes.c_void_p).value
         self._keep = tuple(keep)  # alive while the table points at them
         self.naming = True
         self.session = session
@@ -259,6 +283,21 @@ class ReadInodes:
             if fi and not ctypes.c_int.from_address(fi).value & WRITES:
                 bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
                 bits.value |= NOFLUSH_BIT
+            original(req, ino, fi)
+
+        return trampoline
+
+    def _opendir(
+        self, original: Callable[..., None], flags: Callable[[int], int]
+    ) -> Callable[..., None]:
+        def trampoline(req: int, ino: int, fi: int) -> None:
+            if fi:
+                try:
+                    bits = flags(ino)
+                except Exception:  # never into C: list afresh, uncached
+                    log.exception("opendir flags of inode %d", ino)
+                    bits = 0
+                ctypes.c_uint32.from_address(fi + BITS_OFFSET).value |= bits
             original(req, ino, fi)
 
         return trampoline

@@ -70,9 +70,11 @@ class WatchedEntries:
         return None if ino is None else self.attributes(ino)
 
     def attributes(self, ino: int) -> Attr | None:
-        """The attributes of a file the watch keeps fresh (None: ask)."""
+        """The attributes of a file the watch keeps fresh, or of a directory
+        whose listing it keeps (None: ask)."""
         if self.fs.open_cache.trusted_for(ino) <= 0:
-            return None
+            watch = self.fs.cache_watch
+            return None if watch is None else watch.dir_attr(ino)
         return self.fs.overlay(self.fs.open_cache.entries[ino].attr)
 
     def forget(self, ino: int, tell: bool) -> None:

@@ -18,12 +18,17 @@ manner of AFS callbacks and NFSv4 read delegations:
 * When a committed mutation changes a regular file (its change counter
   rose: a writer's length report, a truncate, a chmod, an unlink), every
   session holding a read-only handle on the file (readonly.py: that is what
-  a client's cached open is) is told `[ino, change]` in its next reply, and
-  the mutation is acknowledged only once each such client has acknowledged
+  a client's cached open is) is told `[ino, change]` in its next reply;
+  when it changes a directory (a name added, removed or renamed in it; its
+  own attributes), every session that watches the directory's listing
+  (`watch_dir`: the client lists it and lets the kernel cache the listing)
+  is told the same way, once: the client lists it again to watch it again.
+  The mutation is acknowledged only once each such client has acknowledged
   the change, or its lease from the last reply without the change has ended
   (the server's clock, from when that request arrived: never before the
   client's own deadline). So an open that starts after the writer's close
-  either finds the cache entry dropped or revalidates: close-to-open holds.
+  either finds the cache entry dropped or revalidates, and an opendir
+  lists afresh: close-to-open holds, for names too.
 * A client that stops answering (stopped, partitioned) costs the writers of
   the files it caches at most `lease` + `MARGIN` seconds, once.
 * Every watcher has a token; a reply with a token the client has not seen
@@ -32,7 +37,8 @@ manner of AFS callbacks and NFSv4 read delegations:
   (they revalidate until they linger out; opens made from then on are
   trusted again). A server that starts or is promoted does not know what
   an earlier server's watchers trust, so for its first `lease` + `MARGIN`
-  seconds, mutations of files that a session from before it may cache wait
+  seconds, mutations of files that a session from before it may cache (and
+  of anything, directories included, while such a session lives) wait
   out that time (`grace_until`; a fresh cluster has no such session).
 
 The other side is client/cache_watch.py; docs/metadata.md, "Cache watches",
@@ -59,6 +65,7 @@ POLL = 1.0  # a request with nothing to tell is answered after this
 MARGIN = 0.5  # seconds a writer waits beyond a silent client's lease
 FORGET = 60.0  # seconds after its lease a silent client's watcher is dropped
 MAX_CHANGES = 4096  # [ino, change] pairs per reply at most (the rest follow at once)
+MAX_DIRS = 1 << 16  # directories one session may watch at a time (beyond: not watched)
 
 
 @dataclass(eq=False)
@@ -81,6 +88,7 @@ class CacheWatches:
         readers: Callable[[int], Iterable[int]],
         may_be_unknown: Callable[[], bool],
         earlier: Callable[[int], bool],
+        any_earlier: Callable[[], bool],
         *,
         lease: float = LEASE,
         poll: float = POLL,
@@ -91,9 +99,12 @@ class CacheWatches:
         # whether a session was live before this server began (its client
         # may still trust what an earlier server's watcher told it)
         self._earlier = earlier
+        self._any_earlier = any_earlier  # whether any session is from before (its dirs unknown)
         self.lease = lease
         self.poll = poll
         self.watchers: dict[int, _Watcher] = {}
+        self.dirs: dict[int, set[int]] = {}  # directory -> sessions watching its listing
+        self._dirs_of: dict[int, set[int]] = {}  # session -> the directories it watches
         self._tokens = itertools.count(random.randrange(1 << 40) << 20)
         self.grace_until = 0.0  # until `begin`
         self._pruned = float("-inf")
@@ -103,11 +114,39 @@ class CacheWatches:
         watchers trust is unknown for one lease."""
         self.grace_until = trio.current_time() + self.lease + MARGIN
         self.watchers.clear()
+        self.dirs.clear()
+        self._dirs_of.clear()
 
     def forget(self, session: int) -> None:
         """The session ended: its client trusts nothing any more once its
         lease ends (writers already waiting keep their deadline)."""
         self.watchers.pop(session, None)
+        for ino in self._dirs_of.pop(session, ()):
+            self._unwatch(ino, session)
+
+    def watch_dir(self, session: int, ino: int) -> bool:
+        """*session* watches the listing of directory *ino*: its next change
+        is told to the session's watcher (once). False: the session watches
+        `MAX_DIRS` already (the client then does not trust its listing)."""
+        mine = self._dirs_of.setdefault(session, set())
+        if ino not in mine and len(mine) >= MAX_DIRS:
+            return False
+        mine.add(ino)
+        self.dirs.setdefault(ino, set()).add(session)
+        return True
+
+    def unwatch_dir(self, session: int, ino: int) -> None:
+        mine = self._dirs_of.get(session)
+        if mine is not None:
+            mine.discard(ino)
+        self._unwatch(ino, session)
+
+    def _unwatch(self, ino: int, session: int) -> None:
+        sessions = self.dirs.get(ino)
+        if sessions is not None:
+            sessions.discard(session)
+            if not sessions:
+                del self.dirs[ino]
 
     # ---- the client's side ------------------------------------------------------
 
@@ -149,15 +188,18 @@ class CacheWatches:
 
     # ---- the writer's side ----------------------------------------------------------
 
-    async def changed(self, files: dict[int, int]) -> None:
-        """Regular files whose change counters a commit raised ({ino:
-        change}): tell every watching client that caches one, and return once
-        each has applied it or can no longer trust its cache."""
-        if not files:
+    async def changed(self, files: dict[int, int], dirs: dict[int, int] | None = None) -> None:
+        """Regular files, and directories, whose change counters a commit
+        raised ({ino: change}): tell every watching client that caches one
+        (or watches its listing), and return once each has applied it or can
+        no longer trust its cache."""
+        dirs = dirs or {}
+        if not files and not dirs:
             return
         now = trio.current_time()
         waits: list[tuple[_Watcher | None, int, float]] = []
-        for session, inos in self._by_session(files).items():
+        changes = {**files, **dirs}
+        for session, inos in self._by_session(files, dirs).items():
             w = self.watchers.get(session)
             if w is None:
                 if self._earlier(session):  # trusts at most what an earlier server gave it
@@ -165,11 +207,13 @@ class CacheWatches:
                 continue
             for ino in inos:
                 w.seq += 1
-                w.queued.append((w.seq, ino, files[ino]))
+                w.queued.append((w.seq, ino, changes[ino]))
             w.wake.set()
             waits.append((w, w.seq, max(w.trust_end + MARGIN, self.grace_until)))
-        if now < self.grace_until and self._may_be_unknown():
-            waits.append((None, 0, self.grace_until))  # holders not all known yet
+        if now < self.grace_until and (self._may_be_unknown() or (dirs and self._any_earlier())):
+            # holders not all known yet; directories watched through an
+            # earlier server are never re-reported
+            waits.append((None, 0, self.grace_until))
         for w, seq, deadline in waits:
             with trio.move_on_at(deadline) as scope:
                 while w is None or w.acked < seq:
@@ -198,10 +242,16 @@ class CacheWatches:
         for session, w in list(self.watchers.items()):
             if w.trust_end + FORGET < now:
                 del self.watchers[session]
+                for ino in self._dirs_of.pop(session, ()):
+                    self._unwatch(ino, session)
 
-    def _by_session(self, files: dict[int, int]) -> dict[int, list[int]]:
+    def _by_session(self, files: dict[int, int], dirs: dict[int, int]) -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         for ino in files:
             for session in self._readers(ino):
+                out.setdefault(session, []).append(ino)
+        for ino in dirs:
+            for session in self.dirs.pop(ino, ()):  # once: listed again to watch again
+                self._dirs_of.get(session, set()).discard(ino)
                 out.setdefault(session, []).append(ino)
         return out

@@ -20,6 +20,7 @@ from shufflefs.metadata.protocol import (
     OpenResult,
     Session,
     SessionInfo,
+    WatchedDirPage,
     is_read_only_handle,
 )
 from shufflefs.metadata.readonly import FreeInProgress
@@ -103,6 +104,30 @@ class SessionsAndHandles(ServiceBase):
         if self.role is not None:
             self.role.check_writable()
         return reply
+
+    @rpc_method
+    async def watch_dir(self, session: int, ino: int, limit: int = 256) -> WatchedDirPage:
+        """A read-write mount's first page of a listing, and its watch of the
+        directory (cache_watch.py): the kernel may keep the listing until
+        the watch tells the mount of a change. The watch begins before the
+        directory is read, so a change it misses is in what is read; one
+        between the attributes and the page shows as a newer change told
+        (the client then does not trust the page). Primary only, as the
+        long poll."""
+        if self.role is not None:
+            self.role.check_writable()
+        if session not in self.cache_watches.watchers:  # only for a live session
+            self.store.txns.read(lambda tx: live_session(tx, session, self.store.clock()))
+        watched = self.cache_watches.watch_dir(session, ino)
+        try:
+            attr = self.store.getattr(ino)
+            if not stat.S_ISDIR(attr["mode"]):
+                raise FsError(errno.ENOTDIR, f"inode {ino} is not a directory")
+            page = self.store.readdir(ino, None, limit)
+        except FsError:
+            self.cache_watches.unwatch_dir(session, ino)
+            raise
+        return {**page, "attr": attr, "watched": watched}
 
     # ---- file handles ---------------------------------------------------------
 

@@ -163,6 +163,13 @@ MUTATIONS = frozenset(
 )
 
 
+class WatchedDirPage(TypedDict):
+    entries: list[tuple[bytes, Attr]]  # the first page, as ReaddirPage's
+    more: bool
+    attr: Attr  # the directory's own, read before the page: its change counter
+    watched: bool  # False: not watched (the session watches too many already)
+
+
 class CacheWatchReply(TypedDict):
     token: int  # the watcher's: a new one means trust nothing cached before
     seq: int  # acknowledge with this once `changed` is applied
@@ -354,6 +361,15 @@ class MetaStub:
         *token*: that reply's (0 at first)."""
         result: CacheWatchReply = await self._call(
             "cache_watch", session=session, token=token, acked=acked
+        )
+        return result
+
+    async def watch_dir(self, session: int, ino: int, limit: int = 256) -> WatchedDirPage:
+        """The first page of directory *ino*, and a watch of its listing by
+        *session*'s cache watch: its next change is told to that watch
+        (once; metadata/cache_watch.py). Primary only."""
+        result: WatchedDirPage = await self._call(
+            "watch_dir", session=session, ino=ino, limit=limit
         )
         return result
 

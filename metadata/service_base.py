@@ -66,7 +66,10 @@ class ServiceBase:
         self.role = role
         handles = store.txns.read_only
         self.cache_watches = CacheWatches(
-            handles.readers, handles.in_grace, lambda session: session in handles.started_with
+            handles.readers,
+            handles.in_grace,
+            lambda session: session in handles.started_with,
+            lambda: bool(handles.started_with),
         )
         notify = self.cache_watches.changed
         self.write = (

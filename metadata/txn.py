@@ -68,6 +68,7 @@ class Tx:
         self.ended: list[Callable[[bool], None]] = []
         self.changed: dict[int, int] = {}  # ino -> its change counter, raised by `flush`
         self.changed_files: dict[int, int] = {}  # the regular files among them
+        self.changed_dirs: dict[int, int] = {}  # the directories among them
         self.ops: list[Op] = []  # every put/delete, in order: the replication log's entry
 
     def after(self, fn: Callable[[bool], None]) -> None:
@@ -177,6 +178,8 @@ class Tx:
                 self.changed[ino] = rec["change"]
                 if stat.S_ISREG(rec.get("mode", 0)):
                     self.changed_files[ino] = rec["change"]
+                elif stat.S_ISDIR(rec.get("mode", 0)):
+                    self.changed_dirs[ino] = rec["change"]
                 self.put(DB_INODES, u64(ino), pack(rec))
 
     def stamped(self, result: T) -> T:
@@ -230,6 +233,7 @@ class _Group:
         self.ended: list[Callable[[bool], None]] = []
         self.ops: list[Op] = []  # of the mutations that succeeded, in order
         self.changed_files: dict[int, int] = {}  # of the mutations that succeeded
+        self.changed_dirs: dict[int, int] = {}
 
 
 class Transactions:
@@ -261,9 +265,11 @@ class Transactions:
         self.write_count = 0
         self.commit_count = 0
         self._local = threading.local()  # .group: the group open in this thread
-        # {ino: change} of regular files changed by commits since the last
-        # `take_changed_files` (what cache watches tell clients: cache_watch.py)
+        # {ino: change} of regular files and of directories changed by commits
+        # since the last `take_changed` (what cache watches tell clients:
+        # cache_watch.py)
         self._changed_files: dict[int, int] = {}
+        self._changed_dirs: dict[int, int] = {}
         self._changed_lock = threading.Lock()
 
     def group(self, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
@@ -287,7 +293,7 @@ class Transactions:
                 group.txn.commit()
                 self.commit_count += 1
                 self.last_seq = seq
-                self._files_committed(group.changed_files)
+                self._cached_committed(group.changed_files, group.changed_dirs)
             committed = True
             return results
         except lmdb.MapFullError:
@@ -326,6 +332,7 @@ class Transactions:
         group.ended.extend(tx.ended)  # they follow the group's commit
         group.ops.extend(tx.ops)
         group.changed_files.update(tx.changed_files)
+        group.changed_dirs.update(tx.changed_dirs)
         return result
 
     def _log_entry(self, txn: Any, ops: list[Op]) -> int:
@@ -387,7 +394,7 @@ class Transactions:
             committed = True
             self.commit_count += 1
             self.last_seq = seq
-            self._files_committed(tx.changed_files)
+            self._cached_committed(tx.changed_files, tx.changed_dirs)
             return result
         except lmdb.MapFullError:
             raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
@@ -396,17 +403,19 @@ class Transactions:
                 for fn in tx.ended:
                     fn(committed)
 
-    def _files_committed(self, files: dict[int, int]) -> None:
-        if files:
+    def _cached_committed(self, files: dict[int, int], dirs: dict[int, int]) -> None:
+        if files or dirs:
             with self._changed_lock:
                 self._changed_files.update(files)
+                self._changed_dirs.update(dirs)
 
-    def take_changed_files(self) -> dict[int, int]:
-        """{ino: change} of the regular files committed changes have changed
-        since the last call."""
+    def take_changed(self) -> tuple[dict[int, int], dict[int, int]]:
+        """{ino: change} of the regular files, and of the directories,
+        committed changes have changed since the last call."""
         with self._changed_lock:
             files, self._changed_files = self._changed_files, {}
-        return files
+            dirs, self._changed_dirs = self._changed_dirs, {}
+        return files, dirs
 
     def read(self, body: Callable[[Tx], T]) -> T:
         """Run *body* on one read snapshot (it never waits for the writer)."""

@@ -43,9 +43,10 @@ class Writer:
     and *durable(seq)* after the commit: each caller returns only once a
     majority of the metadata group holds the log entry of its commit. The
     lock is released during that wait, so the next group commits while this
-    one is being shipped. Then *notify(files)* is awaited with the regular
-    files the group changed ({ino: change}): the clients that cache them are
-    told before anyone learns of the change (cache_watch.py).
+    one is being shipped. Then *notify(files, dirs)* is awaited with the
+    regular files and the directories the group changed ({ino: change}):
+    the clients that cache them are told before anyone learns of the change
+    (cache_watch.py).
 
     A cancelled caller does not abandon a running group: the transaction
     finishes (or aborts) and its callers are answered; one cancelled while
@@ -58,7 +59,7 @@ class Writer:
         *,
         gate: Callable[[], None] | None = None,
         durable: Callable[[int], Awaitable[None]] | None = None,
-        notify: Callable[[dict[int, int]], Awaitable[None]] | None = None,
+        notify: Callable[[dict[int, int], dict[int, int]], Awaitable[None]] | None = None,
     ) -> None:
         self.txns = txns
         self.gate = gate
@@ -73,14 +74,14 @@ class Writer:
         try:
             while not item.taken:
                 batch: list[_Pending] | None = None
-                files: dict[int, int] = {}
+                changed: tuple[dict[int, int], dict[int, int]] = ({}, {})
                 async with self._lock:
                     if not item.taken:
                         batch, seq = await self._run_group()
-                        files = self.txns.take_changed_files()
+                        changed = self.txns.take_changed()
                 if batch is not None:
                     with trio.CancelScope(shield=True):  # the others wait for this
-                        await self._settle(batch, seq, files)
+                        await self._settle(batch, seq, changed)
             await item.settled.wait()
         except BaseException:
             if not item.taken:
@@ -110,7 +111,9 @@ class Writer:
         seq = self.txns.last_seq
         return batch, (seq if seq != before else None)
 
-    async def _settle(self, batch: list[_Pending], seq: int | None, files: dict[int, int]) -> None:
+    async def _settle(
+        self, batch: list[_Pending], seq: int | None, changed: tuple[dict[int, int], dict[int, int]]
+    ) -> None:
         if seq is not None and self.durable is not None:
             try:
                 await self.durable(seq)
@@ -118,7 +121,7 @@ class Writer:
                 for item in batch:
                     if item.ok:
                         item.ok, item.result = False, exc
-        if files and self.notify is not None:
-            await self.notify(files)
+        if (changed[0] or changed[1]) and self.notify is not None:
+            await self.notify(*changed)
         for item in batch:
             item.settled.set()

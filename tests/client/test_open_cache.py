@@ -291,3 +291,56 @@ async def test_a_new_watcher_drops_every_cached_open(open_fs: OpenFs) -> None:
     before = await calls(reader)
     assert await read(reader, inos[0]) == DATA
     assert delta(before, await calls(reader), "getattr", "open")[0:2] == (0, 0)
+
+
+async def test_a_watched_listing_is_told_of_each_change_once(open_fs: OpenFs) -> None:
+    """A first page read with `watch` makes the server tell the reader's
+    watch of the directory's next change before that change is acknowledged
+    (the mount then drops the kernel's listing): a create, an unlink, a
+    rename in it, a mkdir. Told once: the next listing watches again. Bad
+    requests get a clear error and watch nothing."""
+    writer = await open_fs(ClientOptions(local_reads=False))
+    reader = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    watch = reader.cache_watch
+    assert watch is not None
+    told: list[int] = []
+    watch.dir_changed = told.append
+    d = (await writer.mkdir(ROOT_INODE, b"listed", 0o755, 0, 0))["ino"]
+    f, _ = await writer.create(d, b"a", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+    await writer.release(f.fh)
+
+    async def listed() -> list[bytes]:
+        page = await reader.readdir(d, None, 256, watch=True)
+        return [name for name, _ in page["entries"]]
+
+    changes: list[Callable[[], Awaitable[object]]] = [
+        lambda: writer.create(d, b"b", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0),
+        lambda: writer.unlink(d, b"a"),
+        lambda: writer.rename(d, b"b", d, b"c"),
+        lambda: writer.mkdir(d, b"sub", 0o755, 0, 0),
+    ]
+    want = [[b"a", b"b"], [b"b"], [b"c"], [b"c", b"sub"]]
+    assert await listed() == [b"a"]
+    for n, (change, names) in enumerate(zip(changes, want, strict=True)):
+        attr = watch.dir_attr(d)
+        assert attr is not None and attr["ino"] == d
+        result = await change()
+        if isinstance(result, tuple):  # a create: close it
+            await writer.release(result[0].fh)
+        assert watch.dir_attr(d) is None  # dropped before the change returned
+        assert told == [d] * (n + 1)
+        assert await listed() == names  # and watched again
+    # bad requests: a file, no such inode, a session the server never gave
+    session = reader.session.id
+    for ino, sess, code in ((d + 10_000, session, errno.ENOENT), (d, 1 << 60, None)):
+        with pytest.raises(FsError) as err:
+            await reader.meta.call_idempotent(
+                "watch_dir",
+                lambda m, i=ino, s=sess: m.watch_dir(s, i, 10),  # type: ignore[misc]
+            )
+        assert code is None or err.value.code == code
+    f, attr = await writer.create(d, b"file", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+    await writer.release(f.fh)
+    with pytest.raises(FsError) as err:
+        await reader.meta.call_idempotent("watch_dir", lambda m: m.watch_dir(session, f.ino, 10))
+    assert err.value.code == errno.ENOTDIR

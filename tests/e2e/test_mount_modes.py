@@ -200,6 +200,44 @@ def test_default_mount_answers_lookups_of_watched_files_itself(
     assert read(b / "f") == b"3" * 30
 
 
+def test_default_mount_keeps_listings_its_watch_keeps_fresh(
+    mounted: ProcessCluster, where: Callable[[str], Path]
+) -> None:
+    """B's later listings of a directory ask the metadata server nothing
+    (the kernel keeps the listing while B's cache watch says the directory
+    is unchanged), also once the kernel's attributes of it have expired;
+    a name created, removed or renamed on A, or a directory made there, is
+    in B's next listing at once, and so are B's own changes."""
+    a, b = where("A"), where("B")
+    (a / "d").mkdir()
+    names = [f"f{k:03d}" for k in range(300)]  # two pages of the metadata server's
+    for name in names:
+        (a / "d" / name).write_bytes(b"")
+    assert sorted(os.listdir(b / "d")) == names
+    time.sleep(1.2)  # past attr_timeout: the next listing asks for the attributes first
+    os.stat(b)  # (the path to the directory is looked up again: not in the count)
+    before = meta_calls(mounted)
+    for _ in range(3):
+        assert sorted(os.listdir(b / "d")) == names
+        assert sorted(e.name for e in os.scandir(b / "d")) == names
+    after = meta_calls(mounted)
+    for method in ("readdir", "watch_dir", "getattr", "getattrs"):
+        assert after.get(method, 0) == before.get(method, 0), method
+    changes: list[tuple[Callable[[], object], Callable[[list[str]], bool]]] = [
+        (lambda: (a / "d" / "new").write_bytes(b"x"), lambda ls: "new" in ls),
+        (lambda: os.unlink(a / "d" / "f000"), lambda ls: "f000" not in ls),
+        (lambda: os.rename(a / "d" / "f001", a / "d" / "g001"), lambda ls: "g001" in ls),
+        (lambda: (a / "d" / "sub").mkdir(), lambda ls: "sub" in ls),
+        (lambda: (b / "d" / "mine").write_bytes(b""), lambda ls: "mine" in ls),
+        (lambda: os.unlink(b / "d" / "mine"), lambda ls: "mine" not in ls),
+    ]
+    for change, seen in changes:
+        change()
+        listed = os.listdir(b / "d")
+        assert seen(listed) and sorted(listed) == sorted(os.listdir(a / "d")), change
+    assert (b / "d" / "sub").is_dir()
+
+
 @pytest.mark.parametrize("mode", ["R", "I"])
 def test_ro_mount_refuses_every_mutation(where: Callable[[str], Path], mode: str) -> None:
     a, r = where("A"), where(mode)

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from shufflefs.metadata.cache_watch import MARGIN, CacheWatches
+from shufflefs.metadata.cache_watch import MARGIN, MAX_DIRS, CacheWatches
 
 LEASE, POLL = 3.0, 1.0
 
@@ -27,6 +27,7 @@ class Holders:
             lambda ino: self.readers.get(ino, []),
             lambda: self.unknown,
             lambda session: session in self.earlier,
+            lambda: bool(self.earlier),
             lease=LEASE,
             poll=POLL,
         )
@@ -148,6 +149,60 @@ def test_a_server_that_just_began_waits_out_what_an_earlier_one_granted(
         holders.unknown = True
         start = trio.current_time()
         await watches.changed({9: 1})  # anyone may cache it
+        assert trio.current_time() == pytest.approx(start + LEASE + MARGIN)
+
+    run(clock, main)
+
+
+def test_a_watched_listing_is_told_once_and_a_new_server_waits_for_earlier_ones(
+    clock: trio.testing.MockClock,
+) -> None:
+    """A directory's next change is told to every session watching its
+    listing, once; a session that ends, or watches too many, is not told;
+    after a (re)start, a directory's change waits out the lease while any
+    session from before lives (what it watched is not re-reported)."""
+    holders = Holders()
+
+    async def main() -> None:
+        watches = holders.watches()
+        watches.begin()
+        token = (await watches.watch(1, 0, 0))["token"]
+        assert watches.watch_dir(1, 40) and watches.watch_dir(2, 40)  # 2 has no watcher
+        seen: list[list[list[int]]] = []
+
+        async def reader() -> None:
+            acked = 0
+            while True:
+                reply = await watches.watch(1, token, acked)
+                acked = reply["seq"]
+                if reply["changed"]:
+                    seen.append(reply["changed"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            await watches.changed({}, {40: 7})
+            assert seen == [[[40, 7]]] and trio.current_time() - start < POLL
+            await watches.changed({}, {40: 8})  # not watched any more: nobody told
+            assert seen == [[[40, 7]]]
+            assert watches.watch_dir(1, 41)
+            watches.forget(1)
+            assert 41 not in watches.dirs
+            nursery.cancel_scope.cancel()
+        for ino in range(MAX_DIRS):
+            assert watches.watch_dir(3, ino)
+        assert not watches.watch_dir(3, MAX_DIRS)  # beyond the bound: not watched
+        assert watches.watch_dir(3, 5)  # one it watches already
+        watches.forget(3)
+        assert watches.dirs == {}
+
+        holders.earlier = {9}
+        watches.begin()
+        start = trio.current_time()
+        await watches.changed({8: 1})  # a file nobody from before holds: no wait
+        assert trio.current_time() == start
+        await watches.changed({}, {40: 9})  # 9 may watch it through the earlier server
         assert trio.current_time() == pytest.approx(start + LEASE + MARGIN)
 
     run(clock, main)

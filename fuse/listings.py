@@ -1,0 +1,172 @@
+"""Directory listings of the FUSE mount: OPENDIR, READDIRPLUS, RELEASEDIR,
+and how long the kernel may keep a listing.
+
+The kernel can keep a directory's listing in its page cache
+(``FOPEN_CACHE_DIR``) and answer later listings from it with no upcall but
+the OPENDIR and RELEASEDIR around them; an OPENDIR answered without
+``FOPEN_KEEP_CACHE`` makes it drop what it kept and list afresh. What each
+mode lets it keep (`flags`, asked by the trampoline in front of pyfuse3's
+opendir, fuse/read_inode.py):
+
+* read-write, with a cache watch: the first page of a listing is read by
+  `watch_dir`, which makes the metadata server tell this mount's watch of
+  the directory's next change before that change is acknowledged
+  (metadata/cache_watch.py, as for the files it caches). While the watch
+  says the directory is unchanged since (`CacheWatch.dir_attr`), an OPENDIR
+  keeps the kernel's listing and asks nothing: close-to-open holds for
+  names as it does for data. Told of a change, the mount drops the kernel's
+  listing and attributes of the directory at once (`changed`: for a
+  listing already open that starts over), and the next OPENDIR lists
+  afresh, watching again.
+* ``ro``: the kernel keeps listings, and drops one when a listing starts
+  after the directory's attributes expired (``attr_timeout``) and the fresh
+  ones show another mtime (a name created or removed in it): the bound that
+  mode states for every change made elsewhere.
+* ``cache=immutable``: no OPENDIR at all (answered ENOSYS once: the kernel
+  then keeps every listing, as with ``ro``); READDIRPLUS names its
+  directory through the read trampoline and resumes from the one cursor
+  state of that directory (`listing`).
+* read-write without a watch: listings are not kept.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+from typing import TYPE_CHECKING
+
+import pyfuse3
+import trio
+
+from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
+from shufflefs.fuse.read_inode import CACHE_DIR_BIT, KEEP_CACHE_BIT, READ_INODES
+from shufflefs.rpc.errors import FsError
+
+if TYPE_CHECKING:
+    from shufflefs.fuse.ops import ShuffleOps
+
+log = logging.getLogger("shufflefs.fuse")
+
+
+class Listings:
+    def __init__(self, ops: ShuffleOps) -> None:
+        self.ops = ops
+        self.watch = ops.fs.cache_watch if not ops.options.read_only else None
+        self.dirs: dict[int, DirHandle] = {}  # OPENDIR's handles
+        self.by_inode: dict[int, DirHandle] = {}  # cache=immutable: directory inode -> cursors
+        self._next = 1
+        self._nursery: trio.Nursery | None = None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Drop a watched directory's kernel listing when told of a change."""
+        self._nursery = nursery
+        if self.watch is not None:
+            self.watch.dir_changed = self.changed
+
+    def flags(self, ino: int) -> int:
+        """OPENDIR's caching flags for directory *ino* (see the module's
+        docstring); asked as the OPENDIR arrives, before `open`."""
+        if self.ops.options.read_only:
+            return CACHE_DIR_BIT | KEEP_CACHE_BIT
+        if self.watch is None:
+            return 0
+        if self.watch.dir_attr(ino) is None:
+            return CACHE_DIR_BIT  # filled afresh by this listing, watched from its first page
+        return CACHE_DIR_BIT | KEEP_CACHE_BIT
+
+    def changed(self, ino: int) -> None:
+        """The watch was told of a change of directory *ino*: drop what the
+        kernel keeps of it (in a thread: dropping a listing waits for its
+        pages, which a listing in progress may hold)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(trio.to_thread.run_sync, _invalidate, ino)
+
+    async def open(self, inode: int) -> int:
+        if self.ops.inode_reads is not None:
+            # no OPENDIR/RELEASEDIR from now on, listings cached by the
+            # kernel (FOPEN_CACHE_DIR): READDIRPLUS names its directory
+            raise pyfuse3.FUSEError(errno.ENOSYS)
+        parent = self.ops.parents.get(inode) if self.ops.options.read_only else None
+        if parent is None and self.watch is not None:
+            watched = self.watch.dir_attr(inode)  # unchanged since it was read
+            parent = None if watched is None else watched["parent"] or inode
+        if parent is None:  # (a read-write mount checks the directory is still there)
+            attr = await self.ops.fs.getattr(inode)
+            if not stat.S_ISDIR(attr["mode"]):
+                raise FsError(errno.ENOTDIR, "not a directory")
+            parent = attr["parent"] or inode
+        fh = self._next
+        self._next += 1
+        self.dirs[fh] = DirHandle(inode, parent)
+        return fh
+
+    def release(self, fh: int) -> None:
+        self.dirs.pop(fh, None)
+
+    def forget(self, ino: int) -> None:
+        self.by_inode.pop(ino, None)
+
+    def listing(self, ino: int) -> DirHandle:
+        """cache=immutable: the one cursor state of directory *ino* (no
+        OPENDIR: every listing of it resumes from offsets handed out here;
+        the kernel lists a directory once and answers from its cache)."""
+        h = self.by_inode.get(ino)
+        if h is None or len(h.cursors) > MAX_CURSORS:
+            h = self.by_inode[ino] = DirHandle(ino, self.ops.parents.get(ino, 0))
+        return h
+
+    async def read(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        ops = self.ops
+        h = self.dirs.get(fh)
+        if ops.inode_reads is not None and fh == 0:
+            h = self.listing(READ_INODES.take())  # first: this READDIRPLUS's directory
+            if h.parent == 0:  # its first listing here
+                h.parent = (await ops.fs.getattr(h.ino))["parent"] or h.ino
+        if h is None:
+            raise FsError(errno.EBADF, "directory not open")
+        if start_id == 0:
+            if not pyfuse3.readdir_reply(token, b".", dot_entry(h.ino), 1):
+                return
+            start_id = 1
+        if start_id == 1:
+            if not pyfuse3.readdir_reply(token, b"..", dot_entry(h.parent), 2):
+                return
+            after: bytes | None = None
+        elif start_id == 2:
+            after = None
+        else:
+            if start_id not in h.cursors:
+                raise FsError(errno.EINVAL, f"stale directory offset {start_id}")
+            after = h.cursors[start_id]
+        while True:
+            if h.pending and h.pending_after == after:
+                entries, more = h.pending, h.pending_more
+            else:
+                # a first page is read by the cache watch, which keeps the listing
+                page = await ops.fs.readdir(
+                    h.ino, after, READDIR_PAGE, watch=self.watch is not None
+                )
+                entries, more = page["entries"], page["more"]
+            for i, (name, attr) in enumerate(entries):
+                next_id = h.next_id
+                entry = ops.entry(attr)
+                if ops.watched is not None:
+                    ops.watched.extend(entry, h.ino, name)
+                if not pyfuse3.readdir_reply(token, name, entry, next_id):
+                    h.pending, h.pending_after, h.pending_more = entries[i:], after, more
+                    return
+                h.next_id += 1
+                h.cursors[next_id] = name
+                ops.lookups[attr["ino"]] = ops.lookups.get(attr["ino"], 0) + 1
+                after = name
+            h.pending = []
+            if not more or not entries:
+                return
+
+
+def _invalidate(ino: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=False)
+    except OSError as exc:  # the kernel forgot the directory already
+        log.debug("invalidate_inode(%d): %s", ino, exc)
