@@ -95,7 +95,7 @@ class CacheWatch:
                 self.dirs_supported = False
             return None
         attr = page["attr"]
-        if page["watched"] and self.trusts(ino, attr["change"], stamp):
+        if page["since"] == attr["change"] and self.trusts(ino, attr["change"], stamp):
             self.dirs[ino] = (attr, stamp)
         return page
 

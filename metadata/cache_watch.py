@@ -103,7 +103,8 @@ class CacheWatches:
         self.lease = lease
         self.poll = poll
         self.watchers: dict[int, _Watcher] = {}
-        self.dirs: dict[int, set[int]] = {}  # directory -> sessions watching its listing
+        # directory -> {session watching its listing: the change counter it read}
+        self.dirs: dict[int, dict[int, int]] = {}
         self._dirs_of: dict[int, set[int]] = {}  # session -> the directories it watches
         self._tokens = itertools.count(random.randrange(1 << 40) << 20)
         self.grace_until = 0.0  # until `begin`
@@ -124,16 +125,20 @@ class CacheWatches:
         for ino in self._dirs_of.pop(session, ()):
             self._unwatch(ino, session)
 
-    def watch_dir(self, session: int, ino: int) -> bool:
-        """*session* watches the listing of directory *ino*: its next change
-        is told to the session's watcher (once). False: the session watches
-        `MAX_DIRS` already (the client then does not trust its listing)."""
+    def watch_dir(self, session: int, ino: int, change: int) -> int | None:
+        """*session* read directory *ino* at change counter *change* and
+        watches its listing: the next change past that is told to the
+        session's watcher (once). Returns the counter the watch runs from:
+        an older one when the session watched it already (a change past
+        that one may be on its way to the client, which must then not trust
+        this read); None: the session watches `MAX_DIRS` already."""
         mine = self._dirs_of.setdefault(session, set())
         if ino not in mine and len(mine) >= MAX_DIRS:
-            return False
+            return None
         mine.add(ino)
-        self.dirs.setdefault(ino, set()).add(session)
-        return True
+        watching = self.dirs.setdefault(ino, {})
+        since = watching[session] = min(watching.get(session, change), change)
+        return since
 
     def unwatch_dir(self, session: int, ino: int) -> None:
         mine = self._dirs_of.get(session)
@@ -144,7 +149,7 @@ class CacheWatches:
     def _unwatch(self, ino: int, session: int) -> None:
         sessions = self.dirs.get(ino)
         if sessions is not None:
-            sessions.discard(session)
+            sessions.pop(session, None)
             if not sessions:
                 del self.dirs[ino]
 
@@ -250,8 +255,14 @@ class CacheWatches:
         for ino in files:
             for session in self._readers(ino):
                 out.setdefault(session, []).append(ino)
-        for ino in dirs:
-            for session in self.dirs.pop(ino, ()):  # once: listed again to watch again
+        for ino, change in dirs.items():
+            watching = self.dirs.get(ino, {})
+            for session, since in list(watching.items()):
+                if since >= change:  # it read this change already
+                    continue
+                del watching[session]  # once: listed again to watch again
                 self._dirs_of.get(session, set()).discard(ino)
                 out.setdefault(session, []).append(ino)
+            if not watching:
+                self.dirs.pop(ino, None)
         return out

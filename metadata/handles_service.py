@@ -109,25 +109,26 @@ class SessionsAndHandles(ServiceBase):
     async def watch_dir(self, session: int, ino: int, limit: int = 256) -> WatchedDirPage:
         """A read-write mount's first page of a listing, and its watch of the
         directory (cache_watch.py): the kernel may keep the listing until
-        the watch tells the mount of a change. The watch begins before the
-        directory is read, so a change it misses is in what is read; one
-        between the attributes and the page shows as a newer change told
-        (the client then does not trust the page). Primary only, as the
-        long poll."""
+        the watch tells the mount of a change. The watch runs from the
+        change counter of the attributes read here, so a change committed
+        between them and the page is told (the client then does not trust
+        the page). Primary only, as the long poll."""
         if self.role is not None:
             self.role.check_writable()
         if session not in self.cache_watches.watchers:  # only for a live session
             self.store.txns.read(lambda tx: live_session(tx, session, self.store.clock()))
-        watched = self.cache_watches.watch_dir(session, ino)
+        attr = self.store.getattr(ino)
+        if not stat.S_ISDIR(attr["mode"]):
+            raise FsError(errno.ENOTDIR, f"inode {ino} is not a directory")
+        # with the attributes just read (no checkpoint between): a change
+        # past them, committed from here on, is told
+        since = self.cache_watches.watch_dir(session, ino, attr["change"])
         try:
-            attr = self.store.getattr(ino)
-            if not stat.S_ISDIR(attr["mode"]):
-                raise FsError(errno.ENOTDIR, f"inode {ino} is not a directory")
             page = self.store.readdir(ino, None, limit)
         except FsError:
             self.cache_watches.unwatch_dir(session, ino)
             raise
-        return {**page, "attr": attr, "watched": watched}
+        return {**page, "attr": attr, "since": since}
 
     # ---- file handles ---------------------------------------------------------
 

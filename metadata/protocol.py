@@ -167,7 +167,9 @@ class WatchedDirPage(TypedDict):
     entries: list[tuple[bytes, Attr]]  # the first page, as ReaddirPage's
     more: bool
     attr: Attr  # the directory's own, read before the page: its change counter
-    watched: bool  # False: not watched (the session watches too many already)
+    # the change counter the session's watch of it runs from: the client may
+    # trust the page only when it is attr's (None: not watched, too many)
+    since: int | None
 
 
 class CacheWatchReply(TypedDict):

@@ -167,7 +167,9 @@ def test_a_watched_listing_is_told_once_and_a_new_server_waits_for_earlier_ones(
         watches = holders.watches()
         watches.begin()
         token = (await watches.watch(1, 0, 0))["token"]
-        assert watches.watch_dir(1, 40) and watches.watch_dir(2, 40)  # 2 has no watcher
+        assert (
+            watches.watch_dir(1, 40, 6) == 6 and watches.watch_dir(2, 40, 6) == 6
+        )  # 2: no watcher
         seen: list[list[list[int]]] = []
 
         async def reader() -> None:
@@ -186,14 +188,24 @@ def test_a_watched_listing_is_told_once_and_a_new_server_waits_for_earlier_ones(
             assert seen == [[[40, 7]]] and trio.current_time() - start < POLL
             await watches.changed({}, {40: 8})  # not watched any more: nobody told
             assert seen == [[[40, 7]]]
-            assert watches.watch_dir(1, 41)
+            # a session that read the change already is not told of it (its
+            # commit's notice came after the read), nor dropped; one that
+            # watched from before keeps the older counter (the client then
+            # does not trust what it read now) and is told
+            assert watches.watch_dir(1, 40, 9) == 9
+            await watches.changed({}, {40: 9})
+            assert seen == [[[40, 7]]] and watches.dirs[40] == {1: 9}
+            assert watches.watch_dir(1, 40, 10) == 9
+            await watches.changed({}, {40: 10})
+            assert seen == [[[40, 7]], [[40, 10]]] and 40 not in watches.dirs
+            assert watches.watch_dir(1, 41, 1) == 1
             watches.forget(1)
             assert 41 not in watches.dirs
             nursery.cancel_scope.cancel()
         for ino in range(MAX_DIRS):
-            assert watches.watch_dir(3, ino)
-        assert not watches.watch_dir(3, MAX_DIRS)  # beyond the bound: not watched
-        assert watches.watch_dir(3, 5)  # one it watches already
+            assert watches.watch_dir(3, ino, 1) == 1
+        assert watches.watch_dir(3, MAX_DIRS, 1) is None  # beyond the bound: not watched
+        assert watches.watch_dir(3, 5, 2) == 1  # one it watches already
         watches.forget(3)
         assert watches.dirs == {}
 
