@@ -21,6 +21,11 @@ on the directory), the attributes at once (attribute invalidation does not
 wait on pages). A file that lingers out needs nothing: what the kernel was
 told has expired by then (and invalidating its name would make the kernel
 evict the inode with its pages).
+
+A directory whose listing the watch keeps (fuse/listings.py) has its LOOKUP
+answered the same way while the watch holds it (its attributes are the
+watch's; a rename or removal of it changes its inode record), but the
+kernel keeps its name no longer than ``entry_timeout``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class WatchedEntries:
     def extend(self, entry: pyfuse3.EntryAttributes, parent: int, name: bytes) -> None:
         """A LOOKUP reply: for a regular file the watch keeps fresh, the
         kernel keeps name and attributes until the watch's lease ends."""
+        if stat.S_ISDIR(entry.st_mode):
+            self._directory(entry.st_ino, parent, name)
+            return
         if not stat.S_ISREG(entry.st_mode):
             return
         left = self.fs.open_cache.trusted_for(entry.st_ino)
@@ -54,6 +62,16 @@ class WatchedEntries:
         entry.entry_timeout = entry.attr_timeout = left
         self.names.setdefault(entry.st_ino, set()).add((parent, name))
         self.by_name[(parent, name)] = entry.st_ino
+
+    def _directory(self, ino: int, parent: int, name: bytes) -> None:
+        """A directory whose listing the watch keeps: its name is as current
+        as its attributes (a rename or removal of it changes its inode
+        record, and ends the watch), so a later LOOKUP of the name is
+        answered from them while the watch holds (the kernel is not told
+        to keep the name longer: nothing to drop when the watch ends)."""
+        watch = self.fs.cache_watch
+        if watch is not None and watch.dir_attr(ino) is not None:
+            self.by_name[(parent, name)] = ino
 
     def keep(self, entry: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
         """A GETATTR reply of such a file: the attributes kept as long."""
@@ -67,7 +85,12 @@ class WatchedEntries:
         been renewed since; the name is as current as the attributes: any
         change to it, this mount's own too, is told to the watch)."""
         ino = self.by_name.get((parent, name))
-        return None if ino is None else self.attributes(ino)
+        if ino is None:
+            return None
+        attr = self.attributes(ino)
+        if attr is None and ino not in self.names:  # a directory no longer watched
+            del self.by_name[(parent, name)]
+        return attr
 
     def attributes(self, ino: int) -> Attr | None:
         """The attributes of a file the watch keeps fresh, or of a directory

@@ -207,7 +207,8 @@ def test_default_mount_keeps_listings_its_watch_keeps_fresh(
     (the kernel keeps the listing while B's cache watch says the directory
     is unchanged), also once the kernel's attributes of it have expired;
     a name created, removed or renamed on A, or a directory made there, is
-    in B's next listing at once, and so are B's own changes."""
+    in B's next listing at once, and so are B's own changes. The
+    directory's LOOKUP is answered from the watch as well."""
     a, b = where("A"), where("B")
     (a / "d").mkdir()
     names = [f"f{k:03d}" for k in range(300)]  # two pages of the metadata server's
@@ -224,6 +225,16 @@ def test_default_mount_keeps_listings_its_watch_keeps_fresh(
     # (getattr is not counted: on a slow moment the path's other directories'
     # attributes expire again, and their GETATTRs are not the listing's)
     for method in ("readdir", "watch_dir"):
+        assert after.get(method, 0) == before.get(method, 0), method
+    # once the kernel has forgotten the directory, its LOOKUP is answered
+    # from the watch too (the listing itself is read afresh: the kernel's is gone)
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    os.stat(b)
+    nlink = os.stat(a / "d").st_nlink
+    before = meta_calls(mounted)
+    assert os.stat(b / "d").st_nlink == nlink
+    after = meta_calls(mounted)
+    for method in ("lookup", "lookup_open", "getattr"):
         assert after.get(method, 0) == before.get(method, 0), method
     changes: list[tuple[Callable[[], object], Callable[[list[str]], bool]]] = [
         (lambda: (a / "d" / "new").write_bytes(b"x"), lambda ls: "new" in ls),
