@@ -168,6 +168,11 @@ class Tx:
             if rec is None:
                 if old is not None:
                     self.delete(DB_INODES, u64(ino))
+                    gone = unpack(old)
+                    if stat.S_ISDIR(gone.get("mode", 0)):
+                        # a watched listing of it ends too (cache_watch.py):
+                        # its name must no longer lead to it
+                        self.changed_dirs[ino] = gone.get("change", 0) + 1
                 continue
             raw = pack(rec)
             if raw != old:

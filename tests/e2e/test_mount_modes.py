@@ -249,6 +249,17 @@ def test_default_mount_keeps_listings_its_watch_keeps_fresh(
         listed = os.listdir(b / "d")
         assert seen(listed) and sorted(listed) == sorted(os.listdir(a / "d")), change
     assert (b / "d" / "sub").is_dir()
+    # a directory B lists (and so watches), removed on A, then by B itself
+    # and replaced by a file: its name leads nowhere, then to the file, at once
+    for remover, maker in ((a, b), (b, a)):
+        assert os.listdir(b / "d" / "sub") == []
+        os.stat(b / "d" / "sub")
+        os.rmdir(remover / "d" / "sub")
+        assert not (b / "d" / "sub").exists()
+        (maker / "d" / "sub").write_bytes(b"file")
+        assert (b / "d" / "sub").is_file() and read(b / "d" / "sub") == b"file"
+        os.unlink(a / "d" / "sub")
+        (maker / "d" / "sub").mkdir()
 
 
 @pytest.mark.parametrize("mode", ["R", "I"])
