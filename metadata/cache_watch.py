@@ -203,16 +203,15 @@ class CacheWatches:
             return
         now = trio.current_time()
         waits: list[tuple[_Watcher | None, int, float]] = []
-        changes = {**files, **dirs}
-        for session, inos in self._by_session(files, dirs).items():
+        for session, changes in self._by_session(files, dirs).items():
             w = self.watchers.get(session)
             if w is None:
                 if self._earlier(session):  # trusts at most what an earlier server gave it
                     waits.append((None, 0, self.grace_until))
                 continue
-            for ino in inos:
+            for ino, change in changes:
                 w.seq += 1
-                w.queued.append((w.seq, ino, changes[ino]))
+                w.queued.append((w.seq, ino, change))
             w.wake.set()
             waits.append((w, w.seq, max(w.trust_end + MARGIN, self.grace_until)))
         if now < self.grace_until and (self._may_be_unknown() or (dirs and self._any_earlier())):
@@ -250,11 +249,14 @@ class CacheWatches:
                 for ino in self._dirs_of.pop(session, ()):
                     self._unwatch(ino, session)
 
-    def _by_session(self, files: dict[int, int], dirs: dict[int, int]) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for ino in files:
+    def _by_session(
+        self, files: dict[int, int], dirs: dict[int, int]
+    ) -> dict[int, list[tuple[int, int]]]:
+        """{session: [(ino, change)…]}: whom to tell of what."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for ino, change in files.items():
             for session in self._readers(ino):
-                out.setdefault(session, []).append(ino)
+                out.setdefault(session, []).append((ino, change))
         for ino, change in dirs.items():
             watching = self.dirs.get(ino, {})
             for session, since in list(watching.items()):
@@ -262,7 +264,7 @@ class CacheWatches:
                     continue
                 del watching[session]  # once: listed again to watch again
                 self._dirs_of.get(session, set()).discard(ino)
-                out.setdefault(session, []).append(ino)
+                out.setdefault(session, []).append((ino, change))
             if not watching:
                 self.dirs.pop(ino, None)
         return out
