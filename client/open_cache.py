@@ -90,6 +90,10 @@ class OpenCache:
         self.linger = linger
         self.limit = limit
         self.entries: dict[int, CachedOpen] = {}
+        # the entries nobody uses, oldest close first (`expire` looks at the
+        # front only: sorting every entry each round was 7% of a mount's CPU
+        # under a prefetched epoch)
+        self._idle: dict[int, CachedOpen] = {}
         self._unused: list[CachedOpen] = []  # dropped by `observe`, to give back
         self._giving_back: dict[int, trio.Event] = {}  # ino -> set once `expire` gave it back
         self.hits = 0  # opens answered from the cache (revalidated or trusted)
@@ -117,6 +121,7 @@ class OpenCache:
             self.hits += 1
             how.inc()
             entry.users += 1
+            self._idle.pop(ino, None)
             # an entry made ahead of its open (`adopt`) is a fresh open at its first use
             before, entry.used = entry.used, True
             return entry, before
@@ -165,6 +170,7 @@ class OpenCache:
             self._unused.append(entry)
             return held
         self.entries[ino] = entry
+        self._idle[ino] = entry
         return entry
 
     async def discard(self, ino: int) -> None:
@@ -188,6 +194,9 @@ class OpenCache:
         entry was dropped meanwhile and this was its last user."""
         entry.users -= 1
         entry.idle_since = trio.current_time()
+        if entry.users <= 0 and self.entries.get(entry.ino) is entry:
+            self._idle.pop(entry.ino, None)
+            self._idle[entry.ino] = entry  # the newest idle one
         if entry.users <= 0 and entry.dropped:
             await self._release(entry.ino, entry.handle)
 
@@ -223,17 +232,19 @@ class OpenCache:
             if self.on_forget is not None:
                 self.on_forget(entry.ino, True)
         self.entries.clear()
+        self._idle.clear()
         self._unused.clear()
 
     async def expire(self) -> int:
         """Give back the handles idle for longer than `linger`, and the
         oldest idle ones beyond `limit`. Returns how many were given back."""
         now = trio.current_time()
-        idle = sorted(
-            (e for e in self.entries.values() if e.users <= 0), key=lambda e: e.idle_since
-        )
         over = max(0, len(self.entries) - self.limit)
-        expired = [e for i, e in enumerate(idle) if i < over or now - e.idle_since >= self.linger]
+        expired: list[CachedOpen] = []
+        for e in self._idle.values():
+            if len(expired) >= over and now - e.idle_since < self.linger:
+                break
+            expired.append(e)
         unused, self._unused = self._unused, []
         # (what the kernel was told of them expired before they did: `trusted_for`)
         back = [e for e in expired if self._forget(e, tell=False)] + unused
@@ -296,6 +307,7 @@ class OpenCache:
         that lingered out: that expired with it)."""
         if self.entries.get(entry.ino) is entry:
             del self.entries[entry.ino]
+            self._idle.pop(entry.ino, None)
             if self.on_forget is not None:
                 self.on_forget(entry.ino, tell)
         entry.dropped = True

@@ -30,6 +30,12 @@ class DirHandle:
     pending_after: bytes | None = None
     pending_more: bool = False
     next_id: int = 3  # 1 and 2 are '.' and '..'
+    # this listing's last page said "no more" after this entry (None: an
+    # empty directory): the kernel's next READDIR, from there, is answered
+    # with the end at once instead of a round trip for an empty page
+    # (entries made since the listing started need not appear, POSIX)
+    end_after: bytes | None = None
+    ended: bool = False
 
 
 def dot_entry(ino: int) -> pyfuse3.EntryAttributes:

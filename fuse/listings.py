@@ -130,6 +130,7 @@ class Listings:
                 return
             start_id = 1
         if start_id == 1:
+            h.ended = False  # a listing from the start reads afresh
             if not pyfuse3.readdir_reply(token, b"..", dot_entry(h.parent), 2):
                 return
             after: bytes | None = None
@@ -139,6 +140,8 @@ class Listings:
             if start_id not in h.cursors:
                 raise FsError(errno.EINVAL, f"stale directory offset {start_id}")
             after = h.cursors[start_id]
+        if h.ended and after == h.end_after and not h.pending:
+            return  # the last page ended here
         while True:
             if h.pending and h.pending_after == after:
                 entries, more = h.pending, h.pending_more
@@ -162,6 +165,7 @@ class Listings:
                 after = name
             h.pending = []
             if not more or not entries:
+                h.ended, h.end_after = True, after
                 return
 
 

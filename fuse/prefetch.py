@@ -155,8 +155,8 @@ class Prefetcher:
     running: bool = False
 
     def __post_init__(self) -> None:
-        self._wake = trio.Event()  # pending grew, or room was freed
-        self._room = trio.Event()  # room was freed
+        self._wake = trio.Event()  # pending grew (what idle fetchers wait for)
+        self._room = trio.Event()  # room was freed (what fetchers short of room wait for)
         self._generation = 0  # counts changes and resets
         self._reset_at = 0
         self._changed: dict[int, int] = {}  # ino -> generation of its last change
@@ -244,9 +244,11 @@ class Prefetcher:
         self._wake = trio.Event()
 
     def _freed(self) -> None:
+        # not `_notify`: a fetcher short of room waits for `_room`, and an
+        # idle one has nothing to fetch (every sample served would wake all
+        # FETCHERS for nothing: measured, most of the loop's scheduling)
         self._room.set()
         self._room = trio.Event()
-        self._notify()
 
     # ---- fetching ----------------------------------------------------------
 
@@ -376,6 +378,7 @@ class Prefetcher:
                     for h in group
                 ]
                 self.pending.extendleft(reversed(back))
+                self._notify()  # an idle fetcher may take them meanwhile
                 break
             files.append((ino, hints, version, layout, ranges))
             length += size

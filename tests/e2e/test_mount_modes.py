@@ -200,6 +200,29 @@ def test_default_mount_answers_lookups_of_watched_files_itself(
     assert read(b / "f") == b"3" * 30
 
 
+def test_a_first_listing_costs_a_round_trip_per_page_and_none_for_its_end(
+    mounted: ProcessCluster, where: Callable[[str], Path]
+) -> None:
+    """Listing a directory of two metadata pages reads each page once; the
+    kernel's last READDIRPLUS, past the end, is answered without asking
+    (it was an empty page's round trip per directory: half the calls of a
+    cold scan of small class directories)."""
+    a, b = where("A"), where("B")
+    (a / "two").mkdir()
+    names = [f"f{k:03d}" for k in range(300)]  # READDIR_PAGE is 256
+    for name in names:
+        (a / "two" / name).write_bytes(b"")
+    (a / "empty").mkdir()
+    os.stat(b / "two")
+    os.stat(b / "empty")
+    before = meta_calls(mounted)
+    assert sorted(os.listdir(b / "two")) == names
+    assert os.listdir(b / "empty") == []
+    after = meta_calls(mounted)
+    calls = {m: after.get(m, 0) - before.get(m, 0) for m in ("watch_dir", "readdir")}
+    assert calls == {"watch_dir": 2, "readdir": 1}
+
+
 def test_default_mount_keeps_listings_its_watch_keeps_fresh(
     mounted: ProcessCluster, where: Callable[[str], Path]
 ) -> None:
