@@ -388,17 +388,27 @@ class FileSystem:
 
     async def open(self, ino: int, flags: int) -> tuple[OpenFile, Attr]:
         if self.open_cache.enabled and flags & (ACCESS_MODE | os.O_TRUNC) == os.O_RDONLY:
-            entry, reused = await self.open_cache.open(ino, flags)
-            res: OpenResult = {"attr": entry.attr, "layout": entry.layout, "handle": entry.handle}
-            f, attr = self._track(res, flags, fresh=not reused)
-            f.cached = entry
-            return f, attr
+            return self._track_cached(*await self.open_cache.open(ino, flags), flags)
         # our cached handle must not keep alive a file removed elsewhere for
         # an open that would write to it (reached through a stale name: the
         # server answers ENOENT once nothing holds it, the kernel looks again)
         await self.open_cache.discard(ino)
         res = await self.session.call("open", lambda m, s: m.open(ino, flags, s))
         return self._track(res, flags)
+
+    def open_now(self, ino: int, flags: int) -> tuple[OpenFile, Attr] | None:
+        """`open` when it needs no round trip (a read-only open the open
+        cache answers: `OpenCache.open_now`), else None and nothing done."""
+        if not self.open_cache.enabled or flags & (ACCESS_MODE | os.O_TRUNC) != os.O_RDONLY:
+            return None
+        hit = self.open_cache.open_now(ino)
+        return None if hit is None else self._track_cached(*hit, flags)
+
+    def _track_cached(self, entry: CachedOpen, reused: bool, flags: int) -> tuple[OpenFile, Attr]:
+        res: OpenResult = {"attr": entry.attr, "layout": entry.layout, "handle": entry.handle}
+        f, attr = self._track(res, flags, fresh=not reused)
+        f.cached = entry
+        return f, attr
 
     def file(self, fh: int) -> OpenFile:
         f = self.files.get(fh)
@@ -508,19 +518,36 @@ class FileSystem:
         try:
             await self.flush(fh)
         finally:
-            del self.files[fh]
-            st = self.inodes.get(f.ino)
-            if st is not None:
-                st.opens -= 1
-                if st.opens <= 0:
-                    del self.inodes[f.ino]
-                    # no chunk file of it stays open here: a removed chunk's
-                    # space must come back once the daemons delete it
-                    self.storage.local.forget(f.ino)
+            self._untrack(f)
             if f.cached is not None:
                 await self.open_cache.close(f.cached)  # no round trip
             else:
                 await self.read_only.release(f.ino, f.handle)
+
+    def release_now(self, fh: int) -> bool:
+        """`release` when it needs no round trip and no wait (a file the
+        open cache answered, with nothing to flush and its cached handle
+        not to be given back), else False and nothing done."""
+        f = self.files.get(fh)
+        if f is None or f.cached is None or (f.cached.dropped and f.cached.users <= 1):
+            return False
+        st = self.inodes.get(f.ino)
+        if st is not None and (st.behind or st.dirty):
+            return False
+        self._untrack(f)
+        self.open_cache.close_now(f.cached)
+        return True
+
+    def _untrack(self, f: OpenFile) -> None:
+        del self.files[f.fh]
+        st = self.inodes.get(f.ino)
+        if st is not None:
+            st.opens -= 1
+            if st.opens <= 0:
+                del self.inodes[f.ino]
+                # no chunk file of it stays open here: a removed chunk's
+                # space must come back once the daemons delete it
+                self.storage.local.forget(f.ino)
 
     # ---- paths (the native API) ---------------------------------------------------
 

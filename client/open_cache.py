@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -107,8 +107,11 @@ class OpenCache:
         """A read-only open of *ino*: (the entry now in use, whether an
         earlier open used it: if not, what the client cached of the file
         must be read afresh)."""
+        hit = self.open_now(ino)
+        if hit is not None:
+            return hit
         entry = self.entries.get(ino)
-        how = TRUSTED
+        how = TRUSTED  # (an entry of a file with no name left: `open_now` leaves it here)
         if entry is not None and not self.trust and not self._watched(entry):
             how = REVALIDATED
             attr = await self._getattr(ino)
@@ -118,13 +121,7 @@ class OpenCache:
                 await self._drop(entry)
                 entry = None
         if entry is not None and self.entries.get(ino) is entry:
-            self.hits += 1
-            how.inc()
-            entry.users += 1
-            self._idle.pop(ino, None)
-            # an entry made ahead of its open (`adopt`) is a fresh open at its first use
-            before, entry.used = entry.used, True
-            return entry, before
+            return self._use(entry, how)
         stamp = self.stamp()
         res = await self._open(ino, flags)
         self.misses += 1
@@ -137,6 +134,28 @@ class OpenCache:
             await self._drop(old)
         self.entries[ino] = fresh
         return fresh, False
+
+    def open_now(self, ino: int) -> tuple[CachedOpen, bool] | None:
+        """`open` when it needs no round trip (the entry is trusted, or kept
+        fresh by the cache watch), else None and nothing done. An entry of
+        a file with no name left is not taken here: its open fails ESTALE
+        (fuse/ops.py), which takes the asynchronous path."""
+        entry = self.entries.get(ino)
+        if entry is None or entry.attr["nlink"] == 0:
+            return None
+        if not self.trust and not self._watched(entry):
+            return None
+        return self._use(entry, TRUSTED)
+
+    def _use(self, entry: CachedOpen, how: Any) -> tuple[CachedOpen, bool]:
+        """*entry* taken by an open (*how*: the counter of the way it was answered)."""
+        self.hits += 1
+        how.inc()
+        entry.users += 1
+        self._idle.pop(entry.ino, None)
+        # an entry made ahead of its open (`adopt`) is a fresh open at its first use
+        before, entry.used = entry.used, True
+        return entry, before
 
     async def open_ahead(self, inos: list[int]) -> dict[int, CachedOpen]:
         """Handles for opens expected soon (the prefetcher's, fuse/prefetch.py,
@@ -192,13 +211,18 @@ class OpenCache:
     async def close(self, entry: CachedOpen) -> None:
         """An open file using *entry* was closed: no round trip unless the
         entry was dropped meanwhile and this was its last user."""
+        if self.close_now(entry):
+            await self._release(entry.ino, entry.handle)
+
+    def close_now(self, entry: CachedOpen) -> bool:
+        """`close` but for the round trip: whether the caller must give the
+        handle back (the entry was dropped and this was its last user)."""
         entry.users -= 1
         entry.idle_since = trio.current_time()
         if entry.users <= 0 and self.entries.get(entry.ino) is entry:
             self._idle.pop(entry.ino, None)
             self._idle[entry.ino] = entry  # the newest idle one
-        if entry.users <= 0 and entry.dropped:
-            await self._release(entry.ino, entry.handle)
+        return entry.users <= 0 and entry.dropped
 
     def observe(self, attr: Attr) -> None:
         """Attributes fetched for any reason: a changed counter drops the

@@ -47,7 +47,6 @@ import ctypes
 import errno
 import functools
 import logging
-import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -64,6 +63,7 @@ from shufflefs.client.channel_reads import NOT_CONNECTED, ChannelRead, ReadChann
 from shufflefs.client.fs import FileSystem
 from shufflefs.client.layout import Piece, plan
 from shufflefs.cluster.routing import Routing
+from shufflefs.fuse.libfuse import KernelQueue
 from shufflefs.fuse.read_inode import FH_OFFSET, READ_INODES
 from shufflefs.rpc.errors import FsError
 
@@ -72,54 +72,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shufflefs.fuse.fast_reads")
 
-LIBFUSE = "libfuse3.so"
 MAX_LOCAL_FILES = 65536  # inodes remembered as all or partly on this host
 LOCAL_THREADS = 16  # short-circuit READs waiting for the disk at once (as the loop's)
-DRAIN_MAX = 64  # requests taken from the kernel's queue per READ, at most (the loop waits)
-
-
-class LibFuse:
-    """The calls made here into the libfuse that pyfuse3 loaded (the one that
-    owns the session and its requests). Replies are made without the GIL
-    (any thread may make them); receiving and dispatching a request keep it,
-    as pyfuse3's loop does: the dispatch runs pyfuse3's callbacks, which
-    need it."""
-
-    def __init__(self) -> None:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if LIBFUSE in line}
-        if len(paths) != 1:
-            raise OSError(errno.ENOENT, f"expected one {LIBFUSE} in this process, found {paths}")
-        path = paths.pop()
-        free = ctypes.CDLL(path)  # calls that release the GIL
-        held = ctypes.PyDLL(path)  # calls that keep it
-        self.reply_buf = free.fuse_reply_buf
-        self.reply_buf.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-        self.reply_buf.restype = ctypes.c_int
-        self.reply_err = free.fuse_reply_err
-        self.reply_err.argtypes = (ctypes.c_void_p, ctypes.c_int)
-        self.reply_err.restype = ctypes.c_int
-        self.session_fd = held.fuse_session_fd
-        self.session_fd.argtypes = (ctypes.c_void_p,)
-        self.session_fd.restype = ctypes.c_int
-        self.receive_buf = held.fuse_session_receive_buf
-        self.receive_buf.argtypes = (ctypes.c_void_p, ctypes.POINTER(FuseBuf))
-        self.receive_buf.restype = ctypes.c_int
-        self.process_buf = held.fuse_session_process_buf
-        self.process_buf.argtypes = (ctypes.c_void_p, ctypes.POINTER(FuseBuf))
-        self.process_buf.restype = None
-
-
-class FuseBuf(ctypes.Structure):
-    """libfuse's ``struct fuse_buf`` (fuse_common.h)."""
-
-    _fields_ = (
-        ("size", ctypes.c_size_t),
-        ("flags", ctypes.c_int),
-        ("mem", ctypes.c_void_p),
-        ("fd", ctypes.c_int),
-        ("pos", ctypes.c_int64),
-    )
 
 
 def _address(data: Any) -> tuple[Any, int]:
@@ -164,6 +118,7 @@ class FastReads:
         fs: FileSystem,
         secret: bytes,
         nursery: trio.Nursery,
+        queue: KernelQueue,
         counts: FastReadCounts | None = None,
         on_read: Callable[[float, int], None] | None = None,
     ) -> None:
@@ -172,15 +127,9 @@ class FastReads:
         self.nursery = nursery
         self.token = trio.lowlevel.current_trio_token()
         self.channels = ReadChannels(secret, fs.storage.replicas)
-        self.libfuse = LibFuse()
-        # the kernel's request queue, drained here while it holds READs
-        self.session = READ_INODES.session
-        self._kernel_queue = select.poll()
-        fuse_fd = self.libfuse.session_fd(self.session)
-        self._kernel_queue.register(fuse_fd, select.POLLIN)
-        self._buf = FuseBuf()  # libfuse allocates its memory on the first receive
-        self._draining = False
-        self._took = False
+        self.queue = queue
+        self.libfuse = queue.libfuse
+        queue.after_drain.append(self._send)
         # inode -> (routing map, True) when every chain of the file had a
         # replica here (its READs are the short circuit's without checking
         # again), (routing map, False) when a READ of it met chains with and
@@ -212,34 +161,12 @@ class FastReads:
             took = False
         if not took:
             self.counts.declined += 1
-        if self._draining:
-            self._took = took
-        elif took:
-            try:
-                self._drain()
-            except Exception:  # (what was dispatched is answered, each on its own way)
-                log.exception("taking the READs waiting behind one failed")
-            self.channels.flush(self._routing)
+        self.queue.answered(took)
         return took
 
-    def _drain(self) -> None:
-        """Receive and dispatch the requests waiting in the kernel's queue as
-        pyfuse3's loop would, for as long as each is a READ taken here. The
-        first one that is not is dispatched too, and then pyfuse3's loop
-        awaits its handler as usual (at most one: it awaits one per turn)."""
-        self._draining = True
-        try:
-            for _ in range(DRAIN_MAX):
-                if not self._kernel_queue.poll(0):
-                    return
-                self._took = False
-                if self.libfuse.receive_buf(self.session, ctypes.byref(self._buf)) <= 0:
-                    return
-                self.libfuse.process_buf(self.session, ctypes.byref(self._buf))
-                if not self._took:
-                    return
-        finally:
-            self._draining = False
+    def _send(self) -> None:
+        """(after the kernel's queue was drained) the READs planned meanwhile go out."""
+        self.channels.flush(self._routing)
 
     def _read(self, req: int, ino: int, size: int, off: int, fi: int) -> bool:
         if self.closed:
@@ -470,6 +397,3 @@ class FastReads:
             self.closed = True
         self._disk_waits.shutdown(wait=False, cancel_futures=True)
         self.channels.close()
-        if self._buf.mem:  # what libfuse allocated for `_drain`'s receives
-            ctypes.CDLL(None).free(ctypes.c_void_p(self._buf.mem))
-            self._buf.mem = None

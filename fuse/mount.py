@@ -26,7 +26,9 @@ from shufflefs.cluster.launcher import unmount, wait_mounted
 from shufflefs.cluster.metrics_client import read_counter, start_client_metrics
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
+from shufflefs.fuse.fast_opens import FastOpenCounts, FastOpens
 from shufflefs.fuse.fast_reads import FastReadCounts, FastReads
+from shufflefs.fuse.libfuse import KernelQueue
 from shufflefs.fuse.mount_options import MountOptions, parse_options
 from shufflefs.fuse.ops import ShuffleOps
 from shufflefs.fuse.read_inode import READ_INODES
@@ -81,13 +83,14 @@ async def run_mount(
         fs = FileSystem(rpc, routing, client_options)
         await fs.start(nursery)
         fast_counts = FastReadCounts()
+        open_counts = FastOpenCounts()
         await start_client_metrics(
             nursery,
             fs,
             options.metrics or config.mount_metrics,
             rpc=rpc,
             mgmtd=config.mgmtd,
-            collectors=[fast_counts.collect],
+            collectors=[fast_counts.collect, open_counts.collect],
         )
         ops = ShuffleOps(fs, options)
         await ops.start(nursery)
@@ -100,7 +103,8 @@ async def run_mount(
         READ_INODES.noflush_read_only = not options.read_only
         keeps_listings = not options.immutable and (options.read_only or fs.cache_watch is not None)
         READ_INODES.dir_flags = ops.listings.flags if keeps_listings else None
-        wanted = options.immutable or options.fast_reads or keeps_listings
+        fast_opens = options.fast_opens and not options.immutable  # (immutable: no OPENs)
+        wanted = options.immutable or options.fast_reads or keeps_listings or fast_opens
         hooked = wanted and READ_INODES.install()
         if hooked and not options.immutable and not options.fast_reads:
             READ_INODES.hook_reads(None, False)  # the opendir trampoline alone
@@ -109,9 +113,14 @@ async def run_mount(
                 ops.serve_by_inode()
             else:
                 log.warning("cache=immutable: opens stay on (READs would not name their inode)")
-        if hooked and options.fast_reads:
-            fast = FastReads(ops, fs, secret, nursery, fast_counts, on_read=read_counter(fs))
+        queue = KernelQueue(READ_INODES.session) if hooked else None
+        if queue is not None and options.fast_reads:
+            fast = FastReads(ops, fs, secret, nursery, queue, fast_counts, on_read=read_counter(fs))
             fast.install()
+        opens = None
+        if queue is not None and fast_opens:
+            opens = FastOpens(ops, READ_INODES, nursery, queue, open_counts)
+            opens.install()
         log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
         try:
             FUSE_LOOP.running = True
@@ -119,8 +128,12 @@ async def run_mount(
         finally:
             FUSE_LOOP.running = False
             with trio.CancelScope(shield=True):
+                if opens is not None:
+                    opens.close()
                 if fast is not None:
                     fast.close()
+                if queue is not None:
+                    queue.close()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)
                 with trio.move_on_after(10):

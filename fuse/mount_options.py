@@ -47,7 +47,15 @@ DATASET_LINGER = DATASET_TIMEOUT
 MAX_TASKS = 1024
 
 TIMEOUTS = ("attr_timeout", "entry_timeout", "negative_timeout")
-FLAGS = ("ro", "rw", "no_local_reads", "no_fast_reads", "no_cache_watch", "debug")
+FLAGS = (
+    "ro",
+    "rw",
+    "no_local_reads",
+    "no_fast_reads",
+    "no_fast_opens",
+    "no_cache_watch",
+    "debug",
+)
 VALUED = (*TIMEOUTS, "handle_linger", "max_tasks", "prefetch_memory", "metrics", "cache")
 
 
@@ -67,6 +75,7 @@ class MountOptions:
     max_tasks: int = 64
     local_reads: bool = True
     fast_reads: bool = True  # READs answered off the event loop (fuse/fast_reads.py)
+    fast_opens: bool = True  # cached OPENs and their RELEASEs in libfuse's callback (fast_opens.py)
     cache_watch: bool = True  # rw: cached opens kept fresh by the server (client/cache_watch.py)
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
@@ -128,6 +137,7 @@ def parse_options(items: list[str]) -> MountOptions:
         ),
         local_reads="no_local_reads" not in given,
         fast_reads="no_fast_reads" not in given,
+        fast_opens="no_fast_opens" not in given,
         cache_watch="no_cache_watch" not in given,
         debug="debug" in given,
     )

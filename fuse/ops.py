@@ -366,8 +366,20 @@ class ShuffleOps(pyfuse3.Operations):
             # with O_CREAT a new file) rather than the removed file
             await self.fs.release(f.fh)
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
+        return self._opened(f.fh, attr, flags)
+
+    def open_now(self, inode: int, flags: int) -> pyfuse3.FileInfo | None:
+        """OPEN answered in libfuse's callback (fuse/fast_opens.py) when it
+        needs no round trip: a read-only open the client's open cache
+        answers (`FileSystem.open_now`); None leaves it to `open`."""
+        if self.inode_reads is not None:
+            return None
+        hit = self.fs.open_now(inode, flags)
+        return None if hit is None else self._opened(hit[0].fh, hit[1], flags)
+
+    def _opened(self, fh: int, attr: Attr, flags: int) -> pyfuse3.FileInfo:
         self.prefetch.opened(attr)
-        return self.file_info(f.fh, attr, flags)
+        return self.file_info(fh, attr, flags)
 
     @fuse_errors
     @mutation
@@ -453,8 +465,19 @@ class ShuffleOps(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh)
 
+    def release_now(self, fh: int) -> bool:
+        """RELEASE answered in libfuse's callback (fuse/fast_opens.py) when
+        it needs no round trip and no wait (`FileSystem.release_now`);
+        False leaves it to `release`."""
+        f = self.fs.files.get(fh)
+        if f is None or f.writable or not self.fs.release_now(fh):
+            return False
+        self.prefetch.released(f.ino)
+        return True
+
     @fuse_errors
     async def release(self, fh: int) -> None:
+        READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_opens.py)
         self.append_direct.discard(fh)
         f = self.fs.files.get(fh)
         if f is not None and f.writable:

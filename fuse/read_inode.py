@@ -83,6 +83,7 @@ PYFUSE3_OPEN = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.
 # 32-bit word, `noflush` the eighth (writepage, direct_io, keep_cache, flush,
 # nonseekable, flock_release, cache_readdir, noflush)
 BITS_OFFSET = 4
+DIRECT_IO_BIT = 1 << 1
 KEEP_CACHE_BIT = 1 << 2
 CACHE_DIR_BIT = 1 << 6
 NOFLUSH_BIT = 1 << 7
@@ -128,6 +129,7 @@ def _symbols(path: str, names: set[str]) -> dict[str, int]:
 
 
 FastRead = Callable[[int, int, int, int, int], bool]  # (req, ino, size, off, fi) -> taken?
+FastOpen = Callable[[int, int, int], bool]  # (req, ino, fi) -> answered? (OPEN, RELEASE)
 # offsetof(struct fuse_file_info, fh) in libfuse 3 (an int of flags, two
 # 32-bit words of bit fields, then the 64-bit handle). Not trusted blindly:
 # `ReadInodes.confirm` checks it against pyfuse3's own reading first.
@@ -150,6 +152,10 @@ class ReadInodes:
     session: int = 0  # libfuse's struct fuse_session * (once installed)
     # set before `install`: read-only opens ask the kernel for no FLUSH (rw mounts)
     noflush_read_only: bool = False
+    # tried first on every OPEN and RELEASE once the handle's offset is
+    # confirmed: True when answered (fuse/fast_opens.py)
+    fast_open: FastOpen | None = None
+    fast_release: FastOpen | None = None
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
@@ -182,16 +188,16 @@ class ReadInodes:
         return self.fh_checks < FH_CHECKS and not self.fh_wrong
 
     def confirm(self, fh: int) -> None:
-        """pyfuse3 handed a READ of handle *fh* to the operations: check the
-        handle read at FH_OFFSET for that same READ."""
-        if self.fast is None or fh == 0 or not self.checking:
+        """pyfuse3 handed a READ or RELEASE of handle *fh* to the
+        operations: check the handle read at FH_OFFSET for that same request."""
+        if fh == 0 or self.fh_word < 0 or not self.checking:
             return
         if fh == self.fh_word:
             self.fh_checks += 1
         else:
             self.fh_wrong = True
             log.warning(
-                "fast reads off: a READ's file info holds handle %d at offset %d, not %d",
+                "fast reads and opens off: a file info holds handle %d at offset %d, not %d",
                 self.fh_word,
                 FH_OFFSET,
                 fh,
@@ -261,10 +267,11 @@ class ReadInodes:
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
             if name == "read":
                 self._read_slot = (words, slot, address[name], words[slot] or 0)
-        if self.noflush_read_only:
-            opener = OPEN_CALLBACK(self._open(PYFUSE3_OPEN(address["open"])))
-            keep.append(opener)
-            words[at] = ctypes.cast(opener, ctypes.c_void_p).value
+        opener = OPEN_CALLBACK(self._open(PYFUSE3_OPEN(address["open"])))
+        releaser = OPEN_CALLBACK(self._release(PYFUSE3_OPEN(address["release"])))
+        keep += [opener, releaser]
+        words[at] = ctypes.cast(opener, ctypes.c_void_p).value
+        words[at + SLOTS.index("release")] = ctypes.cast(releaser, ctypes.c_void_p).value
         if self.dir_flags is not None:
             dir_opener = OPEN_CALLBACK(
                 self._opendir(PYFUSE3_OPEN(address[OPENDIR]), self.dir_flags)
@@ -280,9 +287,25 @@ class ReadInodes:
 
     def _open(self, original: Callable[..., None]) -> Callable[..., None]:
         def trampoline(req: int, ino: int, fi: int) -> None:
-            if fi and not ctypes.c_int.from_address(fi).value & WRITES:
-                bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
-                bits.value |= NOFLUSH_BIT
+            if fi:
+                if self.noflush_read_only and not ctypes.c_int.from_address(fi).value & WRITES:
+                    bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
+                    bits.value |= NOFLUSH_BIT
+                fast = self.fast_open
+                if fast is not None and self.fh_confirmed and fast(req, ino, fi):
+                    return
+            original(req, ino, fi)
+
+        return trampoline
+
+    def _release(self, original: Callable[..., None]) -> Callable[..., None]:
+        def trampoline(req: int, ino: int, fi: int) -> None:
+            if fi:
+                if self.checking:
+                    self.fh_word = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
+                fast = self.fast_release
+                if fast is not None and self.fh_confirmed and fast(req, ino, fi):
+                    return
             original(req, ino, fi)
 
         return trampoline
@@ -312,12 +335,11 @@ class ReadInodes:
     def _read(self, original: Callable[..., None]) -> Callable[..., None]:
         def trampoline(req: int, ino: int, size: int, off: int, fi: int) -> None:
             self.current = ino
+            if fi and self.checking:
+                self.fh_word = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
             fast = self.fast
-            if fast is not None:
-                if fi and self.checking:
-                    self.fh_word = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
-                if fast(req, ino, size, off, fi):
-                    return
+            if fast is not None and fast(req, ino, size, off, fi):
+                return
             original(req, ino, size, off, fi)
 
         return trampoline

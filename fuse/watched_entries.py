@@ -46,6 +46,12 @@ class WatchedEntries:
         self.fs = fs
         self.names: dict[int, set[tuple[int, bytes]]] = {}  # what the kernel was told, per inode
         self.by_name: dict[tuple[int, bytes], int] = {}  # the same, by (parent, name)
+        # directories whose listing the watch kept when their name was
+        # seen: (parent, name) -> (inode, its change counter then). A name
+        # is good only while the directory is unchanged since: watched
+        # again later (listed under its new name after a rename), its
+        # counter is another
+        self.dir_names: dict[tuple[int, bytes], tuple[int, int]] = {}
         fs.open_cache.on_forget = self.forget
 
     def extend(self, entry: pyfuse3.EntryAttributes, parent: int, name: bytes) -> None:
@@ -70,8 +76,9 @@ class WatchedEntries:
         answered from them while the watch holds (the kernel is not told
         to keep the name longer: nothing to drop when the watch ends)."""
         watch = self.fs.cache_watch
-        if watch is not None and watch.dir_attr(ino) is not None:
-            self.by_name[(parent, name)] = ino
+        attr = None if watch is None else watch.dir_attr(ino)
+        if attr is not None:
+            self.dir_names[(parent, name)] = (ino, attr["change"])
 
     def keep(self, entry: pyfuse3.EntryAttributes) -> pyfuse3.EntryAttributes:
         """A GETATTR reply of such a file: the attributes kept as long."""
@@ -85,11 +92,16 @@ class WatchedEntries:
         been renewed since; the name is as current as the attributes: any
         change to it, this mount's own too, is told to the watch)."""
         ino = self.by_name.get((parent, name))
-        if ino is None:
+        if ino is not None:
+            return self.attributes(ino)
+        seen = self.dir_names.get((parent, name))
+        watch = self.fs.cache_watch
+        if seen is None or watch is None:
             return None
-        attr = self.attributes(ino)
-        if attr is None and ino not in self.names:  # a directory no longer watched
-            del self.by_name[(parent, name)]
+        attr = watch.dir_attr(seen[0])
+        if attr is None or attr["change"] != seen[1]:  # changed (renamed, removed...) since
+            del self.dir_names[(parent, name)]
+            return None
         return attr
 
     def attributes(self, ino: int) -> Attr | None:

@@ -499,6 +499,17 @@ class ProcessCluster:
         async with open_rpc_client(self.secret()) as rpc:
             yield rpc
 
+    def meta_calls(self) -> dict[str, int]:
+        """The metadata server's requests served so far, per method (`rpc_calls`)."""
+        address = Routing(self.routing()).meta_address()
+
+        async def fetch() -> dict[str, int]:
+            async with self.rpc() as rpc:
+                result: dict[str, int] = await rpc.call(address, "rpc_calls", {}, timeout=5.0)
+                return result
+
+        return trio.run(fetch)
+
     def routing(self) -> RoutingInfo:
         async def fetch() -> RoutingInfo:
             async with self.rpc() as rpc:

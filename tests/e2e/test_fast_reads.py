@@ -278,3 +278,48 @@ def test_an_immutable_mounts_first_reads_open_then_take_the_fast_path(
         read_whole(imm.mountpoint, files, 3)
         assert imm.count("local") - local >= len(files)
         assert imm.count("declined") == declined
+
+
+OPENS = "shufflefs_client_fast_opens"
+
+
+@pytest.mark.parametrize("mode", ["rw", "ro"])
+def test_cached_opens_and_their_closes_are_answered_in_libfuses_callback(
+    mounted: ProcessCluster, fast: FastMount, tmp_path: Path, mode: str
+) -> None:
+    """A read-only open that the mount's open cache answers with no round
+    trip, and its close, are answered in libfuse's callback
+    (fuse/fast_opens.py): counted, no metadata call, the bytes right. On the
+    read-write mount an open for writing and its close go the usual way,
+    and the next cached open reads what they wrote; with ``no_fast_opens``
+    none is answered there."""
+    data = os.urandom(300_000)
+    (fast.mountpoint / f"opens-{mode}.bin").write_bytes(data)
+    for options, counted in ((mode, True), (f"{mode},no_fast_opens", False)):
+        where = tmp_path / options.replace(",", "-")
+        where.mkdir()
+        for m in mount(mounted, where, options):
+            path = m.mountpoint / f"opens-{mode}.bin"
+            assert path.read_bytes() == data  # (its first open asks the metadata server)
+            before = mounted.meta_calls()
+            for _ in range(20):
+                assert path.read_bytes() == data
+            after = mounted.meta_calls()
+            for method in ("open", "lookup_open", "release", "release_many"):
+                assert after.get(method, 0) == before.get(method, 0), method
+            opens = total(m.metrics, OPENS, op="open")
+            releases = total(m.metrics, OPENS, op="release")
+            if not counted:
+                assert opens == releases == 0
+                continue
+            # (the first opens are the usual way's, until the file info's
+            # handle offset was checked against pyfuse3's reading)
+            assert opens >= 15 and releases >= 15
+            if mode == "rw":
+                new = os.urandom(200_000)
+                with open(path, "r+b") as f:  # an open for writing: not taken
+                    f.write(new)
+                assert total(m.metrics, OPENS, op="open") == opens
+                assert total(m.metrics, OPENS, op="release") == releases
+                assert path.read_bytes() == new + data[len(new) :]
+                path.write_bytes(data)

@@ -31,12 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import trio
 from clusters import ProcessCluster, wait_until
 from harness import read_whole as read
 from harness import rewrite_in_place, shufflefs
-
-from shufflefs.cluster.routing import Routing
 
 BOUND = 1.0  # the short ro mount's attr/entry/negative timeout
 SLACK = 10.0  # what the test allows beyond the bound on a busy machine
@@ -76,14 +73,7 @@ def where(mnt: Path, mounts: dict[str, Path]) -> Callable[[str], Path]:
 
 
 def meta_calls(cluster: ProcessCluster) -> dict[str, int]:
-    address = Routing(cluster.routing()).meta_address()
-
-    async def fetch() -> dict[str, int]:
-        async with cluster.rpc() as rpc:
-            result: dict[str, int] = await rpc.call(address, "rpc_calls", {}, timeout=5.0)
-            return result
-
-    return trio.run(fetch)
+    return cluster.meta_calls()
 
 
 def eventually_reads(p: Path, want: bytes) -> float:
@@ -221,6 +211,32 @@ def test_a_first_listing_costs_a_round_trip_per_page_and_none_for_its_end(
     after = meta_calls(mounted)
     calls = {m: after.get(m, 0) - before.get(m, 0) for m in ("watch_dir", "readdir")}
     assert calls == {"watch_dir": 2, "readdir": 1}
+
+
+def test_a_renamed_watched_directory_is_not_found_by_its_old_name(
+    mounted: ProcessCluster, where: Callable[[str], Path]
+) -> None:
+    """A directory listed (so watched) and renamed, then listed again under
+    its new name (watched again): its old name leads nowhere, on the mount
+    that renamed it and on another (found by the model test: the old name
+    was answered from the new watch)."""
+    for renamer, other in (("A", "B"), ("B", "A")):
+        r, o = where(renamer), where(other)
+        (r / "old").mkdir()
+        (r / "old" / "f").write_bytes(b"x")
+        for m in (r, o):
+            assert os.listdir(m / "old") == ["f"]
+            assert "old" in os.listdir(m)
+        os.rename(r / "old", r / "new")
+        for m in (r, o):
+            assert os.listdir(m / "new") == ["f"]
+            assert sorted(os.listdir(m)) == sorted(os.listdir(r))
+            assert "old" not in os.listdir(m)
+        assert not (r / "old").exists()
+        wait_until("the old name to go", lambda o=o: not (o / "old").exists(), SLACK)
+        assert not (r / "old").exists()
+        (r / "new" / "f").unlink()
+        (r / "new").rmdir()
 
 
 def test_default_mount_keeps_listings_its_watch_keeps_fresh(

@@ -82,8 +82,13 @@ def test_open_trampoline_asks_for_no_flush_on_read_only_opens(flags: int, noflus
     info[0] = flags
     info[1] = 0b101  # writepage and keep_cache, say: left as they are
     address = ctypes.addressof(info)
-    trampoline = ReadInodes()._open(lambda req, ino, fi: seen.append((req, ino, fi)))
+    hooks = ReadInodes(noflush_read_only=True)
+    trampoline = hooks._open(lambda req, ino, fi: seen.append((req, ino, fi)))
     trampoline(7, 42, address)
     assert seen == [(7, 42, address)]
     assert info[0] == flags
     assert info[1] == (0b101 | 1 << 7 if noflush else 0b101)
+    # a read-only mount's opens: nothing touched (it answers FLUSH ENOSYS once)
+    info[1] = 0b101
+    ReadInodes()._open(lambda req, ino, fi: None)(7, 42, address)
+    assert info[1] == 0b101
