@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import trio
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from shufflefs.cluster.metrics import start_metrics
@@ -32,6 +33,16 @@ from shufflefs.rpc.errors import FsError
 log = logging.getLogger("shufflefs.metrics")
 
 T = TypeVar("T")
+
+
+def counts_family(name: str, documentation: str, label: str, counts: object) -> Metric:
+    """A counter family of plain integer fields (*counts*, a dataclass the
+    loop's thread increments), one sample per field, made when scraped:
+    nothing on the counted path."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key, value in vars(counts).items():
+        family.add_metric([key], value)
+    return family
 
 
 class _Op:

@@ -56,12 +56,12 @@ from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
-from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from shufflefs.client.channel_reads import NOT_CONNECTED, ChannelRead, ReadChannels
 from shufflefs.client.fs import FileSystem
 from shufflefs.client.layout import Piece, plan
+from shufflefs.cluster.metrics_client import counts_family
 from shufflefs.cluster.routing import Routing
 from shufflefs.fuse.libfuse import KernelQueue
 from shufflefs.fuse.read_inode import FH_OFFSET, READ_INODES
@@ -99,14 +99,12 @@ class FastReadCounts:
     declined: int = 0  # left to pyfuse3 (partly local, no connection yet, unknown handle...)
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
+        yield counts_family(
             "shufflefs_client_fast_reads",
             "READs of a mount by what its fast path (fuse/fast_reads.py) did with them",
-            labels=["outcome"],
+            "outcome",
+            self,
         )
-        for outcome in ("taken", "local", "fell_back", "declined"):
-            family.add_metric([outcome], getattr(self, outcome))
-        yield family
 
 
 class FastReads:

@@ -5,7 +5,7 @@ pyfuse3 reads one request per turn of its loop: a worker task takes the
 read lock, waits for the device to be readable, receives the request,
 dispatches it (libfuse calls the operation's callback, which creates the
 handler's coroutine), and awaits that coroutine. A request the fast paths
-answer in the callback (fuse/fast_reads.py, fuse/fast_opens.py) needs none
+answer in the callback (fuse/fast_reads.py, fuse/fast_answers.py) needs none
 of that but the receive and the dispatch, so once one has answered one,
 `KernelQueue` receives and dispatches the requests already waiting behind
 it right there, as pyfuse3 would, for as long as a fast path answers each:
@@ -50,6 +50,12 @@ class LibFuse:
         self.reply_open = free.fuse_reply_open
         self.reply_open.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
         self.reply_open.restype = ctypes.c_int
+        self.reply_entry = free.fuse_reply_entry
+        self.reply_entry.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        self.reply_entry.restype = ctypes.c_int
+        self.reply_attr = free.fuse_reply_attr
+        self.reply_attr.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double)
+        self.reply_attr.restype = ctypes.c_int
         self.reply_err = free.fuse_reply_err
         self.reply_err.argtypes = (ctypes.c_void_p, ctypes.c_int)
         self.reply_err.restype = ctypes.c_int

@@ -26,7 +26,7 @@ from shufflefs.cluster.launcher import unmount, wait_mounted
 from shufflefs.cluster.metrics_client import read_counter, start_client_metrics
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.fuse.fast_opens import FastOpenCounts, FastOpens
+from shufflefs.fuse.fast_answers import FastAnswerCounts, FastAnswers
 from shufflefs.fuse.fast_reads import FastReadCounts, FastReads
 from shufflefs.fuse.libfuse import KernelQueue
 from shufflefs.fuse.mount_options import MountOptions, parse_options
@@ -83,14 +83,14 @@ async def run_mount(
         fs = FileSystem(rpc, routing, client_options)
         await fs.start(nursery)
         fast_counts = FastReadCounts()
-        open_counts = FastOpenCounts()
+        answer_counts = FastAnswerCounts()
         await start_client_metrics(
             nursery,
             fs,
             options.metrics or config.mount_metrics,
             rpc=rpc,
             mgmtd=config.mgmtd,
-            collectors=[fast_counts.collect, open_counts.collect],
+            collectors=[fast_counts.collect, answer_counts.collect],
         )
         ops = ShuffleOps(fs, options)
         await ops.start(nursery)
@@ -103,8 +103,8 @@ async def run_mount(
         READ_INODES.noflush_read_only = not options.read_only
         keeps_listings = not options.immutable and (options.read_only or fs.cache_watch is not None)
         READ_INODES.dir_flags = ops.listings.flags if keeps_listings else None
-        fast_opens = options.fast_opens and not options.immutable  # (immutable: no OPENs)
-        wanted = options.immutable or options.fast_reads or keeps_listings or fast_opens
+        fast_answers = options.fast_answers and not options.immutable  # (immutable: no OPENs)
+        wanted = options.immutable or options.fast_reads or keeps_listings or fast_answers
         hooked = wanted and READ_INODES.install()
         if hooked and not options.immutable and not options.fast_reads:
             READ_INODES.hook_reads(None, False)  # the opendir trampoline alone
@@ -117,10 +117,10 @@ async def run_mount(
         if queue is not None and options.fast_reads:
             fast = FastReads(ops, fs, secret, nursery, queue, fast_counts, on_read=read_counter(fs))
             fast.install()
-        opens = None
-        if queue is not None and fast_opens:
-            opens = FastOpens(ops, READ_INODES, nursery, queue, open_counts)
-            opens.install()
+        answers = None
+        if queue is not None and fast_answers:
+            answers = FastAnswers(ops, READ_INODES, nursery, queue, answer_counts)
+            answers.install()
         log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
         try:
             FUSE_LOOP.running = True
@@ -128,8 +128,8 @@ async def run_mount(
         finally:
             FUSE_LOOP.running = False
             with trio.CancelScope(shield=True):
-                if opens is not None:
-                    opens.close()
+                if answers is not None:
+                    answers.close()
                 if fast is not None:
                     fast.close()
                 if queue is not None:

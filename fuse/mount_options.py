@@ -52,7 +52,7 @@ FLAGS = (
     "rw",
     "no_local_reads",
     "no_fast_reads",
-    "no_fast_opens",
+    "no_fast_answers",
     "no_cache_watch",
     "debug",
 )
@@ -75,7 +75,7 @@ class MountOptions:
     max_tasks: int = 64
     local_reads: bool = True
     fast_reads: bool = True  # READs answered off the event loop (fuse/fast_reads.py)
-    fast_opens: bool = True  # cached OPENs and their RELEASEs in libfuse's callback (fast_opens.py)
+    fast_answers: bool = True  # what the caches answer, in libfuse's callback (fast_answers.py)
     cache_watch: bool = True  # rw: cached opens kept fresh by the server (client/cache_watch.py)
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
@@ -137,7 +137,7 @@ def parse_options(items: list[str]) -> MountOptions:
         ),
         local_reads="no_local_reads" not in given,
         fast_reads="no_fast_reads" not in given,
-        fast_opens="no_fast_opens" not in given,
+        fast_answers="no_fast_answers" not in given,
         cache_watch="no_cache_watch" not in given,
         debug="debug" in given,
     )

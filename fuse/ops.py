@@ -125,6 +125,27 @@ class ShuffleOps(pyfuse3.Operations):
 
     # ---- names and attributes ------------------------------------------------------
 
+    def lookup_now(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes | None:
+        """LOOKUP answered in libfuse's callback (fuse/fast_answers.py) when
+        the mount's caches answer it: a name the cache watch keeps fresh
+        (read-write), or a hinted file whose bytes are held (``ro``); None
+        leaves it to `lookup`."""
+        if self.inode_reads is not None:  # (cache=immutable: its handle is opened first)
+            return None
+        if self.watched is not None:
+            attr = self.watched.lookup(parent_inode, name)
+        elif self.options.read_only:
+            attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
+        else:
+            return None
+        return None if attr is None else self._found(attr, parent_inode, name)
+
+    def _found(self, attr: Attr, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
+        entry = self.remember(attr)
+        if self.watched is not None:
+            self.watched.extend(entry, parent_inode, name)
+        return entry
+
     @fuse_errors
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
@@ -147,10 +168,7 @@ class ShuffleOps(pyfuse3.Operations):
             missing.entry_timeout = self.options.negative_timeout
             return missing
         if self.inode_reads is None:
-            entry = self.remember(attr)
-            if self.watched is not None:
-                self.watched.extend(entry, parent_inode, name)
-            return entry
+            return self._found(attr, parent_inode, name)
         await self.inode_reads.pages_current(attr)
         entry = self.remember(attr)
         await self.inode_reads.ready(attr)
@@ -175,9 +193,9 @@ class ShuffleOps(pyfuse3.Operations):
                 self.regular.discard(ino)
                 self.created_in.pop(ino, None)
 
-    @fuse_errors
-    @stale_when_gone
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def getattr_now(self, inode: int) -> pyfuse3.EntryAttributes | None:
+        """GETATTR answered with no round trip (also in libfuse's callback,
+        fuse/fast_answers.py), or None."""
         # A create makes the kernel drop the directory's cached attributes,
         # and the next lookup or create in it (permission checks) asks for
         # them again: one metadata round trip per file written into a
@@ -188,6 +206,14 @@ class ShuffleOps(pyfuse3.Operations):
             return self.entry(fresh[0])
         if self.watched is not None and (known := self.watched.attributes(inode)) is not None:
             return self.watched.keep(self.entry(known))
+        return None
+
+    @fuse_errors
+    @stale_when_gone
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        entry = self.getattr_now(inode)
+        if entry is not None:
+            return entry
         attr = await self.fs.getattr(inode)
         if self.inode_reads is not None:
             await self.inode_reads.pages_current(attr)
@@ -369,7 +395,7 @@ class ShuffleOps(pyfuse3.Operations):
         return self._opened(f.fh, attr, flags)
 
     def open_now(self, inode: int, flags: int) -> pyfuse3.FileInfo | None:
-        """OPEN answered in libfuse's callback (fuse/fast_opens.py) when it
+        """OPEN answered in libfuse's callback (fuse/fast_answers.py) when it
         needs no round trip: a read-only open the client's open cache
         answers (`FileSystem.open_now`); None leaves it to `open`."""
         if self.inode_reads is not None:
@@ -466,7 +492,7 @@ class ShuffleOps(pyfuse3.Operations):
         await self.fs.fsync(fh)
 
     def release_now(self, fh: int) -> bool:
-        """RELEASE answered in libfuse's callback (fuse/fast_opens.py) when
+        """RELEASE answered in libfuse's callback (fuse/fast_answers.py) when
         it needs no round trip and no wait (`FileSystem.release_now`);
         False leaves it to `release`."""
         f = self.fs.files.get(fh)
@@ -477,7 +503,7 @@ class ShuffleOps(pyfuse3.Operations):
 
     @fuse_errors
     async def release(self, fh: int) -> None:
-        READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_opens.py)
+        READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_answers.py)
         self.append_direct.discard(fh)
         f = self.fs.files.get(fh)
         if f is not None and f.writable:

@@ -30,6 +30,10 @@ FLUSH at the close of such a file (``FOPEN_NOFLUSH``, Linux 5.19), one
 upcall less per sample for a loader; there is nothing to report at the close
 of a file not written through it (its RELEASE still comes, and drains).
 
+The trampolines in front of pyfuse3's ``open``, ``release``, ``lookup`` and
+``getattr`` offer each request to fuse/fast_answers.py first, which answers
+it right there when the mount's caches can, else pyfuse3 goes on as usual.
+
 The trampoline in front of pyfuse3's ``opendir`` (`dir_flags`, set before
 `install`) asks the kernel to cache the directory's listing
 (``FOPEN_CACHE_DIR``) and, when the mount knows the listing the kernel
@@ -66,9 +70,13 @@ ANCHOR_SYMBOL = "PyInit_pyfuse3"  # exported: its address gives the load base
 # pyfuse3's callbacks for the slots around `read`, in fuse_lowlevel_ops order
 SLOTS = ("open", "read", "write", "flush", "release")
 OPENDIR = "opendir"  # (req, ino, fi), as open
+GETATTR = "getattr"  # (req, ino, fi), as open
+LOOKUP = "lookup"  # (req, parent, name)
+FOUND = (OPENDIR, GETATTR, LOOKUP)  # slots found by their callback's address
 PATCHED = ("read", "readdirplus")  # same signature: (req, ino, size, off, fi)
 SCAN_WORDS = 128  # the table starts within the first few words of the session
 TABLE_WORDS = 64  # fuse_lowlevel_ops has fewer slots than this
+BEFORE_OPEN = 16  # ... and fewer than this before `open` (init ... link: 14)
 
 READ_CALLBACK = ctypes.CFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
@@ -79,6 +87,9 @@ PYFUSE3_READ = ctypes.PYFUNCTYPE(
 )
 OPEN_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 PYFUSE3_OPEN = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
+# (the name as a pointer: handed on to pyfuse3 untouched, read only when needed)
+LOOKUP_CALLBACK = OPEN_CALLBACK
+PYFUSE3_LOOKUP = PYFUSE3_OPEN
 # struct fuse_file_info (libfuse 3.14): `int flags`, then the bit fields in a
 # 32-bit word, `noflush` the eighth (writepage, direct_io, keep_cache, flush,
 # nonseekable, flock_release, cache_readdir, noflush)
@@ -102,7 +113,7 @@ def _needed_symbols(path: str) -> dict[str, int] | None:
     names = {
         SESSION_SYMBOL,
         ANCHOR_SYMBOL,
-        *(_callback(s) for s in (*SLOTS, *PATCHED, OPENDIR)),
+        *(_callback(s) for s in (*SLOTS, *PATCHED, *FOUND)),
     }
     syms = _symbols(path, names)
     missing = names - syms.keys()
@@ -129,7 +140,8 @@ def _symbols(path: str, names: set[str]) -> dict[str, int]:
 
 
 FastRead = Callable[[int, int, int, int, int], bool]  # (req, ino, size, off, fi) -> taken?
-FastOpen = Callable[[int, int, int], bool]  # (req, ino, fi) -> answered? (OPEN, RELEASE)
+# (req, ino, fi) -> answered? (OPEN, RELEASE, GETATTR); (req, parent, name) for LOOKUP
+FastAnswer = Callable[[int, int, int], bool]
 # offsetof(struct fuse_file_info, fh) in libfuse 3 (an int of flags, two
 # 32-bit words of bit fields, then the 64-bit handle). Not trusted blindly:
 # `ReadInodes.confirm` checks it against pyfuse3's own reading first.
@@ -153,9 +165,12 @@ class ReadInodes:
     # set before `install`: read-only opens ask the kernel for no FLUSH (rw mounts)
     noflush_read_only: bool = False
     # tried first on every OPEN and RELEASE once the handle's offset is
-    # confirmed: True when answered (fuse/fast_opens.py)
-    fast_open: FastOpen | None = None
-    fast_release: FastOpen | None = None
+    # confirmed, and on every LOOKUP and GETATTR: True when answered
+    # (fuse/fast_answers.py)
+    fast_open: FastAnswer | None = None
+    fast_release: FastAnswer | None = None
+    fast_lookup: FastAnswer | None = None
+    fast_getattr: FastAnswer | None = None
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
@@ -236,7 +251,7 @@ class ReadInodes:
         if not session:
             log.warning("READ hook unavailable: no FUSE session yet")
             return False
-        address = {slot: base + syms[_callback(slot)] for slot in (*SLOTS, *PATCHED, OPENDIR)}
+        address = {slot: base + syms[_callback(slot)] for slot in (*SLOTS, *PATCHED, *FOUND)}
         want = [address[slot] for slot in SLOTS]
         words = (ctypes.c_void_p * (SCAN_WORDS + TABLE_WORDS)).from_address(session)
         at = next(
@@ -251,8 +266,9 @@ class ReadInodes:
             log.warning("READ hook unavailable: operation table not found")
             return False
         slots = {}
-        for name in (*PATCHED, OPENDIR):
-            found = [i for i in range(at, at + TABLE_WORDS) if words[i] == address[name]]
+        for name in (*PATCHED, *FOUND):
+            span = range(max(0, at - BEFORE_OPEN), at + TABLE_WORDS)
+            found = [i for i in span if words[i] == address[name]]
             if len(found) != 1:
                 log.warning("READ hook unavailable: %s slot not found once", name)
                 return False
@@ -269,9 +285,13 @@ class ReadInodes:
                 self._read_slot = (words, slot, address[name], words[slot] or 0)
         opener = OPEN_CALLBACK(self._open(PYFUSE3_OPEN(address["open"])))
         releaser = OPEN_CALLBACK(self._release(PYFUSE3_OPEN(address["release"])))
-        keep += [opener, releaser]
+        getter = OPEN_CALLBACK(self._offered(PYFUSE3_OPEN(address[GETATTR]), "fast_getattr"))
+        looker = LOOKUP_CALLBACK(self._offered(PYFUSE3_LOOKUP(address[LOOKUP]), "fast_lookup"))
+        keep += [opener, releaser, getter, looker]
         words[at] = ctypes.cast(opener, ctypes.c_void_p).value
         words[at + SLOTS.index("release")] = ctypes.cast(releaser, ctypes.c_void_p).value
+        words[slots[GETATTR]] = ctypes.cast(getter, ctypes.c_void_p).value
+        words[slots[LOOKUP]] = ctypes.cast(looker, ctypes.c_void_p).value
         if self.dir_flags is not None:
             dir_opener = OPEN_CALLBACK(
                 self._opendir(PYFUSE3_OPEN(address[OPENDIR]), self.dir_flags)
@@ -307,6 +327,18 @@ class ReadInodes:
                 if fast is not None and self.fh_confirmed and fast(req, ino, fi):
                     return
             original(req, ino, fi)
+
+        return trampoline
+
+    def _offered(self, original: Callable[..., None], hook: str) -> Callable[..., None]:
+        """A trampoline that offers its request to the hook named *hook*
+        (`fast_getattr`, `fast_lookup`) first."""
+
+        def trampoline(req: int, what: int, arg: int) -> None:
+            fast = getattr(self, hook)
+            if fast is not None and fast(req, what, arg):
+                return
+            original(req, what, arg)
 
         return trampoline
 

@@ -280,22 +280,22 @@ def test_an_immutable_mounts_first_reads_open_then_take_the_fast_path(
         assert imm.count("declined") == declined
 
 
-OPENS = "shufflefs_client_fast_opens"
+ANSWERS = "shufflefs_client_fast_answers"
 
 
 @pytest.mark.parametrize("mode", ["rw", "ro"])
-def test_cached_opens_and_their_closes_are_answered_in_libfuses_callback(
+def test_what_the_caches_answer_is_answered_in_libfuses_callback(
     mounted: ProcessCluster, fast: FastMount, tmp_path: Path, mode: str
 ) -> None:
     """A read-only open that the mount's open cache answers with no round
     trip, and its close, are answered in libfuse's callback
-    (fuse/fast_opens.py): counted, no metadata call, the bytes right. On the
-    read-write mount an open for writing and its close go the usual way,
-    and the next cached open reads what they wrote; with ``no_fast_opens``
-    none is answered there."""
+    (fuse/fast_answers.py): counted, no metadata call, the bytes right. On the
+    read-write mount so is a LOOKUP of a name the watch keeps; an open for
+    writing and its close go the usual way, and the next cached open reads
+    what they wrote; with ``no_fast_answers`` none is answered there."""
     data = os.urandom(300_000)
     (fast.mountpoint / f"opens-{mode}.bin").write_bytes(data)
-    for options, counted in ((mode, True), (f"{mode},no_fast_opens", False)):
+    for options, counted in ((mode, True), (f"{mode},no_fast_answers", False)):
         where = tmp_path / options.replace(",", "-")
         where.mkdir()
         for m in mount(mounted, where, options):
@@ -307,8 +307,8 @@ def test_cached_opens_and_their_closes_are_answered_in_libfuses_callback(
             after = mounted.meta_calls()
             for method in ("open", "lookup_open", "release", "release_many"):
                 assert after.get(method, 0) == before.get(method, 0), method
-            opens = total(m.metrics, OPENS, op="open")
-            releases = total(m.metrics, OPENS, op="release")
+            opens = total(m.metrics, ANSWERS, op="open")
+            releases = total(m.metrics, ANSWERS, op="release")
             if not counted:
                 assert opens == releases == 0
                 continue
@@ -316,10 +316,16 @@ def test_cached_opens_and_their_closes_are_answered_in_libfuses_callback(
             # handle offset was checked against pyfuse3's reading)
             assert opens >= 15 and releases >= 15
             if mode == "rw":
+                # the kernel's entry gone (expired after the watch's lease,
+                # or evicted): the LOOKUP is answered from the watch, here
+                lookups = total(m.metrics, ANSWERS, op="lookup")
+                Path("/proc/sys/vm/drop_caches").write_text("2\n")
+                assert path.stat().st_size == len(data)
+                assert total(m.metrics, ANSWERS, op="lookup") > lookups
                 new = os.urandom(200_000)
                 with open(path, "r+b") as f:  # an open for writing: not taken
                     f.write(new)
-                assert total(m.metrics, OPENS, op="open") == opens
-                assert total(m.metrics, OPENS, op="release") == releases
+                assert total(m.metrics, ANSWERS, op="open") == opens
+                assert total(m.metrics, ANSWERS, op="release") == releases
                 assert path.read_bytes() == new + data[len(new) :]
                 path.write_bytes(data)

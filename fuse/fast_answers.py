@@ -1,0 +1,210 @@
+"""Requests the mount's caches answer, answered in libfuse's callback before
+pyfuse3 sees them: OPEN, RELEASE, LOOKUP and GETATTR.
+
+A warm sample read through a read-write or ``-o ro`` mount costs the mount
+its OPEN and its RELEASE (the kernel answers the READs from its page cache),
+and on a read-write mount now and then a LOOKUP or GETATTR of a name whose
+kernel entry expired; none needs a round trip when the client's open cache
+and cache watch answer it (client/open_cache.py, fuse/watched_entries.py).
+Handled as pyfuse3 handles any request, each still cost a task of its own
+on the trio loop: pyfuse3's callback, its coroutine, our handler, the
+reply; measured on a ``-o ro`` mount read warm by four processes, that
+machinery was five times the handlers' own work and the mount's one core
+the limit.
+
+So the trampolines in front of pyfuse3's callbacks (fuse/read_inode.py)
+offer each such request here first, on the loop's thread, inside libfuse's
+dispatch. `ShuffleOps.open_now`, `release_now`, `lookup_now` and
+`getattr_now` answer it exactly as the handlers would when that takes no
+wait (a read-only open the open cache trusts; the release of such a file
+with nothing to flush and no handle to give back; a name or attributes the
+watch keeps fresh): the same bookkeeping, then libfuse's reply. Anything
+else (a miss, a revalidation, a write open, a dropped entry's last close)
+is declined and goes through pyfuse3 as before. After an answer the
+requests already waiting in the kernel's queue are taken the same way
+(fuse/libfuse.py, `KernelQueue`).
+
+Where libfuse's structures are read or written: a file info's handle at
+`FH_OFFSET`, only once that offset was confirmed against pyfuse3's own
+reading (`ReadInodes.confirm`); a reply's ``struct fuse_entry_param`` is
+the one inside pyfuse3's ``EntryAttributes`` object, found at
+`ENTRY_OFFSET` from the object's address, which `entry_layout_ok` checks
+against known values before LOOKUP and GETATTR are answered here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
+
+import pyfuse3
+import trio
+from prometheus_client.metrics_core import Metric
+
+from shufflefs.cluster.metrics_client import counts_family
+from shufflefs.fuse.libfuse import KernelQueue
+from shufflefs.fuse.read_inode import BITS_OFFSET, DIRECT_IO_BIT, FH_OFFSET, KEEP_CACHE_BIT
+
+if TYPE_CHECKING:
+    from shufflefs.fuse.ops import ShuffleOps
+    from shufflefs.fuse.read_inode import ReadInodes
+
+log = logging.getLogger("shufflefs.fuse.fast_answers")
+
+# pyfuse3's EntryAttributes: PyObject_HEAD, then `struct fuse_entry_param`
+# (ino, generation, struct stat, attr_timeout, entry_timeout); x86_64 sizes
+ENTRY_OFFSET = 16
+STAT_OFFSET = ENTRY_OFFSET + 16
+STAT_SIZE = 144
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def entry_layout_ok() -> bool:
+    """Does an EntryAttributes hold its fuse_entry_param where the replies
+    here read it? (Checked with distinctive values: a build or platform that
+    lays it out otherwise leaves LOOKUP and GETATTR to pyfuse3.)"""
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = 0x0123456789AB
+    e.generation = 0x5A5A5A
+    e.st_size = 0x77777777
+    e.attr_timeout = 12.5
+    e.entry_timeout = 7.25
+    base = id(e) + ENTRY_OFFSET
+    u64 = ctypes.c_uint64.from_address
+    f64 = ctypes.c_double.from_address
+    return (
+        u64(base).value == e.st_ino
+        and u64(base + 8).value == e.generation
+        and u64(STAT_OFFSET + id(e) + 8).value == e.st_ino  # struct stat's st_ino
+        and u64(STAT_OFFSET + id(e) + 48).value == e.st_size
+        and f64(STAT_OFFSET + id(e) + STAT_SIZE).value == e.attr_timeout
+        and f64(STAT_OFFSET + id(e) + STAT_SIZE + 8).value == e.entry_timeout
+    )
+
+
+@dataclass
+class FastAnswerCounts:
+    """Requests answered here, per operation (counted on the loop's thread,
+    exported when scraped)."""
+
+    open: int = 0
+    release: int = 0
+    lookup: int = 0
+    getattr: int = 0
+
+    def collect(self) -> Iterable[Metric]:
+        yield counts_family(
+            "shufflefs_client_fast_answers",
+            "Requests a mount's caches answered in libfuse's callback (fuse/fast_answers.py)",
+            "op",
+            self,
+        )
+
+
+class FastAnswers:
+    def __init__(
+        self,
+        ops: ShuffleOps,
+        hooks: ReadInodes,
+        nursery: trio.Nursery,
+        queue: KernelQueue,
+        counts: FastAnswerCounts,
+    ) -> None:
+        self.ops = ops
+        self.nursery = nursery
+        self.hooks = hooks
+        self.queue = queue
+        self.libfuse = queue.libfuse
+        self.counts = counts
+        self._warned = False
+
+    def install(self) -> None:
+        self.hooks.fast_open = self.open
+        self.hooks.fast_release = self.release
+        if entry_layout_ok():
+            self.hooks.fast_lookup = self.lookup
+            self.hooks.fast_getattr = self.getattr
+        else:
+            log.warning("LOOKUP and GETATTR stay with pyfuse3: its EntryAttributes layout differs")
+
+    def close(self) -> None:
+        """Take no more requests (before the FUSE session closes)."""
+        self.hooks.fast_open = self.hooks.fast_release = None
+        self.hooks.fast_lookup = self.hooks.fast_getattr = None
+
+    def open(self, req: int, ino: int, fi: int) -> bool:
+        """Answer an OPEN (True) or decline it (nothing done)."""
+        flags = ctypes.c_int.from_address(fi).value
+        info = self._try("OPEN", ino, self.ops.open_now, ino, flags)
+        if info is None:
+            return self._declined()
+        bits = ctypes.c_uint32.from_address(fi + BITS_OFFSET)
+        bits.value |= (KEEP_CACHE_BIT if info.keep_cache else 0) | (
+            DIRECT_IO_BIT if info.direct_io else 0
+        )
+        ctypes.c_uint64.from_address(fi + FH_OFFSET).value = info.fh
+        ret = self.libfuse.reply_open(req, fi)
+        if ret:
+            # the opener was interrupted meanwhile: the kernel will send no
+            # RELEASE for a handle it never got
+            log.debug("fuse_reply_open: %s", errno.errorcode.get(-ret, ret))
+            if not self.ops.release_now(info.fh):
+                self.nursery.start_soon(self._give_back, info.fh)
+        return self._answered("open")
+
+    def release(self, req: int, ino: int, fi: int) -> bool:
+        """Answer a RELEASE (True) or decline it (nothing done)."""
+        fh = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
+        if not self._try("RELEASE", ino, self.ops.release_now, fh):
+            return self._declined()
+        self.libfuse.reply_err(req, 0)
+        return self._answered("release")
+
+    def lookup(self, req: int, parent: int, name: int) -> bool:
+        """Answer a LOOKUP (True) or decline it (nothing done)."""
+        entry = self._try("LOOKUP", parent, self.ops.lookup_now, parent, ctypes.string_at(name))
+        if entry is None:
+            return self._declined()
+        self.libfuse.reply_entry(req, id(entry) + ENTRY_OFFSET)
+        return self._answered("lookup")
+
+    def getattr(self, req: int, ino: int, fi: int) -> bool:
+        """Answer a GETATTR (True) or decline it (nothing done)."""
+        entry = self._try("GETATTR", ino, self.ops.getattr_now, ino)
+        if entry is None:
+            return self._declined()
+        self.libfuse.reply_attr(req, id(entry) + STAT_OFFSET, entry.attr_timeout)
+        return self._answered("getattr")
+
+    # ---- internals -------------------------------------------------------------
+
+    def _try(
+        self, what: str, ino: int, answer: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T | None:
+        try:
+            return answer(*args, **kwargs)
+        except Exception:
+            if not self._warned:
+                self._warned = True
+                log.exception("fast %s of inode %d failed: it goes the usual way", what, ino)
+            return None
+
+    def _answered(self, op: str) -> bool:
+        setattr(self.counts, op, getattr(self.counts, op) + 1)
+        self.queue.answered(True)
+        return True
+
+    def _declined(self) -> bool:
+        self.queue.answered(False)
+        return False
+
+    async def _give_back(self, fh: int) -> None:
+        with contextlib.suppress(pyfuse3.FUSEError):
+            await self.ops.release(fh)
