@@ -387,7 +387,7 @@ class FileSystem:
         return self._track(res, flags)
 
     async def open(self, ino: int, flags: int) -> tuple[OpenFile, Attr]:
-        if self.open_cache.enabled and flags & (ACCESS_MODE | os.O_TRUNC) == os.O_RDONLY:
+        if self._cacheable(flags):
             return self._track_cached(*await self.open_cache.open(ino, flags), flags)
         # our cached handle must not keep alive a file removed elsewhere for
         # an open that would write to it (reached through a stale name: the
@@ -399,10 +399,12 @@ class FileSystem:
     def open_now(self, ino: int, flags: int) -> tuple[OpenFile, Attr] | None:
         """`open` when it needs no round trip (a read-only open the open
         cache answers: `OpenCache.open_now`), else None and nothing done."""
-        if not self.open_cache.enabled or flags & (ACCESS_MODE | os.O_TRUNC) != os.O_RDONLY:
-            return None
-        hit = self.open_cache.open_now(ino)
+        hit = self.open_cache.open_now(ino) if self._cacheable(flags) else None
         return None if hit is None else self._track_cached(*hit, flags)
+
+    def _cacheable(self, flags: int) -> bool:
+        """Is an open with *flags* one the open cache answers (read-only)?"""
+        return self.open_cache.enabled and flags & (ACCESS_MODE | os.O_TRUNC) == os.O_RDONLY
 
     def _track_cached(self, entry: CachedOpen, reused: bool, flags: int) -> tuple[OpenFile, Attr]:
         res: OpenResult = {"attr": entry.attr, "layout": entry.layout, "handle": entry.handle}

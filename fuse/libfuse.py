@@ -22,6 +22,7 @@ import errno
 import logging
 import select
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("shufflefs.fuse.libfuse")
 
@@ -44,30 +45,23 @@ class LibFuse:
         path = paths.pop()
         free = ctypes.CDLL(path)  # calls that release the GIL
         held = ctypes.PyDLL(path)  # calls that keep it
-        self.reply_buf = free.fuse_reply_buf
-        self.reply_buf.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-        self.reply_buf.restype = ctypes.c_int
-        self.reply_open = free.fuse_reply_open
-        self.reply_open.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-        self.reply_open.restype = ctypes.c_int
-        self.reply_entry = free.fuse_reply_entry
-        self.reply_entry.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-        self.reply_entry.restype = ctypes.c_int
-        self.reply_attr = free.fuse_reply_attr
-        self.reply_attr.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double)
-        self.reply_attr.restype = ctypes.c_int
-        self.reply_err = free.fuse_reply_err
-        self.reply_err.argtypes = (ctypes.c_void_p, ctypes.c_int)
-        self.reply_err.restype = ctypes.c_int
-        self.session_fd = held.fuse_session_fd
-        self.session_fd.argtypes = (ctypes.c_void_p,)
-        self.session_fd.restype = ctypes.c_int
-        self.receive_buf = held.fuse_session_receive_buf
-        self.receive_buf.argtypes = (ctypes.c_void_p, ctypes.POINTER(FuseBuf))
-        self.receive_buf.restype = ctypes.c_int
-        self.process_buf = held.fuse_session_process_buf
-        self.process_buf.argtypes = (ctypes.c_void_p, ctypes.POINTER(FuseBuf))
-        self.process_buf.restype = None
+        void, ptr, c_int = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int
+        buf = ctypes.POINTER(FuseBuf)
+        self.reply_buf = _bind(free.fuse_reply_buf, c_int, void, ptr, ctypes.c_size_t)
+        self.reply_open = _bind(free.fuse_reply_open, c_int, void, ptr)
+        self.reply_entry = _bind(free.fuse_reply_entry, c_int, void, ptr)
+        self.reply_attr = _bind(free.fuse_reply_attr, c_int, void, ptr, ctypes.c_double)
+        self.reply_err = _bind(free.fuse_reply_err, c_int, void, c_int)
+        self.session_fd = _bind(held.fuse_session_fd, c_int, void)
+        self.receive_buf = _bind(held.fuse_session_receive_buf, c_int, void, buf)
+        self.process_buf = _bind(held.fuse_session_process_buf, None, void, buf)
+
+
+def _bind(function: Any, restype: Any, *argtypes: Any) -> Any:
+    """*function* of a loaded library, with its C signature."""
+    function.argtypes = argtypes
+    function.restype = restype
+    return function
 
 
 class FuseBuf(ctypes.Structure):

@@ -104,6 +104,7 @@ async def run_mount(
         keeps_listings = not options.immutable and (options.read_only or fs.cache_watch is not None)
         READ_INODES.dir_flags = ops.listings.flags if keeps_listings else None
         fast_answers = options.fast_answers and not options.immutable  # (immutable: no OPENs)
+        READ_INODES.answering = fast_answers
         wanted = options.immutable or options.fast_reads or keeps_listings or fast_answers
         hooked = wanted and READ_INODES.install()
         if hooked and not options.immutable and not options.fast_reads:

@@ -132,13 +132,18 @@ class ShuffleOps(pyfuse3.Operations):
         leaves it to `lookup`."""
         if self.inode_reads is not None:  # (cache=immutable: its handle is opened first)
             return None
-        if self.watched is not None:
-            attr = self.watched.lookup(parent_inode, name)
-        elif self.options.read_only:
-            attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
-        else:
-            return None
+        attr = self._cached_entry(parent_inode, name)
         return None if attr is None else self._found(attr, parent_inode, name)
+
+    def _cached_entry(self, parent_inode: int, name: bytes) -> Attr | None:
+        """A name's attributes from this mount's caches, with no round trip:
+        a name the cache watch keeps fresh (read-write), or a hinted file
+        whose bytes are held (read-only)."""
+        if self.watched is not None:
+            return self.watched.lookup(parent_inode, name)
+        if self.options.read_only:
+            return self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
+        return None
 
     def _found(self, attr: Attr, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
         entry = self.remember(attr)
@@ -151,14 +156,12 @@ class ShuffleOps(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         try:
-            if self.watched is not None:  # the open that follows comes from the cache
-                known = self.watched.lookup(parent_inode, name)
-                attr = known or await self.fs.lookup_open(parent_inode, name)
-            elif not self.options.read_only:
+            attr = self._cached_entry(parent_inode, name)
+            if attr is None and (self.watched is not None or self.options.read_only):
+                # the open that follows comes from the open cache
+                attr = await self.fs.lookup_open(parent_inode, name)
+            elif attr is None:
                 attr = await self.fs.lookup(parent_inode, name)
-            else:  # a hinted file's reader: no round trip; else the open that follows, too
-                held = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
-                attr = held or await self.fs.lookup_open(parent_inode, name)
         except FsError as exc:
             if exc.code != errno.ENOENT or not self.options.negative_timeout:
                 raise

@@ -164,6 +164,9 @@ class ReadInodes:
     session: int = 0  # libfuse's struct fuse_session * (once installed)
     # set before `install`: read-only opens ask the kernel for no FLUSH (rw mounts)
     noflush_read_only: bool = False
+    # set before `install`: OPEN, RELEASE, LOOKUP and GETATTR get trampolines
+    # (else only OPEN, for `noflush_read_only`, and not a call more)
+    answering: bool = False
     # tried first on every OPEN and RELEASE once the handle's offset is
     # confirmed, and on every LOOKUP and GETATTR: True when answered
     # (fuse/fast_answers.py)
@@ -283,15 +286,22 @@ class ReadInodes:
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
             if name == "read":
                 self._read_slot = (words, slot, address[name], words[slot] or 0)
-        opener = OPEN_CALLBACK(self._open(PYFUSE3_OPEN(address["open"])))
-        releaser = OPEN_CALLBACK(self._release(PYFUSE3_OPEN(address["release"])))
-        getter = OPEN_CALLBACK(self._offered(PYFUSE3_OPEN(address[GETATTR]), "fast_getattr"))
-        looker = LOOKUP_CALLBACK(self._offered(PYFUSE3_LOOKUP(address[LOOKUP]), "fast_lookup"))
-        keep += [opener, releaser, getter, looker]
-        words[at] = ctypes.cast(opener, ctypes.c_void_p).value
-        words[at + SLOTS.index("release")] = ctypes.cast(releaser, ctypes.c_void_p).value
-        words[slots[GETATTR]] = ctypes.cast(getter, ctypes.c_void_p).value
-        words[slots[LOOKUP]] = ctypes.cast(looker, ctypes.c_void_p).value
+        patches: dict[int, Any] = {}
+        if self.noflush_read_only or self.answering:
+            patches[at] = OPEN_CALLBACK(self._open(PYFUSE3_OPEN(address["open"])))
+        if self.answering:
+            patches[at + SLOTS.index("release")] = OPEN_CALLBACK(
+                self._release(PYFUSE3_OPEN(address["release"]))
+            )
+            patches[slots[GETATTR]] = OPEN_CALLBACK(
+                self._offered(PYFUSE3_OPEN(address[GETATTR]), "fast_getattr")
+            )
+            patches[slots[LOOKUP]] = LOOKUP_CALLBACK(
+                self._offered(PYFUSE3_LOOKUP(address[LOOKUP]), "fast_lookup")
+            )
+        for slot, trampoline in patches.items():
+            keep.append(trampoline)
+            words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
         if self.dir_flags is not None:
             dir_opener = OPEN_CALLBACK(
                 self._opendir(PYFUSE3_OPEN(address[OPENDIR]), self.dir_flags)
