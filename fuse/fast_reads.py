@@ -128,6 +128,10 @@ class FastReads:
         self.queue = queue
         self.libfuse = queue.libfuse
         queue.after_drain.append(self._send)
+        queue.busy.append(self.awaiting)
+        # READs handed to a storage node or a disk-wait thread, not answered yet
+        self._handed = 0
+        self._handed_lock = threading.Lock()
         # inode -> (routing map, True) when every chain of the file had a
         # replica here (its READs are the short circuit's without checking
         # again), (routing map, False) when a READ of it met chains with and
@@ -161,6 +165,15 @@ class FastReads:
             self.counts.declined += 1
         self.queue.answered(took)
         return took
+
+    def awaiting(self) -> bool:
+        """Whether a READ handed on is still unanswered (the loop's thread
+        then does not poll the kernel's queue: libfuse.py, "spin")."""
+        return self._handed > 0
+
+    def _handing(self, n: int) -> None:
+        with self._handed_lock:
+            self._handed += n
 
     def _send(self) -> None:
         """(after the kernel's queue was drained) the READs planned meanwhile go out."""
@@ -227,6 +240,7 @@ class FastReads:
             return False
         out = bytearray(n)
         done = functools.partial(self._done, req, fh, off, size, out, started)
+        self._handing(1)
         self.channels.submit(pieces, memoryview(out), done)
         self.counts.taken += 1
         ops.handed(ino, off, n)
@@ -254,9 +268,11 @@ class FastReads:
             self._reply(req, out, started)
             return True
         job = functools.partial(self._wait_local, req, fh, off, size, rest, out, started)
-        # (refused once shut down: the mount is closing, the kernel aborts its requests)
-        with contextlib.suppress(RuntimeError):
+        self._handing(1)
+        try:
             self._disk_waits.submit(job)
+        except RuntimeError:  # shut down: the mount is closing, the kernel aborts its requests
+            self._handing(-1)
         return True
 
     def _wait_local(
@@ -275,6 +291,8 @@ class FastReads:
         except Exception:
             log.exception("short-circuit READ at %d of handle %d", off, fh)
             rest = pieces
+        finally:
+            self._handing(-1)
         if not rest:
             self._reply(req, out, started)
             return
@@ -337,6 +355,7 @@ class FastReads:
         started: float,
         read: ChannelRead,
     ) -> None:
+        self._handing(-1)
         if read.ok:
             self._reply(req, out, started)
             return

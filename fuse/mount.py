@@ -28,7 +28,7 @@ from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.fuse.fast_answers import FastAnswerCounts, FastAnswers
 from shufflefs.fuse.fast_reads import FastReadCounts, FastReads
-from shufflefs.fuse.libfuse import KernelQueue
+from shufflefs.fuse.libfuse import KernelQueue, SpinCounts
 from shufflefs.fuse.mount_options import MountOptions, parse_options
 from shufflefs.fuse.ops import ShuffleOps
 from shufflefs.fuse.read_inode import READ_INODES
@@ -84,13 +84,14 @@ async def run_mount(
         await fs.start(nursery)
         fast_counts = FastReadCounts()
         answer_counts = FastAnswerCounts()
+        spin_counts = SpinCounts()
         await start_client_metrics(
             nursery,
             fs,
             options.metrics or config.mount_metrics,
             rpc=rpc,
             mgmtd=config.mgmtd,
-            collectors=[fast_counts.collect, answer_counts.collect],
+            collectors=[fast_counts.collect, answer_counts.collect, spin_counts.collect],
         )
         ops = ShuffleOps(fs, options)
         await ops.start(nursery)
@@ -114,7 +115,7 @@ async def run_mount(
                 ops.serve_by_inode()
             else:
                 log.warning("cache=immutable: opens stay on (READs would not name their inode)")
-        queue = KernelQueue(READ_INODES.session) if hooked else None
+        queue = KernelQueue(READ_INODES.session, options.spin, spin_counts) if hooked else None
         if queue is not None and options.fast_reads:
             fast = FastReads(ops, fs, secret, nursery, queue, fast_counts, on_read=read_counter(fs))
             fast.install()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from shufflefs.cluster.node import listen_address
 from shufflefs.cluster.preflight import parse_size
+from shufflefs.fuse.libfuse import SPIN
 from shufflefs.fuse.prefetch import DEFAULT_MEMORY
 from shufflefs.metadata.protocol import MountInfo
 from shufflefs.rpc.errors import FsError
@@ -56,7 +57,16 @@ FLAGS = (
     "no_cache_watch",
     "debug",
 )
-VALUED = (*TIMEOUTS, "handle_linger", "max_tasks", "prefetch_memory", "metrics", "cache")
+VALUED = (
+    *TIMEOUTS,
+    "handle_linger",
+    "max_tasks",
+    "prefetch_memory",
+    "metrics",
+    "cache",
+    "spin_us",
+)
+MAX_SPIN_US = 10_000
 
 
 @dataclass
@@ -78,6 +88,7 @@ class MountOptions:
     fast_answers: bool = True  # what the caches answer, in libfuse's callback (fast_answers.py)
     cache_watch: bool = True  # rw: cached opens kept fresh by the server (client/cache_watch.py)
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
+    spin: float = SPIN  # s the FUSE thread polls its empty queue before sleeping (libfuse.py)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
     debug: bool = False
 
@@ -153,6 +164,8 @@ def parse_options(items: list[str]) -> MountOptions:
         options.metrics = given["metrics"]
     if "prefetch_memory" in given:
         options.prefetch_memory = _size(given["prefetch_memory"])
+    if "spin_us" in given:
+        options.spin = _micros(given["spin_us"])
     return options
 
 
@@ -165,6 +178,8 @@ def _usage(key: str) -> str:
         return "needs a value: metrics=HOST:PORT"
     if key == "prefetch_memory":
         return "needs a value: prefetch_memory=SIZE (0 turns hints off)"
+    if key == "spin_us":
+        return f"needs a value: spin_us=MICROSECONDS (0..{MAX_SPIN_US}, 0: off)"
     if key == "max_tasks":
         return f"needs a value: max_tasks=N (1..{MAX_TASKS})"
     return f"needs a value: {key}=SECONDS"
@@ -184,6 +199,19 @@ def _seconds(given: dict[str, str], key: str, default: float) -> float:
             f"mount option '{key}={text}': seconds from 0 to {MAX_TIMEOUT:.0f} expected",
         )
     return value
+
+
+def _micros(text: str) -> float:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SPIN_US:
+        raise FsError(
+            errno.EINVAL,
+            f"mount option 'spin_us={text}': microseconds from 0 to {MAX_SPIN_US} expected",
+        )
+    return value / 1e6
 
 
 def _count(text: str) -> int:

@@ -329,3 +329,40 @@ def test_what_the_caches_answer_is_answered_in_libfuses_callback(
                 assert total(m.metrics, ANSWERS, op="release") == releases
                 assert path.read_bytes() == new + data[len(new) :]
                 path.write_bytes(data)
+
+
+SPINS = "shufflefs_client_fuse_spins"
+
+
+def test_the_fuse_thread_polls_its_empty_queue_for_spin_us(
+    mounted: ProcessCluster, fast: FastMount, tmp_path: Path
+) -> None:
+    """Once the kernel's queue is empty the loop thread polls it for
+    ``spin_us`` before sleeping (fuse/libfuse.py): a reader's next request
+    that comes meanwhile is taken then (counted ``caught``), answered as
+    ever; with ``spin_us=0`` there is no such poll. A READ handed to a
+    storage node while the thread polls (no_local_reads) is answered too."""
+    data = os.urandom(200_000)
+    (fast.mountpoint / "spins.bin").write_bytes(data)
+    # 10 ms: the next open of a reader looping over a cached file comes well within
+    for options, spinning in (("ro,spin_us=10000", True), ("ro,spin_us=0", False)):
+        where = tmp_path / options.replace(",", "-").replace("=", "")
+        where.mkdir()
+        for m in mount(mounted, where, options):
+            path = m.mountpoint / "spins.bin"
+            for _ in range(50):
+                assert path.read_bytes() == data
+            caught, idle = (
+                total(m.metrics, SPINS, outcome="caught"),
+                total(m.metrics, SPINS, outcome="idle"),
+            )
+            if spinning:
+                assert caught > 0
+            else:
+                assert caught == idle == 0
+    where = tmp_path / "remote-spin"
+    where.mkdir()
+    for m in mount(mounted, where, "no_local_reads,spin_us=10000"):
+        ranges = [(random.randrange(0, len(data) - 4096) & ~4095, 4096) for _ in range(64)]
+        got = direct_reads(m.mountpoint / "spins.bin", ranges)
+        assert got == [data[o : o + n] for o, n in ranges]

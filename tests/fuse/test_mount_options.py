@@ -7,6 +7,7 @@ import errno
 
 import pytest
 
+from shufflefs.fuse.libfuse import SPIN
 from shufflefs.fuse.mount_options import (
     DATASET_LINGER,
     DATASET_TIMEOUT,
@@ -44,6 +45,12 @@ def test_timeouts_are_options_in_either_mode() -> None:
     assert o.handle_linger == 0 and o.max_tasks == 8 and not o.local_reads
 
 
+def test_spin_us_is_microseconds_the_fuse_thread_polls_before_sleeping() -> None:
+    assert parse_options([]).spin == SPIN > 0
+    assert parse_options(["spin_us=0"]).spin == 0.0
+    assert parse_options(["ro,spin_us=10000"]).spin == 0.01
+
+
 def test_info_is_what_the_session_reports() -> None:
     info = parse_options(["ro,entry_timeout=9"]).info("/mnt/x")
     assert info == {
@@ -68,6 +75,10 @@ def test_info_is_what_the_session_reports() -> None:
         ("ro=1", "takes no value"),
         ("max_tasks=0", "max_tasks=0"),
         ("max_tasks=many", "max_tasks=many"),
+        ("spin_us=-1", "spin_us=-1"),
+        ("spin_us=10001", "microseconds from 0 to 10000"),
+        ("spin_us=0.5", "spin_us=0.5"),
+        ("spin_us", "spin_us=MICROSECONDS"),
         ("cache=loose", "cache=loose"),
         ("cache=immutable,rw", "needs a read-only mount"),
         ("ro,rw", "contradict"),
