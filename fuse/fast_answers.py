@@ -98,6 +98,7 @@ class FastAnswerCounts:
     release: int = 0
     lookup: int = 0
     getattr: int = 0
+    ioctl: int = 0  # taken while draining the queue: libfuse answers them (ENOSYS)
 
     def collect(self) -> Iterable[Metric]:
         yield counts_family(
@@ -128,11 +129,15 @@ class FastAnswers:
     def install(self) -> None:
         self.hooks.fast_open = self.open
         self.hooks.fast_release = self.release
+        self.queue.on_inline = self._answered_by_libfuse
         if entry_layout_ok():
             self.hooks.fast_lookup = self.lookup
             self.hooks.fast_getattr = self.getattr
         else:
             log.warning("LOOKUP and GETATTR stay with pyfuse3: its EntryAttributes layout differs")
+
+    def _answered_by_libfuse(self) -> None:
+        self.counts.ioctl += 1
 
     def close(self) -> None:
         """Take no more requests (before the FUSE session closes)."""

@@ -45,6 +45,14 @@ log = logging.getLogger("shufflefs.fuse.libfuse")
 LIBFUSE = "libfuse3.so"
 DRAIN_MAX = 64  # requests taken from the kernel's queue per answered one, at most
 SPIN = 50e-6  # s the queue is polled for once empty, before sleeping (mount option spin_us)
+# requests libfuse answers in its dispatch, with no handler of pyfuse3's:
+# IOCTL (ENOSYS: pyfuse3 has no ioctl; Python's buffered open() asks every
+# file whether it is a terminal). A drain goes on past them.
+FUSE_IOCTL = 39
+ANSWERED_BY_LIBFUSE = frozenset({FUSE_IOCTL})
+FUSE_BUF_IS_FD = 1 << 1  # fuse_common.h: the request is in a pipe, not in memory
+OPCODE_OFFSET = 4  # struct fuse_in_header: len (u32), opcode (u32), unique (u64), ...
+IN_HEADER_SIZE = 40
 SPIN_BUDGET = 2e-3  # s of draining and polling per answered request, at most
 
 
@@ -130,6 +138,7 @@ class KernelQueue:
         # True while something answered elsewhere is awaited (then no spin)
         self.busy: list[Callable[[], bool]] = []
         self.spins = spins or SpinCounts()
+        self.on_inline: Callable[[], None] | None = None  # a drain took one libfuse answered
 
     def answered(self, took: bool) -> None:
         """A fast path was offered a request and *took* it (answered it, now
@@ -180,11 +189,22 @@ class KernelQueue:
                 self._took = False
                 if self.libfuse.receive_buf(self.session, ctypes.byref(self._buf)) <= 0:
                     return
+                inline = self._opcode() in ANSWERED_BY_LIBFUSE
                 self.libfuse.process_buf(self.session, ctypes.byref(self._buf))
-                if not self._took:
+                if inline and self.on_inline is not None:
+                    self.on_inline()
+                if not (self._took or inline):
                     return
         finally:
             self._draining = False
+
+    def _opcode(self) -> int:
+        """The opcode of the request just received (its fuse_in_header), or
+        0 if it did not land in memory."""
+        buf = self._buf
+        if buf.flags & FUSE_BUF_IS_FD or not buf.mem or buf.size < IN_HEADER_SIZE:
+            return 0
+        return ctypes.c_uint32.from_address(buf.mem + OPCODE_OFFSET).value
 
     def close(self) -> None:
         """Free what libfuse allocated for the receives (the session is closing)."""

@@ -341,7 +341,8 @@ def test_the_fuse_thread_polls_its_empty_queue_for_spin_us(
     ``spin_us`` before sleeping (fuse/libfuse.py): a reader's next request
     that comes meanwhile is taken then (counted ``caught``), answered as
     ever; with ``spin_us=0`` there is no such poll. A READ handed to a
-    storage node while the thread polls (no_local_reads) is answered too."""
+    storage node while the thread polls (no_local_reads) is answered too.
+    An IOCTL met while draining (libfuse answers it) does not end the drain."""
     data = os.urandom(200_000)
     (fast.mountpoint / "spins.bin").write_bytes(data)
     # 10 ms: the next open of a reader looping over a cached file comes well within
@@ -358,6 +359,9 @@ def test_the_fuse_thread_polls_its_empty_queue_for_spin_us(
             )
             if spinning:
                 assert caught > 0
+                # each buffered open asks whether the file is a terminal (an
+                # IOCTL libfuse answers): taken in the drain, which goes on
+                assert total(m.metrics, ANSWERS, op="ioctl") > 0
             else:
                 assert caught == idle == 0
     where = tmp_path / "remote-spin"
