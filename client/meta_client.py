@@ -57,7 +57,10 @@ class MetaClient:
         self._requests = itertools.count(1)
         self.seen = 0  # the highest namespace log position any reply carried
         self._avoid: dict[str, float] = {}  # address -> monotonic time until which it is avoided
-        self._turn = itertools.count(random.randrange(1 << 16))
+        # read calls go to a server drawn at random: a counter taken in turn
+        # by every kind of call resonates with a loop's pattern (a loop of
+        # creates and listings sent 37 of its 60 listings to one of three)
+        self._pick = random.Random()
 
     def _saw(self, position: int) -> None:
         if position > self.seen:
@@ -69,7 +72,7 @@ class MetaClient:
         return MetaStub(self.rpc, address, self.timeout, request, seen=self._saw)
 
     def read_stub(self) -> MetaStub:
-        """A stub to the next metadata server of the group in turn (skipping
+        """A stub to a metadata server of the group drawn at random (skipping
         those that failed a read lately), asking for what this client saw."""
         routing = self.routing.current
         primary = routing.meta_address()
@@ -83,7 +86,7 @@ class MetaClient:
         ]
         if not servers:
             servers = [primary]
-        address = servers[next(self._turn) % len(servers)]
+        address = self._pick.choice(servers)
         after = self.seen if address != primary else None
         return MetaStub(self.rpc, address, self.timeout, after=after, seen=self._saw)
 

@@ -12,7 +12,9 @@ it right there, as pyfuse3 would, for as long as a fast path answers each:
 one turn of pyfuse3's loop for many requests (for READs, which it batches
 per storage node, +60% at 8 fio jobs). The first request no fast path
 answers is dispatched too, and pyfuse3's loop awaits its handler as usual:
-at most one, as pyfuse3 keeps one coroutine per turn.
+at most one, as pyfuse3 keeps one coroutine per turn. A request libfuse
+answers itself in the dispatch (IOCTL: pyfuse3 has none) leaves no handler
+to await, so the drain goes on past it.
 
 Once the queue is empty, the loop's thread keeps polling it for a moment
 (`spin`: the mount option ``spin_us``) before it goes back to pyfuse3's

@@ -175,7 +175,8 @@ def read_your_writes_on_followers(c: ProcessCluster, where: Path) -> None:
         shufflefs("umount", str(where))
     lead = primary(c)
     by_followers = sum(after[n] - before.get(n, 0) for n in after if n != lead)
-    assert by_followers >= 30, (before, after)  # the listings spread over all three
+    # the listings spread over all three (drawn at random: 40 of 60 expected)
+    assert by_followers >= 20, (before, after)
 
 
 def test_primary_kill_during_a_storm_from_two_mounts(three: ProcessCluster, tmp_path: Path) -> None:
