@@ -134,7 +134,6 @@ class KernelQueue:
         self._buf = FuseBuf()  # libfuse allocates its memory on the first receive
         self._draining = False
         self._took = False
-        self._emptied = False  # the last drain found the queue empty
         # run once a drain is over (fast READs send what they planned meanwhile)
         self.after_drain: list[Callable[[], None]] = []
         # True while something answered elsewhere is awaited (then no spin)
@@ -156,13 +155,13 @@ class KernelQueue:
         until = time.perf_counter() + max(SPIN_BUDGET, self.spin)
         while True:
             try:
-                self._drain()
+                emptied = self._drain()
             except Exception:  # (what was dispatched is answered, each on its own way)
                 log.exception("taking the requests waiting behind one failed")
                 return
             for then in self.after_drain:
                 then()
-            if not self._emptied or not self.spin or any(busy() for busy in self.busy):
+            if not emptied or not self.spin or any(busy() for busy in self.busy):
                 return
             if not self._wait_briefly(until):
                 return
@@ -180,29 +179,31 @@ class KernelQueue:
         self.spins.idle += 1
         return False
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Take the waiting requests while a fast path (or libfuse itself)
+        answers each; True if it stopped at an empty queue."""
         self._draining = True
-        self._emptied = False
         try:
             for _ in range(DRAIN_MAX):
                 if not self._poll.poll(0):
-                    self._emptied = True
-                    return
+                    return True
                 self._took = False
                 if self.libfuse.receive_buf(self.session, ctypes.byref(self._buf)) <= 0:
-                    return
-                inline = self._opcode() in ANSWERED_BY_LIBFUSE
+                    return False
                 self.libfuse.process_buf(self.session, ctypes.byref(self._buf))
-                if inline and self.on_inline is not None:
+                if self._took:
+                    continue
+                if self._opcode() not in ANSWERED_BY_LIBFUSE:
+                    return False
+                if self.on_inline is not None:
                     self.on_inline()
-                if not (self._took or inline):
-                    return
+            return False
         finally:
             self._draining = False
 
     def _opcode(self) -> int:
-        """The opcode of the request just received (its fuse_in_header), or
-        0 if it did not land in memory."""
+        """The opcode of the request last received (its fuse_in_header, still
+        in the buffer after the dispatch), or 0 if it did not land in memory."""
         buf = self._buf
         if buf.flags & FUSE_BUF_IS_FD or not buf.mem or buf.size < IN_HEADER_SIZE:
             return 0

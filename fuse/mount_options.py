@@ -153,7 +153,7 @@ def parse_options(items: list[str]) -> MountOptions:
         debug="debug" in given,
     )
     if "max_tasks" in given:
-        options.max_tasks = _count(given["max_tasks"])
+        options.max_tasks = _whole("max_tasks", given["max_tasks"], 1, MAX_TASKS)
     if "metrics" in given:
         try:
             listen_address(given["metrics"])
@@ -165,7 +165,7 @@ def parse_options(items: list[str]) -> MountOptions:
     if "prefetch_memory" in given:
         options.prefetch_memory = _size(given["prefetch_memory"])
     if "spin_us" in given:
-        options.spin = _micros(given["spin_us"])
+        options.spin = _whole("spin_us", given["spin_us"], 0, MAX_SPIN_US, "microseconds") / 1e6
     return options
 
 
@@ -201,28 +201,13 @@ def _seconds(given: dict[str, str], key: str, default: float) -> float:
     return value
 
 
-def _micros(text: str) -> float:
+def _whole(key: str, text: str, low: int, high: int, what: str = "a whole number") -> int:
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SPIN_US:
-        raise FsError(
-            errno.EINVAL,
-            f"mount option 'spin_us={text}': microseconds from 0 to {MAX_SPIN_US} expected",
-        )
-    return value / 1e6
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_TASKS:
-        raise FsError(
-            errno.EINVAL, f"mount option 'max_tasks={text}': a whole number from 1 to {MAX_TASKS}"
-        )
+        value = low - 1
+    if not low <= value <= high:
+        raise FsError(errno.EINVAL, f"mount option '{key}={text}': {what} from {low} to {high}")
     return value
 
 
