@@ -85,15 +85,20 @@ async def run_mount(
         fast_counts = FastReadCounts()
         answer_counts = FastAnswerCounts()
         spin_counts = SpinCounts()
+        ops = ShuffleOps(fs, options)
         await start_client_metrics(
             nursery,
             fs,
             options.metrics or config.mount_metrics,
             rpc=rpc,
             mgmtd=config.mgmtd,
-            collectors=[fast_counts.collect, answer_counts.collect, spin_counts.collect],
+            collectors=[
+                fast_counts.collect,
+                answer_counts.collect,
+                spin_counts.collect,
+                ops.dir_ahead.counts.collect,
+            ],
         )
-        ops = ShuffleOps(fs, options)
         await ops.start(nursery)
         opts = set(pyfuse3.default_options) | options.fuse_options()
         opts |= {"fsname=shufflefs", "subtype=shufflefs"}

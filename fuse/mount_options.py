@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 from shufflefs.cluster.node import listen_address
 from shufflefs.cluster.preflight import parse_size
+from shufflefs.fuse.dir_ahead import DEFAULT_ENTRIES as DIR_AHEAD
+from shufflefs.fuse.dir_ahead import MAX_ENTRIES as MAX_DIR_AHEAD
 from shufflefs.fuse.libfuse import SPIN
 from shufflefs.fuse.prefetch import DEFAULT_MEMORY
 from shufflefs.metadata.protocol import MountInfo
@@ -65,6 +67,7 @@ VALUED = (
     "metrics",
     "cache",
     "spin_us",
+    "dir_ahead",
 )
 MAX_SPIN_US = 10_000
 
@@ -89,6 +92,7 @@ class MountOptions:
     cache_watch: bool = True  # rw: cached opens kept fresh by the server (client/cache_watch.py)
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     spin: float = SPIN  # s the FUSE thread polls its empty queue before sleeping (libfuse.py)
+    dir_ahead: int = DIR_AHEAD  # entries of a directory opened ahead on a lookup miss (0: off)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
     debug: bool = False
 
@@ -164,6 +168,8 @@ def parse_options(items: list[str]) -> MountOptions:
         options.metrics = given["metrics"]
     if "prefetch_memory" in given:
         options.prefetch_memory = _size(given["prefetch_memory"])
+    if "dir_ahead" in given:
+        options.dir_ahead = _whole("dir_ahead", given["dir_ahead"], 0, MAX_DIR_AHEAD)
     if "spin_us" in given:
         options.spin = _whole("spin_us", given["spin_us"], 0, MAX_SPIN_US, "microseconds") / 1e6
     return options
@@ -180,6 +186,8 @@ def _usage(key: str) -> str:
         return "needs a value: prefetch_memory=SIZE (0 turns hints off)"
     if key == "spin_us":
         return f"needs a value: spin_us=MICROSECONDS (0..{MAX_SPIN_US}, 0: off)"
+    if key == "dir_ahead":
+        return f"needs a value: dir_ahead=ENTRIES (0..{MAX_DIR_AHEAD}, 0: off)"
     if key == "max_tasks":
         return f"needs a value: max_tasks=N (1..{MAX_TASKS})"
     return f"needs a value: {key}=SECONDS"

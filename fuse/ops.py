@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import stat
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ import pyfuse3
 import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
+from shufflefs.fuse.dir_ahead import DirAhead
 from shufflefs.fuse.entry_attrs import BLOCK_SIZE, entry_attributes
 from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
@@ -89,6 +91,10 @@ class ShuffleOps(pyfuse3.Operations):
         # rw with a cache watch: kernel entries of files it keeps fresh live longer
         self.watched = WatchedEntries(fs) if fs.cache_watch is not None else None
         self.listings = Listings(self)  # directories: opendir, readdir, releasedir
+        # a directory's files opened ahead on a lookup miss in it
+        self.dir_ahead = DirAhead(
+            fs, self.watched, self.options.dir_ahead, self.options.entry_timeout
+        )
         self._nursery: trio.Nursery | None = None
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -132,21 +138,32 @@ class ShuffleOps(pyfuse3.Operations):
         leaves it to `lookup`."""
         if self.inode_reads is not None:  # (cache=immutable: its handle is opened first)
             return None
-        attr = self._cached_entry(parent_inode, name)
-        return None if attr is None else self._found(attr, parent_inode, name)
+        cached = self._cached_entry(parent_inode, name)
+        return None if cached is None else self._found(*cached, parent_inode, name)
 
-    def _cached_entry(self, parent_inode: int, name: bytes) -> Attr | None:
-        """A name's attributes from this mount's caches, with no round trip:
-        a name the cache watch keeps fresh (read-write), or a hinted file
-        whose bytes are held (read-only)."""
+    def _cached_entry(self, parent_inode: int, name: bytes) -> tuple[Attr, float] | None:
+        """A name's attributes from this mount's caches, with no round trip,
+        and how long the kernel may keep them at most: a name the cache
+        watch keeps fresh (read-write), a hinted file whose bytes are held,
+        or a name a listing brought (read-only: fuse/dir_ahead.py)."""
+        forever = math.inf
         if self.watched is not None:
-            return self.watched.lookup(parent_inode, name)
-        if self.options.read_only:
-            return self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
-        return None
+            attr = self.watched.lookup(parent_inode, name)
+            return None if attr is None else (attr, forever)
+        if not self.options.read_only:
+            return None
+        attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
+        if attr is not None:
+            return attr, forever
+        return self.dir_ahead.lookup(parent_inode, name)
 
-    def _found(self, attr: Attr, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
+    def _found(
+        self, attr: Attr, keep: float, parent_inode: int, name: bytes
+    ) -> pyfuse3.EntryAttributes:
         entry = self.remember(attr)
+        if keep < math.inf:  # no longer than the name is good
+            entry.entry_timeout = min(entry.entry_timeout, keep)
+            entry.attr_timeout = min(entry.attr_timeout, keep)
         if self.watched is not None:
             self.watched.extend(entry, parent_inode, name)
         return entry
@@ -155,12 +172,17 @@ class ShuffleOps(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        keep = math.inf
         try:
-            attr = self._cached_entry(parent_inode, name)
-            if attr is None and (self.watched is not None or self.options.read_only):
+            cached = self._cached_entry(parent_inode, name)
+            if cached is not None:
+                attr, keep = cached
+            elif self.watched is not None or self.options.read_only:
                 # the open that follows comes from the open cache
                 attr = await self.fs.lookup_open(parent_inode, name)
-            elif attr is None:
+                if self.inode_reads is None and self._nursery is not None:
+                    self.dir_ahead.missed(parent_inode, attr, self._nursery)
+            else:
                 attr = await self.fs.lookup(parent_inode, name)
         except FsError as exc:
             if exc.code != errno.ENOENT or not self.options.negative_timeout:
@@ -171,7 +193,7 @@ class ShuffleOps(pyfuse3.Operations):
             missing.entry_timeout = self.options.negative_timeout
             return missing
         if self.inode_reads is None:
-            return self._found(attr, parent_inode, name)
+            return self._found(attr, keep, parent_inode, name)
         await self.inode_reads.pages_current(attr)
         entry = self.remember(attr)
         await self.inode_reads.ready(attr)

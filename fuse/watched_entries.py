@@ -69,6 +69,14 @@ class WatchedEntries:
         self.names.setdefault(entry.st_ino, set()).add((parent, name))
         self.by_name[(parent, name)] = entry.st_ino
 
+    def learn(self, parent: int, name: bytes, ino: int) -> None:
+        """A name of a file the watch keeps fresh, learned from a listing
+        (fuse/dir_ahead.py) rather than a LOOKUP: `lookup` answers it as if
+        a LOOKUP had brought it (the kernel was told nothing of it: a
+        `forget` that invalidates it finds no entry)."""
+        self.names.setdefault(ino, set()).add((parent, name))
+        self.by_name[(parent, name)] = ino
+
     def _directory(self, ino: int, parent: int, name: bytes) -> None:
         """A directory whose listing the watch keeps: its name is as current
         as its attributes (a rename or removal of it changes its inode

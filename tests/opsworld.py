@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 from clusters import HEARTBEAT_FAST, ProcessCluster, require_fuse
+from harness import shufflefs
 from prometheus_client.parser import text_string_to_metric_families
 
+from shufflefs.cluster.launcher import free_ports
 from shufflefs.cluster.metrics_scrape import fetch
 
 CHROMIUM_TIMEOUT = 60.0
@@ -46,6 +48,34 @@ def total(url: str, family: str, **labels: str) -> float:
         for s in samples(url).get(family, [])
         if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+class MeteredMount:
+    """A mount of a test cluster with a metrics endpoint of its own, and the
+    counter family a test follows, by one label."""
+
+    def __init__(self, mountpoint: Path, metrics: str, family: str, label: str) -> None:
+        self.mountpoint = mountpoint
+        self.metrics = f"http://{metrics}/metrics"
+        self.family = family
+        self.label = label
+
+    def count(self, value: str) -> float:
+        return total(self.metrics, self.family, **{self.label: value})
+
+
+def metered_mount(
+    cluster: ProcessCluster, where: Path, options: str, family: str, label: str
+) -> Iterator[MeteredMount]:
+    """Mount *cluster* at *where* with *options* (a generator: ``for m in``
+    or ``yield from``); unmounted after."""
+    metrics = f"127.0.0.1:{free_ports('127.0.0.1', 1)[0]}"
+    given = f"{options},metrics={metrics}" if options else f"metrics={metrics}"
+    shufflefs("mount", "--config", str(cluster.client_config), "-o", given, str(where))
+    try:
+        yield MeteredMount(where, metrics, family, label)
+    finally:
+        shufflefs("umount", str(where))
 
 
 def chromium(url: str, *args: str, budget_ms: int = 3000) -> str:

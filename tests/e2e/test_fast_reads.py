@@ -14,15 +14,14 @@ import errno
 import mmap
 import os
 import random
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from clusters import ProcessCluster, chunk_files
-from harness import evict, flip, shufflefs
-from opsworld import total
+from harness import evict, flip
+from opsworld import MeteredMount, metered_mount, total
 
 MiB = 1 << 20
 CHUNK = MiB  # the test cluster's chunk size
@@ -30,35 +29,11 @@ SIZE = 5 * MiB + 777
 FAMILY = "shufflefs_client_fast_reads"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class FastMount:
-    def __init__(self, mountpoint: Path, metrics: str) -> None:
-        self.mountpoint = mountpoint
-        self.metrics = f"http://{metrics}/metrics"
-
-    def count(self, outcome: str) -> float:
-        return total(self.metrics, FAMILY, outcome=outcome)
+FastMount = MeteredMount
 
 
 def mount(cluster: ProcessCluster, where: Path, options: str) -> Iterator[FastMount]:
-    metrics = f"127.0.0.1:{free_port()}"
-    shufflefs(
-        "mount",
-        "--config",
-        str(cluster.client_config),
-        "-o",
-        f"{options},metrics={metrics}",
-        str(where),
-    )
-    try:
-        yield FastMount(where, metrics)
-    finally:
-        shufflefs("umount", str(where))
+    return metered_mount(cluster, where, options, FAMILY, "outcome")
 
 
 @pytest.fixture(scope="module")

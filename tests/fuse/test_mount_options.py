@@ -51,6 +51,12 @@ def test_spin_us_is_microseconds_the_fuse_thread_polls_before_sleeping() -> None
     assert parse_options(["ro,spin_us=10000"]).spin == 0.01
 
 
+def test_dir_ahead_is_entries_of_a_directory_opened_ahead() -> None:
+    assert parse_options([]).dir_ahead == parse_options(["ro"]).dir_ahead == 1024
+    assert parse_options(["dir_ahead=0"]).dir_ahead == 0
+    assert parse_options(["ro,dir_ahead=65536"]).dir_ahead == 65536
+
+
 def test_info_is_what_the_session_reports() -> None:
     info = parse_options(["ro,entry_timeout=9"]).info("/mnt/x")
     assert info == {
@@ -79,6 +85,10 @@ def test_info_is_what_the_session_reports() -> None:
         ("spin_us=10001", "microseconds from 0 to 10000"),
         ("spin_us=0.5", "spin_us=0.5"),
         ("spin_us", "spin_us=MICROSECONDS"),
+        ("dir_ahead=-1", "dir_ahead=-1"),
+        ("dir_ahead=65537", "a whole number from 0 to 65536"),
+        ("dir_ahead=all", "dir_ahead=all"),
+        ("dir_ahead", "dir_ahead=ENTRIES"),
         ("cache=loose", "cache=loose"),
         ("cache=immutable,rw", "needs a read-only mount"),
         ("ro,rw", "contradict"),

@@ -1,0 +1,188 @@
+"""A directory's files opened ahead on its first lookup that missed the
+mount's caches (``-o dir_ahead=N``, docs/operations.md).
+
+A loader that reads one file per sample in shuffled order looks every file
+up again in an epoch that comes after the open cache let its handles go
+(``handle_linger``) or after the kernel dropped its entries: each such
+LOOKUP is a metadata round trip (`FileSystem.lookup_open`), the largest share
+of a cold sample's cost through the mount after the disk read itself. So the
+first miss in a directory lists it (up to N entries, readdir pages) and
+opens its regular files read-only in one call (`OpenCache.open_ahead`, as
+the prefetcher does for hinted files); the other names then answer their
+LOOKUPs from the mount's caches: on a read-write mount through its cache
+watch (`WatchedEntries.learn`), which keeps them as fresh as names a LOOKUP
+brought; on ``-o ro`` for ``entry_timeout`` (that mode's bound on seeing
+changes made elsewhere: `lookup`).
+
+A name is taken only if the file's change counter at the open is the one
+the listing showed: the name was still its name then (an unlink or rename of
+it, or over it, changes it), and from the open on the watch tells the mount
+of every change (read-write). A listing from a follower that lags is caught
+the same way.
+
+Bounded: a directory at most once per ``handle_linger`` (its handles are
+held that long); N entries of it at most; only while the open cache is under
+half its limit (each handle is the metadata server's memory, and a file
+removed elsewhere keeps its space while a handle of it is held: the linger
+bounds both, as for any cached open). cache=immutable mounts, whose opens
+work by inode (fuse/inode_reads.py), do without.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+from prometheus_client.metrics_core import Metric
+
+from shufflefs.cluster.metrics_client import counts_family
+from shufflefs.fuse.dir_handles import READDIR_PAGE
+from shufflefs.metadata.protocol import Attr
+from shufflefs.rpc.errors import FsError
+
+if TYPE_CHECKING:
+    from shufflefs.client.fs import FileSystem
+    from shufflefs.fuse.watched_entries import WatchedEntries
+
+log = logging.getLogger("shufflefs.fuse.dir_ahead")
+
+DEFAULT_ENTRIES = 1024  # entries of one directory opened ahead (dir_ahead=)
+MAX_ENTRIES = 65536
+MAX_DIRS = 65536  # directories remembered as done (the oldest forgotten first)
+
+
+@dataclass
+class DirAheadCounts:
+    """Directories listed and files opened ahead (exported when scraped)."""
+
+    dirs: int = 0  # directories listed and opened ahead
+    files: int = 0  # their files opened (names learned)
+    changed: int = 0  # files whose counter moved between listing and open
+    skipped: int = 0  # misses not acted on: the open cache half full
+    failed: int = 0  # listings or opens that failed (the LOOKUPs ask as before)
+
+    def collect(self) -> Iterable[Metric]:
+        yield counts_family(
+            "shufflefs_client_dir_ahead",
+            "Directories whose files a mount opened ahead on a lookup miss (fuse/dir_ahead.py)",
+            "what",
+            self,
+        )
+
+
+class DirAhead:
+    def __init__(
+        self,
+        fs: FileSystem,
+        watched: WatchedEntries | None,
+        entries: int,
+        entry_timeout: float,
+    ) -> None:
+        self.fs = fs
+        self.watched = watched  # read-write: the cache watch keeps learned names fresh
+        self.max_entries = entries
+        self.entry_timeout = entry_timeout  # -o ro: how long a learned name answers
+        self.counts = DirAheadCounts()
+        self._busy: set[int] = set()
+        self._done: OrderedDict[int, float] = OrderedDict()  # directory -> trio time
+        # -o ro: (parent, name) -> (inode, trio time learned)
+        self.names: dict[tuple[int, bytes], tuple[int, float]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.fs.open_cache.enabled
+
+    def missed(self, parent: int, attr: Attr, nursery: trio.Nursery) -> None:
+        """A LOOKUP in *parent* went to the metadata server and found *attr*:
+        open the directory's other files ahead (in the background) unless
+        that was done within the linger or the cache is half full."""
+        if not self.enabled or not stat.S_ISREG(attr["mode"]) or parent in self._busy:
+            return
+        now = trio.current_time()
+        cache = self.fs.open_cache
+        done = self._done.get(parent)
+        if done is not None and now - done < cache.linger:
+            return
+        if len(cache.entries) * 2 >= cache.limit:
+            self.counts.skipped += 1
+            return
+        self._busy.add(parent)
+        nursery.start_soon(self._open_ahead, parent)
+
+    def lookup(self, parent: int, name: bytes) -> tuple[Attr, float] | None:
+        """(``-o ro``) The attributes of a name learned here while its handle
+        is still cached, and the seconds left until it is ``entry_timeout``
+        old (the kernel keeps it no longer: a change made elsewhere is seen
+        within that mode's bound)."""
+        known = self.names.get((parent, name))
+        if known is None:
+            return None
+        ino, learned = known
+        entry = self.fs.open_cache.entries.get(ino)
+        left = learned + self.entry_timeout - trio.current_time()
+        if entry is None or left <= 0:
+            del self.names[(parent, name)]
+            return None
+        return self.fs.overlay(entry.attr), left
+
+    async def _open_ahead(self, parent: int) -> None:
+        try:
+            listed = await self._list(parent)
+            cache = self.fs.open_cache
+            room = max(0, cache.limit // 2 - len(cache.entries))
+            wanted = [(n, a) for n, a in listed if a["ino"] not in cache.entries][:room]
+            held = await cache.open_ahead([a["ino"] for _, a in wanted]) if wanted else {}
+        except FsError as exc:
+            self.counts.failed += 1
+            log.debug("opening directory %d ahead: %s", parent, exc.message)
+            return
+        finally:
+            self._busy.discard(parent)
+            self._done[parent] = trio.current_time()
+            self._done.move_to_end(parent)
+            while len(self._done) > MAX_DIRS:
+                self._done.popitem(last=False)
+        self.counts.dirs += 1
+        now = trio.current_time()
+        for name, attr in wanted:
+            entry = held.get(attr["ino"])
+            if entry is None:
+                continue  # gone since the listing
+            if entry.attr["change"] != attr["change"]:
+                self.counts.changed += 1
+                continue
+            self.counts.files += 1
+            if self.watched is not None:
+                self.watched.learn(parent, name, attr["ino"])
+            else:
+                self.names[(parent, name)] = (attr["ino"], now)
+        if len(self.names) > self.fs.open_cache.limit:
+            self._drop_stale(now)
+
+    async def _list(self, parent: int) -> list[tuple[bytes, Attr]]:
+        """The regular files of *parent*, up to the bound, in name order."""
+        out: list[tuple[bytes, Attr]] = []
+        after: bytes | None = None
+        while len(out) < self.max_entries:
+            page = await self.fs.readdir(parent, after, min(READDIR_PAGE, self.max_entries))
+            for name, attr in page["entries"]:
+                if stat.S_ISREG(attr["mode"]):
+                    out.append((name, attr))
+            if not page["more"] or not page["entries"]:
+                break
+            after = page["entries"][-1][0]
+        return out[: self.max_entries]
+
+    def _drop_stale(self, now: float) -> None:
+        """(-o ro) Names past their time, then the oldest learned, until
+        no more are kept than the open cache keeps handles."""
+        for key in [k for k, (_, t) in self.names.items() if now - t > self.entry_timeout]:
+            del self.names[key]
+        over = len(self.names) - self.fs.open_cache.limit
+        for key in list(self.names)[: max(0, over)]:
+            del self.names[key]

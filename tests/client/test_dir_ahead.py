@@ -1,0 +1,80 @@
+"""The directory open-ahead of a mount (fuse/dir_ahead.py) against the real
+metadata server in this process: a name is learned only if its file did not
+change between the listing and the open (a change made in that window is
+caught by the change counter, also when the listing came first); the open
+cache's room bounds it; a name learned on a read-only mount answers for
+``entry_timeout`` at most."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from shufflefs.client.fs import ClientOptions, FileSystem
+from shufflefs.fuse.dir_ahead import DirAhead
+from shufflefs.metadata.protocol import ROOT_INODE, ReaddirPage
+
+OPTIONS = ClientOptions(local_reads=False, open_linger=30.0, trust_open_cache=True)
+OpenFs = Callable[[ClientOptions], Awaitable[FileSystem]]  # the `open_fs` fixture
+
+
+async def directory(fs: FileSystem, files: int) -> tuple[int, list[int]]:
+    """A directory of *files* empty files: its inode and theirs."""
+    d = await fs.mkdir(ROOT_INODE, b"d", 0o755, 0, 0)
+    inos = []
+    for i in range(files):
+        f, _ = await fs.create(d["ino"], f"f{i:02d}".encode(), 0o644, os.O_WRONLY, 0, 0)
+        await fs.release(f.fh)
+        inos.append(f.ino)
+    return d["ino"], inos
+
+
+async def test_a_file_changed_between_listing_and_open_is_not_learned(open_fs: OpenFs) -> None:
+    writer = await open_fs(OPTIONS)
+    reader = await open_fs(OPTIONS)
+    d, inos = await directory(writer, 10)
+    listing = reader.readdir
+
+    async def changed_after_listing(
+        ino: int, after: bytes | None, limit: int, watch: bool = False
+    ) -> ReaddirPage:
+        page = await listing(ino, after, limit, watch)
+        await writer.setattr(inos[3], mode=0o600)  # after the listing, before the open
+        return page
+
+    reader.readdir = changed_after_listing  # type: ignore[method-assign]
+    ahead = DirAhead(reader, None, 1024, entry_timeout=60.0)
+    async with trio.open_nursery() as nursery:
+        ahead.missed(d, await reader.lookup(d, b"f00"), nursery)
+    assert ahead.counts.dirs == 1
+    assert ahead.counts.changed == 1
+    assert ahead.counts.files == 9
+    learned = {name for (parent, name) in ahead.names if parent == d}
+    assert learned == {f"f{i:02d}".encode() for i in range(10)} - {b"f03"}
+    found = ahead.lookup(d, b"f05")
+    assert found is not None and found[0]["ino"] == inos[5] and 0 < found[1] <= 60.0
+    assert ahead.lookup(d, b"f03") is None
+    # at most once per linger
+    async with trio.open_nursery() as nursery:
+        ahead.missed(d, await reader.lookup(d, b"f00"), nursery)
+    assert ahead.counts.dirs == 1
+
+
+async def test_bounded_by_the_open_caches_room_and_by_entry_timeout(open_fs: OpenFs) -> None:
+    fs = await open_fs(OPTIONS)
+    d, _ = await directory(fs, 12)
+    fs.open_cache.limit = 10  # room for 5 (half the limit)
+    ahead = DirAhead(fs, None, 1024, entry_timeout=0.2)
+    async with trio.open_nursery() as nursery:
+        ahead.missed(d, await fs.lookup(d, b"f00"), nursery)
+    assert ahead.counts.files == 5
+    assert len(fs.open_cache.entries) == 5
+    async with trio.open_nursery() as nursery:  # the cache is half full now
+        ahead.missed(ROOT_INODE, await fs.lookup(d, b"f00"), nursery)
+    assert ahead.counts.skipped == 1
+    name = next(n for (p, n) in ahead.names if p == d)
+    assert ahead.lookup(d, name) is not None
+    await trio.sleep(0.3)
+    assert ahead.lookup(d, name) is None  # older than entry_timeout

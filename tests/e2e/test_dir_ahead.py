@@ -1,0 +1,155 @@
+"""A directory's files opened ahead on the first lookup that missed the
+mount's caches (fuse/dir_ahead.py, ``-o dir_ahead=N``), with real mounts of
+one cluster: once one name of a directory was looked up on a fresh mount,
+the others open and read with no metadata call; what a name learned that
+way leads to follows every change made on another mount (read-write: told by
+the cache watch at once; ``-o ro``: within its ``entry_timeout``); the bound
+on entries holds; ``dir_ahead=0`` turns it off."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from clusters import ProcessCluster, wait_until
+from harness import read_whole as read
+from opsworld import MeteredMount, metered_mount
+
+FAMILY = "shufflefs_client_dir_ahead"
+FILES = 30
+BOUND = 1.0  # the short ro mount's timeouts
+SLACK = 10.0  # what the test allows beyond the bound on a busy machine
+NAME_CALLS = ("lookup", "lookup_open", "open", "open_read_only", "getattr", "getattrs")
+
+
+@pytest.fixture(scope="module")
+def mounts(
+    mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, MeteredMount]]:
+    """B (default, but the kernel keeps the test directory's entry for the
+    whole test), R (-o ro, BOUND-second timeouts), E (dir_ahead=8), N
+    (dir_ahead=0): each a mount of its own, so none knows the test's files."""
+    options = {
+        "B": "attr_timeout=60,entry_timeout=60",
+        "R": f"ro,attr_timeout={BOUND},entry_timeout={BOUND},negative_timeout={BOUND}",
+        "E": "dir_ahead=8",
+        "N": "dir_ahead=0",
+    }
+    with ExitStack() as stack:
+        yield {
+            name: stack.enter_context(
+                contextmanager(metered_mount)(
+                    mounted, tmp_path_factory.mktemp(f"dir-ahead-{name}"), opts, FAMILY, "what"
+                )
+            )
+            for name, opts in options.items()
+        }
+
+
+def content(i: int) -> bytes:
+    return f"sample {i:03d} ".encode() * (100 + i)
+
+
+@pytest.fixture
+def names(mnt: Path) -> list[str]:
+    """FILES files in the test's directory (written through the session's
+    mount), and a subdirectory (not opened ahead)."""
+    out = [f"f{i:03d}" for i in range(FILES)]
+    for i, name in enumerate(out):
+        (mnt / name).write_bytes(content(i))
+    (mnt / "sub").mkdir()
+    return out
+
+
+def first_miss(m: MeteredMount, d: Path, name: str, want: float) -> None:
+    """Look *name* up with the kernel's entries dropped (a miss in the
+    mount's caches), then wait until *want* files were opened ahead."""
+    before = m.count("files")
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    os.stat(d / name)
+    wait_until("files opened ahead", lambda: m.count("files") >= before + want, timeout=20)
+
+
+def name_calls(cluster: ProcessCluster) -> dict[str, int]:
+    calls = cluster.meta_calls()
+    return {k: calls.get(k, 0) for k in NAME_CALLS}
+
+
+def test_the_other_files_of_a_directory_open_with_no_metadata_call(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+) -> None:
+    b = mounts["B"]
+    d = b.mountpoint / mnt.name
+    dirs = b.count("dirs")
+    first_miss(b, d, names[0], FILES - 1)
+    assert b.count("dirs") == dirs + 1
+    before = name_calls(mounted)
+    for i, name in enumerate(names):
+        assert os.stat(d / name).st_size == len(content(i))
+        assert read(d / name) == content(i)
+    assert name_calls(mounted) == before
+    # the next miss in the same directory lists nothing again
+    os.stat(d / "sub")
+    assert b.count("dirs") == dirs + 1
+
+
+def test_names_learned_ahead_follow_changes_made_on_another_mount(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+) -> None:
+    """The read-write mount's cache watch is told of each change before it
+    returns on the other mount: a name renamed away, removed, rewritten or
+    renamed over is seen at once, though the mount learned it from a listing."""
+    b = mounts["B"]
+    d = b.mountpoint / mnt.name
+    first_miss(b, d, names[0], FILES - 1)
+    os.rename(mnt / names[5], mnt / "renamed")
+    os.unlink(mnt / names[6])
+    (mnt / names[7]).write_bytes(b"rewritten")
+    (mnt / "other").write_bytes(b"renamed over")
+    os.rename(mnt / "other", mnt / names[8])
+    assert not (d / names[5]).exists()
+    assert read(d / "renamed") == content(5)
+    assert not (d / names[6]).exists()
+    assert read(d / names[7]) == b"rewritten"
+    assert read(d / names[8]) == b"renamed over"
+    for i in range(9, FILES):
+        assert read(d / names[i]) == content(i)
+
+
+def test_a_read_only_mount_keeps_a_learned_name_no_longer_than_entry_timeout(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+) -> None:
+    r = mounts["R"]
+    d = r.mountpoint / mnt.name
+    first_miss(r, d, names[0], FILES - 1)
+    os.stat(d)  # (its entry, if expired, is looked up before the count)
+    before = name_calls(mounted)
+    assert read(d / names[1]) == content(1)
+    assert name_calls(mounted) == before
+    os.unlink(mnt / names[2])
+    t0 = time.monotonic()
+    while (d / names[2]).exists():  # the old file, until the name is BOUND old
+        assert time.monotonic() - t0 < BOUND + SLACK, "a removed name stayed"
+        time.sleep(0.05)
+
+
+def test_no_more_entries_than_dir_ahead_and_none_with_zero(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+) -> None:
+    e, n = mounts["E"], mounts["N"]
+    # the first 8 files by name, less the one looked up (opened by its lookup)
+    first_miss(e, e.mountpoint / mnt.name, names[0], 7)
+    time.sleep(0.5)  # (nothing more comes)
+    assert e.count("files") == 7
+    for i, name in enumerate(names):
+        assert read(e.mountpoint / mnt.name / name) == content(i)
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    os.stat(n.mountpoint / mnt.name / names[0])
+    before = name_calls(mounted)
+    assert read(n.mountpoint / mnt.name / names[1]) == content(1)
+    assert name_calls(mounted)["lookup_open"] > before["lookup_open"]
+    assert n.count("dirs") == n.count("files") == 0
