@@ -166,6 +166,10 @@ class KernelQueue:
             if not self._wait_briefly(until):
                 return
 
+    def empty(self) -> bool:
+        """Whether no request waits in the kernel's queue right now."""
+        return not self._poll.poll(0)
+
     def _wait_briefly(self, until: float) -> bool:
         """Poll the empty queue for up to `spin` seconds (not past *until*):
         True if a request came."""

@@ -15,6 +15,7 @@ import mmap
 import os
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import pytest
 from clusters import ProcessCluster, chunk_files
 from harness import evict, flip
 from opsworld import MeteredMount, metered_mount, total
+
+from shufflefs.fuse.fast_reads import INLINE_PAUSE
 
 MiB = 1 << 20
 CHUNK = MiB  # the test cluster's chunk size
@@ -191,6 +194,16 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
         assert local.count("local") - taken >= reads * 0.9
         assert local.count("declined") == declined
         assert local.count("fell_back") == 0
+        # one reader alone: nothing else waits on the mount, so its READs
+        # wait for the disk on the loop's thread (after any pause a slow
+        # wait of the many readers' started)
+        time.sleep(INLINE_PAUSE + 0.2)
+        inline = local.count("inline")
+        evict(files)
+        for (off, n), b in zip(EDGES, direct_reads(path, EDGES), strict=True):
+            assert b == data[off : off + n], (off, n)
+        assert local.count("inline") > inline
+        assert local.count("fell_back") == 0
 
         by_chunk: dict[str, list[Path]] = {}
         for f in files:
@@ -204,6 +217,10 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
         for got in read_concurrently(path, [ranges] * 3):
             for (off, n), b in zip(ranges, got, strict=True):
                 assert b == data[off : off + n], (off, n)
+        evict(files)  # one reader alone (its waits on the loop's thread): the same
+        time.sleep(INLINE_PAUSE + 0.2)
+        for (off, n), b in zip(ranges, direct_reads(path, ranges), strict=True):
+            assert b == data[off : off + n], (off, n)
         # every replica of a chunk damaged: an error, never the bytes
         # (whichever replica the fast path reads, it hands the READ to the loop)
         ruined = local.mountpoint / "ruined.bin"
