@@ -24,8 +24,9 @@ Bounded: a directory at most once per ``handle_linger`` (its handles are
 held that long); N entries of it at most; only while the open cache is under
 half its limit (each handle is the metadata server's memory, and a file
 removed elsewhere keeps its space while a handle of it is held: the linger
-bounds both, as for any cached open). cache=immutable mounts, whose opens
-work by inode (fuse/inode_reads.py), do without.
+bounds both, as for any cached open). On cache=immutable the handle a
+learned name's lookup finds in the open cache is the one its READs take
+(`InodeReads.ready`), as after a lookup that asked.
 """
 
 from __future__ import annotations

@@ -160,10 +160,7 @@ class ShuffleOps(pyfuse3.Operations):
     def _found(
         self, attr: Attr, keep: float, parent_inode: int, name: bytes
     ) -> pyfuse3.EntryAttributes:
-        entry = self.remember(attr)
-        if keep < math.inf:  # no longer than the name is good
-            entry.entry_timeout = min(entry.entry_timeout, keep)
-            entry.attr_timeout = min(entry.attr_timeout, keep)
+        entry = _no_longer(self.remember(attr), keep)
         if self.watched is not None:
             self.watched.extend(entry, parent_inode, name)
         return entry
@@ -180,7 +177,7 @@ class ShuffleOps(pyfuse3.Operations):
             elif self.watched is not None or self.options.read_only:
                 # the open that follows comes from the open cache
                 attr = await self.fs.lookup_open(parent_inode, name)
-                if self.inode_reads is None and self._nursery is not None:
+                if self._nursery is not None:
                     self.dir_ahead.missed(parent_inode, attr, self._nursery)
             else:
                 attr = await self.fs.lookup(parent_inode, name)
@@ -195,7 +192,7 @@ class ShuffleOps(pyfuse3.Operations):
         if self.inode_reads is None:
             return self._found(attr, keep, parent_inode, name)
         await self.inode_reads.pages_current(attr)
-        entry = self.remember(attr)
+        entry = _no_longer(self.remember(attr), keep)
         await self.inode_reads.ready(attr)
         return entry
 
@@ -604,3 +601,11 @@ class ShuffleOps(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.removexattr(inode, name)
         self.no_caps.pop(inode, None)
+
+
+def _no_longer(entry: pyfuse3.EntryAttributes, keep: float) -> pyfuse3.EntryAttributes:
+    """*entry* kept by the kernel no longer than *keep* seconds (how long
+    the name it answers is good)."""
+    entry.entry_timeout = min(entry.entry_timeout, keep)
+    entry.attr_timeout = min(entry.attr_timeout, keep)
+    return entry

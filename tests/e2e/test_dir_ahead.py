@@ -3,7 +3,8 @@ mount's caches (fuse/dir_ahead.py, ``-o dir_ahead=N``), with real mounts of
 one cluster: once one name of a directory was looked up on a fresh mount,
 the others open and read with no metadata call; what a name learned that
 way leads to follows every change made on another mount (read-write: told by
-the cache watch at once; ``-o ro``: within its ``entry_timeout``); the bound
+the cache watch at once; ``-o ro`` and ``cache=immutable``: within their
+``entry_timeout``); the bound
 on entries holds; ``dir_ahead=0`` turns it off."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ FAMILY = "shufflefs_client_dir_ahead"
 FILES = 30
 BOUND = 1.0  # the short ro mount's timeouts
 SLACK = 10.0  # what the test allows beyond the bound on a busy machine
+SHORT = f"attr_timeout={BOUND},entry_timeout={BOUND},negative_timeout={BOUND}"
 NAME_CALLS = ("lookup", "lookup_open", "open", "open_read_only", "getattr", "getattrs")
 
 
@@ -31,11 +33,13 @@ def mounts(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, MeteredMount]]:
     """B (default, but the kernel keeps the test directory's entry for the
-    whole test), R (-o ro, BOUND-second timeouts), E (dir_ahead=8), N
+    whole test), R (-o ro, BOUND-second timeouts), I (the same with
+    cache=immutable), E (dir_ahead=8), N
     (dir_ahead=0): each a mount of its own, so none knows the test's files."""
     options = {
         "B": "attr_timeout=60,entry_timeout=60",
-        "R": f"ro,attr_timeout={BOUND},entry_timeout={BOUND},negative_timeout={BOUND}",
+        "R": f"ro,{SHORT}",
+        "I": f"cache=immutable,{SHORT}",
         "E": "dir_ahead=8",
         "N": "dir_ahead=0",
     }
@@ -120,10 +124,15 @@ def test_names_learned_ahead_follow_changes_made_on_another_mount(
         assert read(d / names[i]) == content(i)
 
 
+@pytest.mark.parametrize("mode", ["R", "I"])
 def test_a_read_only_mount_keeps_a_learned_name_no_longer_than_entry_timeout(
-    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+    mounted: ProcessCluster,
+    mounts: dict[str, MeteredMount],
+    mnt: Path,
+    names: list[str],
+    mode: str,
 ) -> None:
-    r = mounts["R"]
+    r = mounts[mode]
     d = r.mountpoint / mnt.name
     first_miss(r, d, names[0], FILES - 1)
     os.stat(d)  # (its entry, if expired, is looked up before the count)
