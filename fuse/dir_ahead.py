@@ -43,11 +43,12 @@ from prometheus_client.metrics_core import Metric
 
 from shufflefs.cluster.metrics_client import counts_family
 from shufflefs.fuse.dir_handles import READDIR_PAGE
-from shufflefs.metadata.protocol import Attr
+from shufflefs.metadata.protocol import READDIR_MAX, Attr
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:
     from shufflefs.client.fs import FileSystem
+    from shufflefs.client.open_cache import CachedOpen
     from shufflefs.fuse.watched_entries import WatchedEntries
 
 log = logging.getLogger("shufflefs.fuse.dir_ahead")
@@ -55,6 +56,7 @@ log = logging.getLogger("shufflefs.fuse.dir_ahead")
 DEFAULT_ENTRIES = 1024  # entries of one directory opened ahead (dir_ahead=)
 MAX_ENTRIES = 65536
 MAX_DIRS = 65536  # directories remembered as done (the oldest forgotten first)
+OPEN_BATCH = READDIR_MAX  # files opened per call (`open_read_only` takes no more)
 
 
 @dataclass
@@ -137,7 +139,10 @@ class DirAhead:
             cache = self.fs.open_cache
             room = max(0, cache.limit // 2 - len(cache.entries))
             wanted = [(n, a) for n, a in listed if a["ino"] not in cache.entries][:room]
-            held = await cache.open_ahead([a["ino"] for _, a in wanted]) if wanted else {}
+            held: dict[int, CachedOpen] = {}
+            for lo in range(0, len(wanted), OPEN_BATCH):  # (the server's bound per call)
+                part = wanted[lo : lo + OPEN_BATCH]
+                held.update(await cache.open_ahead([a["ino"] for _, a in part]))
         except FsError as exc:
             self.counts.failed += 1
             log.debug("opening directory %d ahead: %s", parent, exc.message)

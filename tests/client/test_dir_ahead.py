@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable, Callable
 
+import pytest
 import trio
 
 from shufflefs.client.fs import ClientOptions, FileSystem
+from shufflefs.client.open_cache import CachedOpen
+from shufflefs.fuse import dir_ahead
 from shufflefs.fuse.dir_ahead import DirAhead
 from shufflefs.metadata.protocol import ROOT_INODE, ReaddirPage
 
@@ -78,3 +81,26 @@ async def test_bounded_by_the_open_caches_room_and_by_entry_timeout(open_fs: Ope
     assert ahead.lookup(d, name) is not None
     await trio.sleep(0.3)
     assert ahead.lookup(d, name) is None  # older than entry_timeout
+
+
+async def test_more_files_than_one_call_takes_are_opened_in_several(
+    open_fs: OpenFs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`open_read_only` takes at most READDIR_MAX opens: a larger directory
+    is opened in calls of that many (here made 4)."""
+    monkeypatch.setattr(dir_ahead, "OPEN_BATCH", 4)
+    fs = await open_fs(OPTIONS)
+    d, _ = await directory(fs, 11)
+    calls = []
+    opened = fs.open_cache.open_ahead
+
+    async def counted(inos: list[int]) -> dict[int, CachedOpen]:
+        calls.append(len(inos))
+        return await opened(inos)
+
+    monkeypatch.setattr(fs.open_cache, "open_ahead", counted)
+    ahead = DirAhead(fs, None, 1024, entry_timeout=60.0)
+    async with trio.open_nursery() as nursery:
+        ahead.missed(d, await fs.lookup(d, b"f00"), nursery)
+    assert calls == [4, 4, 3]
+    assert ahead.counts.files == 11 and ahead.counts.failed == 0
