@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -207,6 +208,16 @@ def reader_main(conn: Connection, index: int, target: Target, file_size: int, ba
         reader.close()
 
 
+STOPS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _child(main: Callable[..., None], *args: Any) -> None:
+    """A pool's child: the signals its parent held while starting it (the
+    mask is inherited) taken again, then *main*."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+    main(*args)
+
+
 class ProcessPool:
     """N spawned processes, each running ``main(conn, index, *args)`` on its end of a
     pipe until it receives None; started once and reused for every row."""
@@ -215,12 +226,19 @@ class ProcessPool:
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
-        for i in range(n):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=main, args=(child, i, *args), daemon=True)
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
+        # a Ctrl-C or SIGTERM while a child is being started is taken once
+        # every child has what it starts from: a parent stopped mid-way left
+        # the child a cut-off pipe, and its traceback on the run's stderr
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+        try:
+            for i in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_child, args=(main, child, i, *args), daemon=True)
+                p.start()
+                self.conns.append(parent)
+                self.procs.append(p)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def close(self) -> None:
         for conn in self.conns:

@@ -38,10 +38,17 @@ def flip(path: str | Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def evict(files: Iterable[str | Path]) -> None:
-    """Drop these files' pages from the page cache (reads of them wait for the disk)."""
+def evict(files: Iterable[str | Path], missing_ok: bool = False) -> None:
+    """Drop these files' pages from the page cache (reads of them wait for the
+    disk). *missing_ok*: a file gone meanwhile (a chunk file a repair replaced)
+    is skipped."""
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+            continue
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
