@@ -30,3 +30,11 @@ def entry_attributes(
     e.st_mtime_ns = attr["mtime"]
     e.st_ctime_ns = attr["ctime"]
     return e
+
+
+def no_longer_than(entry: pyfuse3.EntryAttributes, keep: float) -> pyfuse3.EntryAttributes:
+    """*entry* kept by the kernel no longer than *keep* seconds (how long
+    the name it answers is good)."""
+    entry.entry_timeout = min(entry.entry_timeout, keep)
+    entry.attr_timeout = min(entry.attr_timeout, keep)
+    return entry

@@ -277,8 +277,9 @@ class FastReads:
         if self._wait_here():
             waited = time.perf_counter()
             job()
-            if time.perf_counter() - waited > INLINE_WAIT_MAX:
-                self._inline_after = time.perf_counter() + INLINE_PAUSE
+            now = time.perf_counter()
+            if now - waited > INLINE_WAIT_MAX:
+                self._inline_after = now + INLINE_PAUSE
             return True
         try:
             self._disk_waits.submit(job)

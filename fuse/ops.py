@@ -43,7 +43,7 @@ import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
 from shufflefs.fuse.dir_ahead import DirAhead
-from shufflefs.fuse.entry_attrs import BLOCK_SIZE, entry_attributes
+from shufflefs.fuse.entry_attrs import BLOCK_SIZE, entry_attributes, no_longer_than
 from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.listings import Listings
@@ -146,21 +146,20 @@ class ShuffleOps(pyfuse3.Operations):
         and how long the kernel may keep them at most: a name the cache
         watch keeps fresh (read-write), a hinted file whose bytes are held,
         or a name a listing brought (read-only: fuse/dir_ahead.py)."""
-        forever = math.inf
         if self.watched is not None:
             attr = self.watched.lookup(parent_inode, name)
-            return None if attr is None else (attr, forever)
-        if not self.options.read_only:
+        elif self.options.read_only:
+            attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
+            if attr is None:
+                return self.dir_ahead.lookup(parent_inode, name)
+        else:
             return None
-        attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
-        if attr is not None:
-            return attr, forever
-        return self.dir_ahead.lookup(parent_inode, name)
+        return None if attr is None else (attr, math.inf)
 
     def _found(
         self, attr: Attr, keep: float, parent_inode: int, name: bytes
     ) -> pyfuse3.EntryAttributes:
-        entry = _no_longer(self.remember(attr), keep)
+        entry = no_longer_than(self.remember(attr), keep)
         if self.watched is not None:
             self.watched.extend(entry, parent_inode, name)
         return entry
@@ -192,7 +191,7 @@ class ShuffleOps(pyfuse3.Operations):
         if self.inode_reads is None:
             return self._found(attr, keep, parent_inode, name)
         await self.inode_reads.pages_current(attr)
-        entry = _no_longer(self.remember(attr), keep)
+        entry = no_longer_than(self.remember(attr), keep)
         await self.inode_reads.ready(attr)
         return entry
 
@@ -601,11 +600,3 @@ class ShuffleOps(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.fs.removexattr(inode, name)
         self.no_caps.pop(inode, None)
-
-
-def _no_longer(entry: pyfuse3.EntryAttributes, keep: float) -> pyfuse3.EntryAttributes:
-    """*entry* kept by the kernel no longer than *keep* seconds (how long
-    the name it answers is good)."""
-    entry.entry_timeout = min(entry.entry_timeout, keep)
-    entry.attr_timeout = min(entry.attr_timeout, keep)
-    return entry

@@ -66,14 +66,13 @@ class WatchedEntries:
         if left <= max(entry.entry_timeout, entry.attr_timeout):
             return
         entry.entry_timeout = entry.attr_timeout = left
-        self.names.setdefault(entry.st_ino, set()).add((parent, name))
-        self.by_name[(parent, name)] = entry.st_ino
+        self.learn(parent, name, entry.st_ino)
 
     def learn(self, parent: int, name: bytes, ino: int) -> None:
-        """A name of a file the watch keeps fresh, learned from a listing
-        (fuse/dir_ahead.py) rather than a LOOKUP: `lookup` answers it as if
-        a LOOKUP had brought it (the kernel was told nothing of it: a
-        `forget` that invalidates it finds no entry)."""
+        """A name of a file the watch keeps fresh, for `lookup` to answer:
+        from a LOOKUP reply (`extend`), or from a listing (fuse/dir_ahead.py:
+        the kernel was told nothing of it, and a `forget` that invalidates
+        it finds no entry)."""
         self.names.setdefault(ino, set()).add((parent, name))
         self.by_name[(parent, name)] = ino
 

@@ -15,12 +15,11 @@ import mmap
 import os
 import random
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster, chunk_files
+from clusters import ProcessCluster, chunk_files, wait_until
 from harness import evict, flip
 from opsworld import MeteredMount, metered_mount, total
 
@@ -194,15 +193,7 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
         assert local.count("local") - taken >= reads * 0.9
         assert local.count("declined") == declined
         assert local.count("fell_back") == 0
-        # one reader alone: nothing else waits on the mount, so its READs
-        # wait for the disk on the loop's thread (after any pause a slow
-        # wait of the many readers' started)
-        time.sleep(INLINE_PAUSE + 0.2)
-        inline = local.count("inline")
-        evict(files)
-        for (off, n), b in zip(EDGES, direct_reads(path, EDGES), strict=True):
-            assert b == data[off : off + n], (off, n)
-        assert local.count("inline") > inline
+        read_alone_until_inline(local, path, lambda f=files: f, EDGES, data)
         assert local.count("fell_back") == 0
 
         by_chunk: dict[str, list[Path]] = {}
@@ -217,12 +208,12 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
         for got in read_concurrently(path, [ranges] * 3):
             for (off, n), b in zip(ranges, got, strict=True):
                 assert b == data[off : off + n], (off, n)
-        # one reader alone (its waits on the loop's thread): the same; the
-        # damaged replicas are being repaired (new chunk files) meanwhile
-        evict(chunk_files(mounted.data_dir, path.stat().st_ino), missing_ok=True)
-        time.sleep(INLINE_PAUSE + 0.2)
-        for (off, n), b in zip(ranges, direct_reads(path, ranges), strict=True):
-            assert b == data[off : off + n], (off, n)
+        # the same alone (the damaged replicas are being repaired into new
+        # chunk files meanwhile)
+        ino = path.stat().st_ino
+        read_alone_until_inline(
+            local, path, lambda i=ino: chunk_files(mounted.data_dir, i), ranges, data
+        )
         # every replica of a chunk damaged: an error, never the bytes
         # (whichever replica the fast path reads, it hands the READ to the loop)
         ruined = local.mountpoint / "ruined.bin"
@@ -233,6 +224,28 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
             direct_reads(ruined, [(69_632, 8192)])
         assert failed.value.errno == errno.EIO
         assert local.count("fell_back") > 0
+
+
+def read_alone_until_inline(
+    local: FastMount,
+    path: Path,
+    chunk_files_now: Callable[[], list[Path]],
+    ranges: list[tuple[int, int]],
+    data: bytes,
+) -> None:
+    """One reader alone, the file's chunk files evicted before each round,
+    exact bytes every round, until one of its READs waited for the disk on
+    the loop's thread (nothing else waits on the mount; a slow wait of the
+    earlier readers may have paused that for INLINE_PAUSE)."""
+    inline = local.count("inline")
+
+    def round_went_inline() -> bool:
+        evict(chunk_files_now(), missing_ok=True)
+        for (off, n), b in zip(ranges, direct_reads(path, ranges), strict=True):
+            assert b == data[off : off + n], (off, n)
+        return local.count("inline") > inline
+
+    wait_until("a lone reader's READ waiting inline", round_went_inline, INLINE_PAUSE + 10)
 
 
 def read_whole(root: Path, files: dict[str, bytes], readers: int) -> None:
