@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.heap import keep_freed_pages
 
 log = logging.getLogger("shufflefs.runtime")
 
@@ -88,6 +89,7 @@ def run_service(
             await main()
             nursery.cancel_scope.cancel()
 
+    keep_freed_pages()
     try:
         trio.run(runner)
     except (FsError, BaseExceptionGroup) as raised:

@@ -1,0 +1,51 @@
+"""Keep the C heap's freed pages in the process (glibc malloc tuning).
+
+Every read a shufflefs process serves or makes allocates its buffer anew: a
+`bytearray` for the bytes of a range, a `bytes` copy for their checksum.
+Python hands buffers of more than 512 bytes to the C allocator. With glibc's
+defaults a buffer of 128 KiB or more is either mapped for itself or, once the
+dynamic threshold has risen, taken from the heap, whose top is given back to
+the kernel as soon as more than twice that threshold is free there. Either
+way the next buffer of the same size faults its pages in again, and the
+kernel zeroes every one of them: for 128 KiB reads through a storage daemon
+that was about a third of the daemon's CPU (page faults, `clear_page`,
+unmapping; `perf`, docs/storage.md).
+
+Fixed thresholds stop both: buffers up to `MMAP_THRESHOLD` come from the heap,
+and up to `TRIM_THRESHOLD` of free heap top stays mapped for the next one. The
+cost is that a process's resident size stays near its peak instead of
+shrinking after a burst; the peak itself is bounded by the requests in flight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("shufflefs.heap")
+
+M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 16 << 20
+TRIM_THRESHOLD = 128 << 20
+
+
+def keep_freed_pages() -> bool:
+    """Set the thresholds (see the module docstring); False where the C
+    library is not glibc (nothing is changed then)."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
+    if not ok:
+        log.info("mallopt refused the heap thresholds; the allocator's defaults stay")
+    return ok
