@@ -13,16 +13,6 @@ from prometheus_client import Counter, Histogram
 
 from shufflefs.rpc.metrics import LATENCY_BUCKETS
 
-CACHE_LOOKUPS = Counter(
-    "shufflefs_cache_lookups",
-    "Lookups in the chunk-record and open-file caches, by cache and result (hit or miss)",
-    ["cache", "result"],
-)
-RECORD_HIT = CACHE_LOOKUPS.labels("record", "hit")
-RECORD_MISS = CACHE_LOOKUPS.labels("record", "miss")
-FD_HIT = CACHE_LOOKUPS.labels("fd", "hit")
-FD_MISS = CACHE_LOOKUPS.labels("fd", "miss")
-
 COMMIT_BATCH = Histogram(
     "shufflefs_meta_commit_batch_size",
     "Mutations per metadata group commit (one LMDB write transaction, one fsync)",

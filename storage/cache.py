@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Final, Generic, TypeVar
 
-from shufflefs.cluster.metrics_catalog import FD_HIT, FD_MISS, RECORD_HIT, RECORD_MISS
+from shufflefs.storage.cache_counts import LookupCounts
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -95,14 +95,17 @@ class RecordCache(Generic[K, V]):
         self._groups: _Groups[K] = _Groups(group)
         self._lock = threading.Lock()
         self.epoch = 0
+        self.lookups = LookupCounts.of(self, "record")
 
     def get(self, key: K) -> V | Missing | None:
         """The cached value, MISSING if known absent, None if not cached."""
         with self._lock:
             value = self._data.get(key)
-            if value is not None:
+            if value is None:
+                self.lookups.misses += 1
+            else:
+                self.lookups.hits += 1
                 self._data.move_to_end(key)
-        (RECORD_MISS if value is None else RECORD_HIT).inc()
         return value
 
     def fill(self, key: K, value: V | Missing, epoch: int) -> None:
@@ -177,15 +180,18 @@ class FdCache(Generic[K]):
         self.epoch = 0
         self.opened = 0  # fds this cache has taken ownership of (for tests and stats)
         self.closed = 0
+        self.lookups = LookupCounts.of(self, "fd")
 
     def get(self, key: K) -> FdHandle | None:
         """A referenced handle, or None if not cached. Release it after use."""
         with self._lock:
             handle = self._data.get(key)
-            if handle is not None:
+            if handle is None:
+                self.lookups.misses += 1
+            else:
+                self.lookups.hits += 1
                 self._data.move_to_end(key)
                 handle.refs += 1
-        (FD_MISS if handle is None else FD_HIT).inc()
         return handle
 
     def put(self, key: K, fd: int, epoch: int) -> FdHandle:
