@@ -7,7 +7,13 @@ the independent reference the tests check this module against.
 ``google_crc32c`` parses its argument as a read-only ``bytes`` object (``y#``):
 a ``memoryview`` or ``bytearray`` is refused. Callers therefore hand over
 ``bytes``; `block_crcs` and `first_bad_block` take any buffer and copy one
-block at a time only when the buffer is not already ``bytes``.
+block at a time only when the buffer is not already ``bytes``. A span of
+`IN_PLACE_MIN` bytes or more of a writable buffer (a read's bytes, 128 KiB
+and up) is checked where it lies instead: by ``crc32c_extend`` of the very C
+library ``google_crc32c`` runs on (found among this process's mappings),
+through ``ctypes``. Its call costs about a microsecond more than
+``google_crc32c``'s, the copy it saves (a new ``bytes``, then a ``memmove``)
+grows with the span: 9% of a storage daemon's CPU serving 128 KiB reads.
 
 A chunk's checksums live in memory as an ``array('I')`` (native byte order,
 4 bytes per block: a 1 MiB chunk of 4 KiB blocks costs 1 KiB, not the ~10 KiB
@@ -16,8 +22,11 @@ a tuple of ints would) and on disk and on the wire as 4-byte big-endian values.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 from array import array
+from collections.abc import Callable
 
 import google_crc32c
 
@@ -52,6 +61,49 @@ def _block(data: Buf, lo: int, hi: int) -> bytes:
     if isinstance(data, bytes):
         return data if lo == 0 and hi == len(data) else data[lo:hi]
     return bytes(memoryview(data)[lo:hi])
+
+
+IN_PLACE_MIN = 32 << 10  # smaller spans: the copy costs less than the ctypes call
+
+
+def _library_extend() -> Callable[[int, int, int], int] | None:
+    """``crc32c_extend(crc, pointer, length)`` of the library that
+    ``google_crc32c``'s extension is linked to; None if it is not found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcrc32c" in line})
+    except OSError:
+        return None
+    for path in paths:
+        if not os.path.basename(path).startswith("libcrc32c"):
+            continue
+        try:
+            fn = ctypes.CDLL(path).crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+        probe = bytearray(b"123456789")
+        if fn(0, ctypes.addressof(ctypes.c_char.from_buffer(probe)), 9) != 0xE3069283:
+            continue  # not the CRC-32C we know: keep to google_crc32c
+        return fn
+    return None
+
+
+_extend = _library_extend()
+
+
+def _crc_span(data: Buf, lo: int, hi: int) -> int:
+    """CRC-32C of ``data[lo:hi]``, in place when that spares a big copy."""
+    n = hi - lo
+    if n >= IN_PLACE_MIN and _extend is not None and not isinstance(data, bytes):
+        try:
+            span = (ctypes.c_char * n).from_buffer(data, lo)
+        except TypeError:  # read-only: copied below
+            pass
+        else:
+            return _extend(0, ctypes.addressof(span), n)
+    return crc32c(_block(data, lo, hi))
 
 
 def block_crcs(data: Buf, block_size: int) -> array[int]:
@@ -160,8 +212,7 @@ def first_bad_block(data: Buf, first_block: int, crcs: array[int], block_size: i
     # another: two calls and one copy instead of one of each per block
     count, tail = divmod(n, block_size)
     whole = count * block_size
-    prefix = _block(data, 0, whole)
-    if crc32c(prefix) == combined_crc(crcs, first_block, count, block_size) and (
+    if _crc_span(data, 0, whole) == combined_crc(crcs, first_block, count, block_size) and (
         tail == 0 or crc32c(_block(data, whole, n)) == crcs[first_block + count]
     ):
         return -1

@@ -128,3 +128,31 @@ def test_combined_crcs_are_remembered_by_value_and_stay_right() -> None:
         crc_module._combined[(i, b"")] = 0
     assert combined_crc(crcs, 0, 40, block_size) == crc32c(data)
     assert len(crc_module._combined) <= crc_module.MAX_COMBINED
+
+
+def test_big_spans_are_checked_in_place_and_still_catch_damage() -> None:
+    """Spans of IN_PLACE_MIN and more of a writable buffer are checksummed where
+    they lie (the C library's crc32c_extend); any buffer type, any offset into
+    it, gives the reference CRC, and a flipped byte is still found."""
+    assert crc_module._extend is not None  # found among this process's mappings
+    rng = random.Random(7)
+    bs = 4096
+    data = rng.randbytes(40 * bs + 123)
+    crcs = block_crcs(data, bs)
+    backing = bytearray(b"x" * 5 + data)
+    kinds = {
+        "bytes": data,
+        "bytearray": bytearray(data),
+        "memoryview": memoryview(bytearray(data)),
+        "offset view": memoryview(backing)[5:],
+        "read-only view": memoryview(bytearray(data)).toreadonly(),
+    }
+    for name, buf in kinds.items():
+        n = len(buf)
+        assert crc_module._crc_span(buf, 0, n) == reference(data), name
+        assert crc_module._crc_span(buf, bs, n) == reference(data[bs:]), name
+        assert first_bad_block(buf, 0, crcs, bs) == -1, name
+    damaged = bytearray(data)
+    damaged[17 * bs + 9] ^= 0x01
+    assert first_bad_block(damaged, 0, crcs, bs) == 17
+    assert first_bad_block(memoryview(damaged)[bs:], 1, crcs, bs) == 17
