@@ -99,7 +99,7 @@ def _crc_span(data: Buf, lo: int, hi: int) -> int:
     if n >= IN_PLACE_MIN and _extend is not None and not isinstance(data, bytes):
         try:
             span = (ctypes.c_char * n).from_buffer(data, lo)
-        except TypeError:  # read-only: copied below
+        except (TypeError, ValueError):  # read-only or not contiguous: copied below
             pass
         else:
             return _extend(0, ctypes.addressof(span), n)
