@@ -10,6 +10,7 @@ client code needs no hooks of its own.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import time
@@ -27,6 +28,7 @@ from shufflefs.cluster.metrics_catalog import (
     CLIENT_LATENCY,
     CLIENT_OPS,
 )
+from shufflefs.rpc.addresses import address_toward, mgmtd_addresses, parse_address
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 
@@ -131,18 +133,28 @@ async def start_client_metrics(
     if not address:
         return None
     instrument(fs, reads=reads)
+    serve = functools.partial(
+        start_metrics, nursery, kind=kind, rpc=rpc, mgmtd=mgmtd, name=fs.name, collectors=collectors
+    )
     try:
-        return await start_metrics(
-            nursery,
-            address,
-            kind=kind,
-            rpc=rpc,
-            mgmtd=mgmtd,
-            name=fs.name,
-            collectors=collectors,
-        )
+        return await serve(address)
     except FsError as exc:
-        # one client config serves every host, and its address may not be
-        # this host's: a client without metrics beats one that does not run
-        log.warning("%s runs without metrics: %s", kind, exc.message)
-        return None
+        first = exc
+    # one client config serves every host (every training node), so its
+    # address is often another host's: serve on this host's own address
+    # toward mgmtd instead, at the same port. mgmtd learns the URL from the
+    # announcement, and so does a scrape through it.
+    here = address_toward(mgmtd_addresses(mgmtd)[0]) if first.code == errno.EADDRNOTAVAIL else None
+    if here is not None:
+        port = parse_address(address, listen=True)[1]
+        mine = f"[{here}]:{port}" if ":" in here else f"{here}:{port}"
+        try:
+            url = await serve(mine)
+        except FsError as exc:
+            first = exc
+        else:
+            log.info("%s metrics: %s is not this host's, serving at %s", kind, address, url)
+            return url
+    # a client without metrics beats one that does not run
+    log.warning("%s runs without metrics: %s", kind, first.message)
+    return None

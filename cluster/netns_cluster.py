@@ -147,16 +147,12 @@ class RemoteCluster:
             raise
 
     def mount(self, mountpoint: Path, reader: int = 1) -> int:
-        """Mount the cluster at *mountpoint* from reader host *reader*, its
-        metrics served on that host's address (the client config's address
-        is the bridge's, which only this machine's own host has)."""
-        host = self.storage_hosts + reader
-        return mount_on_host(
-            self.local,
-            mountpoint,
-            self.reader_netns(reader),
-            options=f"metrics={self.hosts.address(host)}:0",
-        )
+        """Mount the cluster at *mountpoint* from reader host *reader*. Its
+        metrics are served on that host's address: the client config names
+        the bridge's, which only this machine's own host has, so the mount
+        serves at its own address toward mgmtd (`start_client_metrics`), as
+        a mount on a training node of a real cluster does."""
+        return mount_on_host(self.local, mountpoint, self.reader_netns(reader))
 
     def stop(self) -> None:
         with uninterrupted():

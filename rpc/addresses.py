@@ -33,3 +33,23 @@ def mgmtd_addresses(value: str) -> list[str]:
 def hostname() -> str:
     """The name this host is known by in the cluster unless a config says."""
     return socket.gethostname()
+
+
+def address_toward(address: str) -> str | None:
+    """This host's own address on its route to *address* (host:port), as the
+    kernel picks it; None if there is no route. A UDP "connect" only picks
+    the route: nothing is sent."""
+    host, port = parse_address(address)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, where in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(where)
+                local: str = probe.getsockname()[0]
+                return local
+        except OSError:
+            continue
+    return None

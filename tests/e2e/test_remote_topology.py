@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,6 +118,25 @@ def test_reads_cross_the_network(remote: Remote) -> None:
     assert remote.chunk_files_open(native["open"]) == []
     # and the mount process itself runs on the reader host
     assert os.stat(f"/proc/{remote.mount_pid}/ns/net").st_ino == native["netns"]
+
+
+def test_a_mount_on_a_reader_host_serves_metrics_at_its_own_address(remote: Remote) -> None:
+    """The shared client config names the bridge's address for mounts'
+    metrics, which a reader host cannot bind (RemoteCluster.mount passes no
+    address of its own): the mount serves them at its own address toward
+    mgmtd, and announces that one."""
+    reader = remote.topology.hosts.address(remote.topology.storage_hosts + 1)
+    assert reader not in remote.topology.client_config.read_text()
+
+    def mount_url() -> str | None:
+        mounts = [m for m in remote.processes.status()["clients"] if m["kind"] == "mount"]
+        return mounts[0]["metrics"] if mounts else None
+
+    wait_until("the mount's metrics announced", lambda: mount_url() is not None, timeout=30)
+    url = mount_url()
+    assert url is not None and urllib.parse.urlsplit(url).hostname == reader
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert "shufflefs_client_fast_reads_total" in reply.read().decode()
 
 
 def received_from(netns: str) -> dict[str, int]:
