@@ -144,7 +144,9 @@ async def start_client_metrics(
     # address is often another host's: serve on this host's own address
     # toward mgmtd instead, at the same port. mgmtd learns the URL from the
     # announcement, and so does a scrape through it.
-    here = address_toward(mgmtd_addresses(mgmtd)[0]) if first.code == errno.EADDRNOTAVAIL else None
+    here = None
+    if first.code == errno.EADDRNOTAVAIL:  # (a name may need DNS: off the loop)
+        here = await trio.to_thread.run_sync(address_toward, mgmtd_addresses(mgmtd)[0])
     if here is not None:
         port = parse_address(address, listen=True)[1]
         mine = f"[{here}]:{port}" if ":" in here else f"{here}:{port}"
