@@ -28,7 +28,7 @@ from shufflefs.cluster.metrics_catalog import (
     CLIENT_LATENCY,
     CLIENT_OPS,
 )
-from shufflefs.rpc.addresses import address_toward, mgmtd_addresses, parse_address
+from shufflefs.rpc.addresses import address_toward, join_address, mgmtd_addresses, parse_address
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 
@@ -149,9 +149,8 @@ async def start_client_metrics(
         here = await trio.to_thread.run_sync(address_toward, mgmtd_addresses(mgmtd)[0])
     if here is not None:
         port = parse_address(address, listen=True)[1]
-        mine = f"[{here}]:{port}" if ":" in here else f"{here}:{port}"
         try:
-            url = await serve(mine)
+            url = await serve(join_address(here, port))
         except FsError as exc:
             first = exc
         else:

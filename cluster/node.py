@@ -15,7 +15,7 @@ import errno
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shufflefs.rpc.addresses import hostname, mgmtd_addresses, parse_address
+from shufflefs.rpc.addresses import hostname, join_address, mgmtd_addresses, parse_address
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json, write_json_durably
 
@@ -76,7 +76,7 @@ def advertised_address(
         return advertise
     if listen_host in WILDCARD_HOSTS:
         listen_host = host or hostname()
-    return f"[{listen_host}]:{port}" if ":" in listen_host else f"{listen_host}:{port}"
+    return join_address(listen_host, port)
 
 
 def check_addresses(

@@ -67,9 +67,8 @@ class ShuffleOps(pyfuse3.Operations):
         self.fs = fs
         self.options = options or MountOptions()
         self.lookups: dict[int, int] = {}  # inode -> the kernel's lookup count
-        self.cached: dict[
-            int, tuple[int, int, int]
-        ] = {}  # inode -> (size, mtime, ctime) of its cached data
+        # inode -> (size, mtime, ctime) of its cached data
+        self.cached: dict[int, tuple[int, int, int]] = {}
         # inode -> (size, mtime, ctime) of the attributes last handed to the kernel
         self.reported: dict[int, tuple[int, int, int]] = {}
         # inode -> trio time until which it is taken to have no security.capability

@@ -19,6 +19,12 @@ def parse_address(address: str, *, listen: bool = False) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """(host, port) -> 'host:port', an IPv6 host in brackets: what
+    `parse_address` reads back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def mgmtd_addresses(value: str) -> list[str]:
     """The ``mgmtd`` setting of a config: one address, or several mgmtd
     instances (HA) separated by commas. EINVAL if any is malformed."""

@@ -20,7 +20,6 @@ shrinking after a burst; the peak itself is bounded by the requests in flight.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger("shufflefs.heap")
@@ -34,12 +33,9 @@ TRIM_THRESHOLD = 128 << 20
 def keep_freed_pages() -> bool:
     """Set the thresholds (see the module docstring); False where the C
     library is not glibc (nothing is changed then)."""
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except AttributeError:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
