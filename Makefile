@@ -53,8 +53,13 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Two pytest workers, each test file whole on one of them (its module fixtures, its
+# clusters, start once): most tests wait on processes, so two share two cores well.
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+
 test: venv bytecode lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 down:
 	$(SHUFFLEFS) down --data-dir $(DATA_DIR)

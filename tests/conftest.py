@@ -12,6 +12,9 @@ one of the process fixtures (or says so with ``pytest.mark.e2e``);
 
 from __future__ import annotations
 
+import fcntl
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,3 +37,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         uses_processes = PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
         if in_e2e_folder or uses_processes:
             item.add_marker(pytest.mark.e2e)
+
+
+# One lock for the whole machine: the kernel's caches are the machine's.
+KERNEL_CACHES_LOCK = Path(tempfile.gettempdir()) / "shufflefs-tests-kernel-caches.lock"
+
+
+@pytest.fixture
+def kernel_caches() -> Iterator[None]:
+    """The kernel's page, dentry and inode caches to this test alone, while it
+    runs: for a test that drops them (`/proc/sys/vm/drop_caches`) and for one
+    that counts what they spare (requests that reach the mount or a daemon,
+    pages resident after a warmup). `make test` runs two pytest workers, and
+    each holds this lock (an exclusive `flock`) only around such a test."""
+    with open(KERNEL_CACHES_LOCK, "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -61,11 +62,14 @@ def test_bench_files_stopped_by_sigterm_leaves_nothing(
     mounted and removes its files, as one stopped by Ctrl-C does."""
     local = tmp_path / "local"
     local.mkdir()
+    scratch = tmp_path / "tmp"  # its temporary directory, apart from other tests' benches
+    scratch.mkdir()
     bench = subprocess.Popen(
         [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "files",
          "--config", str(mounted.client_config), "--local-dir", str(local),
          "--files", "5000", "--dirs", "5", "--size", "3000", "--procs", "2", "--json"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )  # fmt: skip
     try:
 
@@ -74,7 +78,7 @@ def test_bench_files_stopped_by_sigterm_leaves_nothing(
             return any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
 
         wait_until("the bench writing its set", writing, timeout=120)
-        ours = bench_mounts()
+        ours = bench_mounts(scratch)
         assert len(ours) == 2
         bench.send_signal(signal.SIGTERM)
         _, err = bench.communicate(timeout=120)
@@ -83,14 +87,15 @@ def test_bench_files_stopped_by_sigterm_leaves_nothing(
         if bench.poll() is None:
             bench.kill()
             bench.wait()
-    assert bench_mounts() == []
+    assert bench_mounts(scratch) == []
     assert all(not Path(m).exists() for m in ours)  # its temporary directory too
     assert not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
     assert list(local.iterdir()) == []
 
 
-def bench_mounts() -> list[str]:
-    """Mount points of `shufflefs bench files` (in its temporary directory)."""
+def bench_mounts(scratch: Path) -> list[str]:
+    """Mount points of `shufflefs bench files` (in its temporary directory,
+    under *scratch*)."""
     with open("/proc/mounts") as f:
         points = [line.split()[1] for line in f]
-    return [p for p in points if "/shufflefs-files-" in p]
+    return [p for p in points if p.startswith(f"{scratch}/shufflefs-files-")]

@@ -19,6 +19,9 @@ from clusters import ProcessCluster, wait_until
 from harness import read_whole as read
 from opsworld import MeteredMount, metered_mount
 
+# they drop the kernel's caches, or count what those spare: one at a time on the machine
+pytestmark = pytest.mark.usefixtures("kernel_caches")
+
 FAMILY = "shufflefs_client_dir_ahead"
 FILES = 30
 BOUND = 1.0  # the short ro mount's timeouts

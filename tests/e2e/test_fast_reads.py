@@ -25,6 +25,9 @@ from opsworld import MeteredMount, metered_mount, total
 
 from shufflefs.fuse.fast_reads import INLINE_PAUSE
 
+# they drop the kernel's caches, or count what those spare: one at a time on the machine
+pytestmark = pytest.mark.usefixtures("kernel_caches")
+
 MiB = 1 << 20
 CHUNK = MiB  # the test cluster's chunk size
 SIZE = 5 * MiB + 777

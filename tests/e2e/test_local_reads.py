@@ -8,8 +8,12 @@ import os
 import random
 from pathlib import Path
 
+import pytest
 from clusters import ProcessCluster
 from procfs import deleted_open_files
+
+# they drop the kernel's caches, or count what those spare: one at a time on the machine
+pytestmark = pytest.mark.usefixtures("kernel_caches")
 
 MiB = 1 << 20
 

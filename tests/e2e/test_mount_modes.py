@@ -35,6 +35,9 @@ from clusters import ProcessCluster, wait_until
 from harness import read_whole as read
 from harness import rewrite_in_place, shufflefs
 
+# they drop the kernel's caches, or count what those spare: one at a time on the machine
+pytestmark = pytest.mark.usefixtures("kernel_caches")
+
 BOUND = 1.0  # the short ro mount's attr/entry/negative timeout
 SLACK = 10.0  # what the test allows beyond the bound on a busy machine
 

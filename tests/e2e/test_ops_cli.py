@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cliworld import run_cli
 from clusters import ProcessCluster, chunk_files
 from harness import evict
@@ -69,6 +70,7 @@ def resident_bytes(files: list[Path]) -> int:
     return sum(int(x) for x in out.split())
 
 
+@pytest.mark.usefixtures("kernel_caches")  # evicts, then counts resident pages
 def test_warmup_makes_the_chunks_resident(ops_cluster: ProcessCluster) -> None:
     folder = ops_cluster.mountpoint / "warm"
     folder.mkdir()

@@ -36,6 +36,9 @@ import pytest
 from clusters import ProcessCluster
 from harness import shufflefs
 
+# they drop the kernel's caches, or count what those spare: one at a time on the machine
+pytestmark = pytest.mark.usefixtures("kernel_caches")
+
 XATTR = "user.shufflefs.prefetch"
 BUDGET = 4 << 20
 SIZE = 110_000

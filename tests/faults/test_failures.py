@@ -244,6 +244,7 @@ def chunk_files_of(cluster: ProcessCluster, name: str) -> list[Path]:
     return sorted(cluster.local.dir.glob(f"storage1/target1/chunks/*/{ino:016x}*"))
 
 
+@pytest.mark.usefixtures("kernel_caches")  # drops them
 def test_corruption_is_never_returned_and_repaired(
     fault_cluster: ProcessCluster, tmp_path: Path
 ) -> None:
