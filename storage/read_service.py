@@ -5,14 +5,17 @@ connection's reader task, and on a thread channel's I/O thread.
 Reads whose record and file are cached and whose bytes are in the page cache
 are served with ``preadv2(RWF_NOWAIT)``, which fails instead of blocking: a
 hot 4 KiB read then costs microseconds instead of a thread round trip. The
-rest wait for the disk in worker threads, spread so that one request's cold
-items wait together, not in turn. The protocol is in docs/storage.md.
+rest wait for the disk: through io_uring on the event loop (storage/uring.py)
+when their record and file are cached, else in worker threads, spread so that
+one request's cold items wait together, not in turn. The protocol is in
+docs/storage.md.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import trio
@@ -23,6 +26,8 @@ from shufflefs.storage.context import NodeContext
 from shufflefs.storage.layout import check_chunk_id
 from shufflefs.storage.protocol import MAX_READ_ITEMS, ChunkMeta, ReadItem
 from shufflefs.storage.repair import RepairWorker
+from shufflefs.storage.store import ChunkStore, ReadPlan
+from shufflefs.storage.uring import UringReads, for_this_run, for_this_thread
 
 log = logging.getLogger("shufflefs.storage")
 
@@ -31,6 +36,10 @@ def _spread(indices: list[int], threads: int) -> list[list[int]]:
     """*indices* cut into at most *threads* runs of about equal length."""
     per = -(-len(indices) // threads)
     return [indices[k : k + per] for k in range(0, len(indices), per)]
+
+
+def _requests(planned: list[tuple[int, ChunkStore, ReadPlan]]) -> list[tuple[int, int, int]]:
+    return [(plan.handle.fd, plan.stop - plan.start, plan.start) for _, _, plan in planned]
 
 
 def _read_reply(results: list[memoryview | int]) -> Reply:
@@ -103,6 +112,9 @@ class ReadHandlers:
         spread over up to `io_threads` threads as on the loop, so that cold
         reads of one request wait for the disk together, not in turn."""
         results, slow = self._read_cached(items)
+        uring = for_this_thread() if slow else None
+        if uring is not None:
+            slow = self._read_planned(slow, items, results, uring.pread_many)
         if slow:
             first, *others = _spread(slow, self.node.io_threads)
             rest = [
@@ -156,8 +168,15 @@ class ReadHandlers:
     async def _read_in_threads(
         self, slow: list[int], items: list[ReadItem], results: list[memoryview | int]
     ) -> None:
-        """Read the items at *slow* with `ChunkStore.read`, spread over the
-        io threads; queue the damaged chunks found for repair."""
+        """Read the items at *slow*: through io_uring those whose record and
+        file are cached, the rest (and any the ring's read did not settle)
+        with `ChunkStore.read`, spread over the io threads; queue the damaged
+        chunks found for repair."""
+        uring = for_this_run()
+        if uring is not None:
+            slow = await self._read_uring(uring, slow, items, results)
+            if not slow:
+                return
         groups = _spread(slow, self.node.io_threads)
         if len(groups) == 1:
             await self.node.io(self._read_blocking, groups[0], items, results)
@@ -168,6 +187,82 @@ class ReadHandlers:
         for i in slow:
             if results[i] == -errno.EIO:
                 self.repairs.schedule(items[i][0], items[i][1])
+
+    async def _read_uring(
+        self,
+        uring: UringReads,
+        slow: list[int],
+        items: list[ReadItem],
+        results: list[memoryview | int],
+    ) -> list[int]:
+        """`_read_planned` on the event loop."""
+        planned, left = self._plan(slow, items, results)
+        if planned:
+            outcomes: list[bytearray | OSError] = []
+            try:
+                outcomes = await uring.pread_many(_requests(planned))
+            finally:
+                self._finish(planned, outcomes, results, left)
+        return left
+
+    def _read_planned(
+        self,
+        slow: list[int],
+        items: list[ReadItem],
+        results: list[memoryview | int],
+        pread_many: Callable[[list[tuple[int, int, int]]], list[bytearray | OSError]],
+    ) -> list[int]:
+        """The items at *slow* that `ChunkStore.read_plan` can plan, read
+        together by *pread_many* (through io_uring); the indices left for
+        `ChunkStore.read` in a thread: not planned (record or file not
+        cached), or read short, damaged or failed (`read` tells why, or
+        retries)."""
+        planned, left = self._plan(slow, items, results)
+        if planned:
+            outcomes: list[bytearray | OSError] = []
+            try:
+                outcomes = pread_many(_requests(planned))
+            finally:
+                self._finish(planned, outcomes, results, left)
+        return left
+
+    def _plan(
+        self, slow: list[int], items: list[ReadItem], results: list[memoryview | int]
+    ) -> tuple[list[tuple[int, ChunkStore, ReadPlan]], list[int]]:
+        by_id = self.node.by_id
+        planned: list[tuple[int, ChunkStore, ReadPlan]] = []
+        left: list[int] = []
+        for i in slow:
+            target, chunk, offset, length = items[i]
+            store = by_id[target]
+            try:
+                plan = store.read_plan(chunk, offset, length)
+            except FsError as exc:
+                results[i] = -exc.code
+                continue
+            if plan is None:
+                left.append(i)
+            elif isinstance(plan, memoryview):
+                results[i] = plan
+            else:
+                planned.append((i, store, plan))
+        return planned, left
+
+    @staticmethod
+    def _finish(
+        planned: list[tuple[int, ChunkStore, ReadPlan]],
+        outcomes: list[bytearray | OSError],
+        results: list[memoryview | int],
+        left: list[int],
+    ) -> None:
+        """Give back each plan's fd (also when the reads failed as a whole)."""
+        for k, (i, store, plan) in enumerate(planned):
+            data = outcomes[k] if k < len(outcomes) else None
+            got = store.finish_read(plan, data if isinstance(data, bytearray) else None)
+            if got is None:
+                left.append(i)
+            else:
+                results[i] = got
 
     def _read_blocking(
         self, indices: list[int], items: list[ReadItem], results: list[memoryview | int]

@@ -12,9 +12,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from dataclasses import dataclass
 
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.cache import Missing
+from shufflefs.storage.cache import FdHandle, Missing
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
     MAX_CHUNK_SIZE,
@@ -33,6 +34,20 @@ NOWAIT_MAX = 256 << 10  # larger reads always go to a thread (CRC time on the ev
 LIST_MAX = 10000  # chunks per list_chunks page
 LIST_CRC_BUDGET = 512 << 10  # checksum bytes per page: the reply must fit one frame body
 EMPTY = memoryview(b"")
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """A verified read in two halves (`ChunkStore.read_plan`, `finish_read`),
+    for a read that waits for the disk off a thread (storage/uring.py)."""
+
+    rec: ChunkRecord
+    handle: FdHandle  # held until finish_read
+    first: int  # the first block's index
+    start: int  # the aligned range to read: [start, stop) of the chunk file
+    stop: int
+    lo: int  # the bytes asked for: [lo, hi) of that range
+    hi: int
 
 
 def _check_range(offset: int, length: int) -> None:
@@ -99,10 +114,35 @@ class ChunkStore(WritableTarget):
         """`read` if it can be done without blocking (record and fd cached,
         data in the page cache: preadv2 with RWF_NOWAIT); None otherwise,
         and for anything unusual, which `read` then handles in a thread."""
+        if not self._nowait:
+            check_chunk_id(cid)
+            _check_range(offset, length)
+            return None
+        plan = self.read_plan(cid, offset, length, NOWAIT_MAX)
+        if plan is None or isinstance(plan, memoryview):
+            return plan
+        buf = bytearray(plan.stop - plan.start)
+        got = -1
+        try:
+            got = os.preadv(plan.handle.fd, [buf], plan.start, os.RWF_NOWAIT)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait = False
+                log.info("target=%s: RWF_NOWAIT unsupported, reads use threads", self.label)
+        return self.finish_read(plan, buf if got == len(buf) else None)
+
+    def read_plan(
+        self, cid: bytes, offset: int, length: int, limit: int = MAX_CHUNK_SIZE
+    ) -> ReadPlan | memoryview | None:
+        """What a read of [offset, offset+length) takes, if its record and
+        file are cached (nothing here blocks): the aligned range to read and
+        the fd, held until `finish_read`; or the answer itself (empty); or
+        None when `read` must do it in a thread (not cached, more than
+        *limit* bytes)."""
         check_chunk_id(cid)
         _check_range(offset, length)
-        if not self._nowait:
-            return None
         cached = self._records.get(cid)
         if cached is None:
             return None
@@ -113,32 +153,27 @@ class ChunkStore(WritableTarget):
             raise FsError(
                 errno.EINVAL, f"range {offset}+{length} passes the chunk size {rec.chunk_size}"
             )
-        bs = self.block_size
-        span = block_span(offset, length, rec.length, bs)
+        span = block_span(offset, length, rec.length, self.block_size)
         if span is None:
             return EMPTY
         first, start, stop, end = span
-        n = stop - start
-        if n > NOWAIT_MAX:
+        if stop - start > limit:
             return None
         handle = self._fds.get((cid, rec.generation))
         if handle is None:
             return None
-        buf = bytearray(n)
-        try:
-            got = os.preadv(handle.fd, [buf], start, os.RWF_NOWAIT)
-        except BlockingIOError:
+        return ReadPlan(rec, handle, first, start, stop, offset - start, end - start)
+
+    def finish_read(self, plan: ReadPlan, data: bytearray | None) -> memoryview | None:
+        """Give back the plan's fd; the bytes asked for if *data* (the aligned
+        range read) is whole and every block checks, else None: `read` then
+        reads again in a thread (and reports a damaged block as EIO)."""
+        self._fds.release(plan.handle)
+        if data is None or len(data) != plan.stop - plan.start:
             return None
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                self._nowait = False
-                log.info("target=%s: RWF_NOWAIT unsupported, reads use threads", self.label)
+        if first_bad_block(data, plan.first, plan.rec.crcs, self.block_size) >= 0:
             return None
-        finally:
-            self._fds.release(handle)
-        if got != n or first_bad_block(buf, first, rec.crcs, bs) >= 0:
-            return None
-        return memoryview(buf)[offset - start : end - start]
+        return memoryview(data)[plan.lo : plan.hi]
 
     # ---- inspection ------------------------------------------------------
 

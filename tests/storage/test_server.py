@@ -482,7 +482,7 @@ async def test_damage_under_warm_caches_is_never_served(
 
 
 async def test_read_sync_spreads_cold_items_over_threads_and_flags_damage(
-    nursery: trio.Nursery, stores: list[ChunkStore]
+    nursery: trio.Nursery, stores: list[ChunkStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A thread channel's blocking read (`read_sync`): page-cache misses of
     one request read by several threads at once, every byte as `read` gives
@@ -504,6 +504,8 @@ async def test_read_sync_spreads_cold_items_over_threads_and_flags_damage(
 
     store.read_nowait = lambda *args: None  # type: ignore[method-assign]
     store.read = counted  # type: ignore[method-assign]
+    # the threads' way (without io_uring: tests/storage/test_uring.py has the ring's)
+    monkeypatch.setattr("shufflefs.storage.read_service.for_this_thread", lambda: None)
     items = [(1, chunk_id(7, i), 0, 4096) for i in blobs]
     reply = await trio.to_thread.run_sync(service.read_sync, items)
     lengths = reply.result["lengths"]

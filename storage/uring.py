@@ -1,0 +1,261 @@
+"""Disk reads through io_uring, completed on the trio event loop.
+
+A read that must wait for the disk used to cost a worker-thread round trip:
+the thread's wake-up, the GIL handed back and forth, and trio's wake-up of
+the loop (a socketpair write) when it is done. On these VMs that is about
+200 µs of CPU per read, four times the read itself (docs/storage.md, "Cold
+reads through io_uring"). Here the loop submits the read to a ring and goes
+on; the kernel completes it (ext4 reads buffered pages asynchronously, no
+kernel thread in between) and signals an eventfd, and one task of the loop
+(`_reap`, a trio system task) wakes for every completion that arrived
+meanwhile.
+
+`UringReads.open()` is None where io_uring cannot be used (the `liburing`
+binding missing, the kernel too old, or io_uring disabled:
+``kernel.io_uring_disabled``, a seccomp filter): callers then read in
+threads as before. One instance per trio run (`for_this_run`): a ring
+belongs to the loop that reaps it.
+
+A read cannot be taken back once submitted: the kernel may write into the
+buffer until its completion arrives. So a waiting task is shielded from
+cancellation until then (as `trio.to_thread.run_sync` waits for its thread),
+and the buffer stays referenced by the ring's table of reads in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+log = logging.getLogger("shufflefs.storage.uring")
+
+ENTRIES = 256  # submission queue size: reads in flight per ring
+
+try:  # an optional fast path: without it, reads use threads
+    import liburing as _uring  # type: ignore[import-untyped]  # stubs, no py.typed
+except ImportError:  # pragma: no cover - the binding is a dependency
+    _uring = None
+
+
+def _outcomes(bufs: list[bytearray], results: list[int | OSError]) -> list[bytearray | OSError]:
+    """Each read's bytes (its buffer cut to what was read) or its error."""
+    out: list[bytearray | OSError] = []
+    for buf, result in zip(bufs, results, strict=True):
+        if isinstance(result, OSError):
+            out.append(result)
+        else:
+            del buf[result:]
+            out.append(buf)
+    return out
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Reads submitted together; their waiter wakes once all are done."""
+
+    bufs: list[bytearray]  # referenced until the completions: the kernel writes into them
+    results: list[int | OSError]
+    remaining: int
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+class UringReads:
+    """Reads (``pread``) submitted to one io_uring of this trio run."""
+
+    def __init__(self, ring: Any, eventfd: int) -> None:
+        self._ring = ring
+        self._eventfd = eventfd
+        self._cqe: Any = _uring.Cqe()
+        self._in_flight: dict[int, tuple[_Batch, int]] = {}
+        self._next_id = 1
+        self._room = trio.Semaphore(ENTRIES)
+        self.reads = 0  # completed (tests, debugging)
+
+    @classmethod
+    def open(cls) -> UringReads | None:
+        """A ring with its eventfd, or None where io_uring cannot be used."""
+        if _uring is None or os.environ.get("SHUFFLEFS_NO_URING"):
+            return None
+        ring = _uring.Ring()
+        try:
+            _uring.io_uring_queue_init(ENTRIES, ring, 0)
+        except OSError as exc:
+            log.info("io_uring unavailable (%s): disk reads use threads", exc)
+            return None
+        try:
+            eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            _uring.io_uring_register_eventfd(ring, eventfd)
+        except OSError as exc:
+            _uring.io_uring_queue_exit(ring)
+            log.info("io_uring eventfd refused (%s): disk reads use threads", exc)
+            return None
+        return cls(ring, eventfd)
+
+    async def pread(self, fd: int, length: int, offset: int) -> bytearray:
+        """Up to *length* bytes of *fd* at *offset* (short at the file's end),
+        as `os.pread`; an error is the `OSError` pread would raise."""
+        (result,) = await self.pread_many([(fd, length, offset)])
+        if isinstance(result, OSError):
+            raise result
+        return result
+
+    async def pread_many(self, requests: list[tuple[int, int, int]]) -> list[bytearray | OSError]:
+        """Each (fd, length, offset) read as `pread` does, all submitted
+        together (one system call per ring's worth) and waited for together:
+        its bytes (short at the file's end) or its error."""
+        # remaining counts one more until all are submitted: the batch cannot
+        # look done while this task waits for room halfway
+        batch = _Batch([bytearray(n) for _, n, _ in requests], [0] * len(requests), 1)
+        unsubmitted = 0
+        try:
+            for k, (fd, length, offset) in enumerate(requests):
+                if length == 0:
+                    continue
+                try:
+                    self._room.acquire_nowait()
+                except trio.WouldBlock:
+                    if unsubmitted:
+                        _uring.io_uring_submit(self._ring)
+                        unsubmitted = 0
+                    with trio.CancelScope(shield=True):  # what was submitted must finish
+                        await self._room.acquire()
+                sqe = _uring.io_uring_get_sqe(self._ring)
+                _uring.io_uring_prep_read(sqe, fd, batch.bufs[k], offset)
+                sqe.user_data = ident = self._next_id
+                self._next_id += 1
+                self._in_flight[ident] = (batch, k)
+                batch.remaining += 1
+                unsubmitted += 1
+        finally:
+            if unsubmitted:
+                _uring.io_uring_submit(self._ring)
+            batch.remaining -= 1
+            if batch.remaining == 0:
+                batch.done.set()
+            with trio.CancelScope(shield=True):  # the kernel owns the buffers until done
+                await batch.done.wait()
+        return _outcomes(batch.bufs, batch.results)
+
+    async def _reap(self) -> None:
+        """Wake for completions, hand each to its batch; at the end of the
+        run (trio cancels its system tasks once every other task is done,
+        so no read is in flight), close the ring."""
+        cqe = self._cqe
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self._eventfd)
+                with contextlib.suppress(BlockingIOError):  # another wake-up took it
+                    os.eventfd_read(self._eventfd)
+                seen = 0
+                completions = _uring.io_uring_cqe_iter_init(self._ring)
+                while _uring.io_uring_cqe_iter_next(completions, cqe):
+                    entry = cqe[0]
+                    seen += 1
+                    found = self._in_flight.pop(entry.user_data, None)
+                    if found is None:
+                        continue
+                    batch, k = found
+                    try:
+                        batch.results[k] = entry.res  # the binding raises for a negative one
+                    except OSError as exc:
+                        batch.results[k] = exc
+                    self.reads += 1
+                    self._room.release()
+                    batch.remaining -= 1
+                    if batch.remaining == 0:
+                        batch.done.set()
+                if seen:
+                    _uring.io_uring_cq_advance(self._ring, seen)
+        finally:
+            _uring.io_uring_queue_exit(self._ring)
+            os.close(self._eventfd)
+
+
+class BlockingUringReads:
+    """The same reads for a thread that may block (a thread channel's I/O
+    thread, rpc/channel.py): submitted together, waited for in one
+    ``io_uring_enter``. One ring per thread (`for_this_thread`)."""
+
+    def __init__(self, ring: Any) -> None:
+        self._ring = ring
+        self._cqe: Any = _uring.Cqe()
+        self.reads = 0
+        # the ring goes with its thread's locals (a channel's thread ends with its connection)
+        weakref.finalize(self, _uring.io_uring_queue_exit, ring)
+
+    def pread_many(self, requests: list[tuple[int, int, int]]) -> list[bytearray | OSError]:
+        """As `UringReads.pread_many`, blocking this thread until all are done."""
+        bufs = [bytearray(n) for _, n, _ in requests]
+        results: list[int | OSError] = [0] * len(requests)
+        todo = [k for k, (_, n, _) in enumerate(requests) if n]
+        for lo in range(0, len(todo), ENTRIES):
+            part = todo[lo : lo + ENTRIES]
+            for k in part:
+                fd, _, offset = requests[k]
+                sqe = _uring.io_uring_get_sqe(self._ring)
+                _uring.io_uring_prep_read(sqe, fd, bufs[k], offset)
+                sqe.user_data = k
+            _uring.io_uring_submit(self._ring)
+            waiting = len(part)
+            while waiting:
+                with contextlib.suppress(OSError):  # a failed read's cqe: read below
+                    _uring.io_uring_wait_cqe(self._ring, self._cqe)
+                seen = 0
+                completions = _uring.io_uring_cqe_iter_init(self._ring)
+                while _uring.io_uring_cqe_iter_next(completions, self._cqe):
+                    entry = self._cqe[0]
+                    seen += 1
+                    k = entry.user_data
+                    try:
+                        results[k] = entry.res
+                    except OSError as exc:
+                        results[k] = exc
+                if seen:
+                    _uring.io_uring_cq_advance(self._ring, seen)
+                    waiting -= seen
+                    self.reads += seen
+        return _outcomes(bufs, results)
+
+
+_THREAD_LOCAL = threading.local()
+
+
+def for_this_thread() -> BlockingUringReads | None:
+    """This thread's ring (opened on first use; closed with the thread's
+    locals), or None without io_uring."""
+    if hasattr(_THREAD_LOCAL, "reads"):
+        found: BlockingUringReads | None = _THREAD_LOCAL.reads
+        return found
+    reads = None
+    if _uring is not None and not os.environ.get("SHUFFLEFS_NO_URING"):
+        ring = _uring.Ring()
+        try:
+            _uring.io_uring_queue_init(ENTRIES, ring, 0)
+            reads = BlockingUringReads(ring)
+        except OSError as exc:
+            log.info("io_uring unavailable (%s): disk reads use threads", exc)
+    _THREAD_LOCAL.reads = reads
+    return reads
+
+
+_RUN_LOCAL: trio.lowlevel.RunVar[UringReads | None] = trio.lowlevel.RunVar("shufflefs_uring")
+
+
+def for_this_run() -> UringReads | None:
+    """This trio run's ring (opened, and its reaper started, on first use),
+    or None without io_uring."""
+    try:
+        return _RUN_LOCAL.get()
+    except LookupError:
+        reads = UringReads.open()
+        _RUN_LOCAL.set(reads)
+        if reads is not None:
+            trio.lowlevel.spawn_system_task(reads._reap, name="shufflefs io_uring reaper")
+        return reads

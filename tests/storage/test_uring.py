@@ -1,0 +1,141 @@
+"""Disk reads through io_uring (storage/uring.py) and the storage daemon's
+cold reads that use them (storage/read_service.py): exact bytes at every
+offset and edge, errors per read, buffers the kernel owns until it is done,
+and every block still verified before it is served."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from harness import flip
+
+from shufflefs.storage import uring
+from shufflefs.storage.protocol import chunk_id
+from shufflefs.storage.service import StorageService
+from shufflefs.storage.store import ChunkStore
+
+CS = 1 << 16
+
+pytestmark = pytest.mark.skipif(uring.UringReads.open() is None, reason="no io_uring here")
+
+
+@pytest.fixture
+def blob(tmp_path: Path) -> tuple[int, bytes]:
+    data = os.urandom(300_000)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    return fd, data
+
+
+def requests_and_expected(fd: int, data: bytes) -> tuple[list[tuple[int, int, int]], list[bytes]]:
+    reqs = [(fd, 4096, 0), (fd, 1000, 12345), (fd, 0, 10), (fd, 5000, len(data) - 100)]
+    reqs += [(fd, 777, k * 997) for k in range(uring.ENTRIES + 40)]  # more than one ring's worth
+    return reqs, [data[o : o + n] for _, n, o in reqs]
+
+
+async def test_async_reads_give_exact_bytes_and_errors_per_read(blob: tuple[int, bytes]) -> None:
+    fd, data = blob
+    ring = uring.for_this_run()
+    assert ring is not None and uring.for_this_run() is ring  # one per run
+    reqs, expected = requests_and_expected(fd, data)
+    got = await ring.pread_many([*reqs, (999_999, 10, 0)])
+    assert [bytes(g) for g in got[:-1]] == expected  # short at the end, empty for 0 bytes
+    assert isinstance(got[-1], OSError) and got[-1].errno == errno.EBADF
+    assert bytes(await ring.pread(fd, 10, 5)) == data[5:15]
+    with pytest.raises(OSError) as err:
+        await ring.pread(999_999, 10, 0)
+    assert err.value.errno == errno.EBADF
+    # concurrent callers, more than the ring holds at once
+    results: dict[int, bytes] = {}
+
+    async def one(k: int) -> None:
+        results[k] = bytes(await ring.pread(fd, 333, k * 500))
+
+    async with trio.open_nursery() as nursery:
+        for k in range(2 * uring.ENTRIES):
+            nursery.start_soon(one, k)
+    assert all(results[k] == data[k * 500 : k * 500 + 333] for k in results)
+
+
+async def test_a_cancelled_reader_waits_until_the_kernel_is_done(blob: tuple[int, bytes]) -> None:
+    """Cancelling a reader cannot free a buffer the kernel still writes into:
+    the read finishes first (shielded), and a cancelled caller leaves nothing
+    in flight behind it."""
+    fd, data = blob
+    ring = uring.for_this_run()
+    assert ring is not None
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        got = await ring.pread_many([(fd, 100_000, 0)])
+    assert bytes(got[0]) == data[:100_000]
+    assert ring._in_flight == {}
+
+
+def test_blocking_reads_give_exact_bytes_and_errors_per_read(blob: tuple[int, bytes]) -> None:
+    fd, data = blob
+    ring = uring.for_this_thread()
+    assert ring is not None and uring.for_this_thread() is ring
+    reqs, expected = requests_and_expected(fd, data)
+    got = ring.pread_many([(999_999, 10, 0), *reqs])
+    assert isinstance(got[0], OSError) and got[0].errno == errno.EBADF
+    assert [bytes(g) for g in got[1:]] == expected
+    other: list[object] = []
+    thread = threading.Thread(target=lambda: other.append(uring.for_this_thread()))
+    thread.start()
+    thread.join()
+    assert other[0] is not ring  # one ring per thread
+
+
+def test_off_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHUFFLEFS_NO_URING", "1")
+    assert uring.UringReads.open() is None
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ChunkStore]:
+    s = ChunkStore(tmp_path / "t1", block_size=512, fsync=False, reserve_bytes=0)
+    s.set_identity(1, "test")
+    yield s
+    s.close()
+
+
+async def test_cold_reads_through_the_ring_are_verified(store: ChunkStore) -> None:
+    """Cold items (record and file cached, bytes not in the page cache:
+    read_nowait declines) are read through the ring, on the event loop and on
+    a channel's thread, and give exactly what `read` gives; a byte flipped on
+    disk fails its item with EIO and its block never leaves."""
+    service = StorageService([store], io_threads=4)
+    blobs = {i: os.urandom(3000 + 100 * i) for i in range(8)}
+    for i, data in blobs.items():
+        await service.write(1, 0, 0, chunk_id(8, i), 0, CS, data)
+    store.read_nowait = lambda *args: None  # type: ignore[method-assign]
+    items = [(1, chunk_id(8, i), 100, 2500) for i in blobs]
+    items += [(1, chunk_id(8, 0), 2900, 500)]  # short: the chunk ends at 3000
+    expected = [blobs[i][100:2600] for i in blobs] + [blobs[0][2900:]]
+
+    ring = uring.for_this_run()
+    assert ring is not None
+    before = ring.reads
+    reply = await service.read(items)
+    assert reply.result["lengths"] == [len(e) for e in expected]
+    assert b"".join(bytes(p) for p in reply.payload) == b"".join(expected)  # type: ignore[union-attr]
+    assert ring.reads - before == len(items)  # every one through the ring
+
+    reply = await trio.to_thread.run_sync(service.read_sync, items)
+    assert b"".join(bytes(p) for p in reply.payload) == b"".join(expected)  # type: ignore[union-attr]
+
+    path = store.file_path(chunk_id(8, 2))
+    assert path is not None
+    flip(path, 700)  # block 1 of chunk 2
+    bad = [(1, chunk_id(8, 2), 512, 512), (1, chunk_id(8, 2), 0, 512)]
+    for read in (service.read, lambda i: trio.to_thread.run_sync(service.read_sync, i)):
+        reply = await read(bad)
+        assert reply.result["lengths"] == [-errno.EIO, 512]
+        assert b"".join(bytes(p) for p in reply.payload) == blobs[2][:512]  # type: ignore[union-attr]
