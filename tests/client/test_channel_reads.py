@@ -132,6 +132,8 @@ def stuck_reads(store: ChunkStore) -> threading.Event:
         return real_read(*args)  # type: ignore[arg-type]
 
     store.read_nowait = lambda *args: None  # type: ignore[method-assign]
+    # not through io_uring either: every cold read goes to `read`
+    store.read_plan = lambda *args: None  # type: ignore[method-assign]
     store.read = stuck  # type: ignore[method-assign]
     return release
 
