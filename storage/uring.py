@@ -98,6 +98,11 @@ class UringReads:
             return None
         return cls(ring, eventfd)
 
+    def close(self) -> None:
+        """Close a ring whose reaper never started (`open` without `for_this_run`)."""
+        _uring.io_uring_queue_exit(self._ring)
+        os.close(self._eventfd)
+
     async def pread(self, fd: int, length: int, offset: int) -> bytearray:
         """Up to *length* bytes of *fd* at *offset* (short at the file's end),
         as `os.pread`; an error is the `OSError` pread would raise."""
@@ -243,6 +248,15 @@ def for_this_thread() -> BlockingUringReads | None:
             log.info("io_uring unavailable (%s): disk reads use threads", exc)
     _THREAD_LOCAL.reads = reads
     return reads
+
+
+def available() -> bool:
+    """Whether io_uring can be used here (a ring opens)."""
+    reads = UringReads.open()
+    if reads is None:
+        return False
+    reads.close()
+    return True
 
 
 _RUN_LOCAL: trio.lowlevel.RunVar[UringReads | None] = trio.lowlevel.RunVar("shufflefs_uring")

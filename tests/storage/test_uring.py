@@ -22,7 +22,7 @@ from shufflefs.storage.store import ChunkStore
 
 CS = 1 << 16
 
-pytestmark = pytest.mark.skipif(uring.UringReads.open() is None, reason="no io_uring here")
+pytestmark = pytest.mark.skipif(not uring.available(), reason="no io_uring here")
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_blocking_reads_give_exact_bytes_and_errors_per_read(blob: tuple[int, by
 
 def test_off_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHUFFLEFS_NO_URING", "1")
-    assert uring.UringReads.open() is None
+    assert uring.UringReads.open() is None and not uring.available()
 
 
 @pytest.fixture
