@@ -5,9 +5,10 @@ connection's reader task, and on a thread channel's I/O thread.
 Reads whose record and file are cached and whose bytes are in the page cache
 are served with ``preadv2(RWF_NOWAIT)``, which fails instead of blocking: a
 hot 4 KiB read then costs microseconds instead of a thread round trip. The
-rest wait for the disk: through io_uring on the event loop (storage/uring.py)
-when their record and file are cached, else in worker threads, spread so that
-one request's cold items wait together, not in turn. The protocol is in
+rest wait for the disk: through io_uring (storage/uring.py) when their record
+and file are cached (on the event loop only up to NOWAIT_MAX, so that big
+checksums stay off it), else in worker threads, spread so that one request's
+cold items wait together, not in turn. The protocol is in
 docs/storage.md.
 """
 
@@ -23,10 +24,10 @@ import trio
 from shufflefs.rpc import FsError, Reply, rpc_method
 from shufflefs.rpc.errors import as_fs_error
 from shufflefs.storage.context import NodeContext
-from shufflefs.storage.layout import check_chunk_id
+from shufflefs.storage.layout import MAX_CHUNK_SIZE, check_chunk_id
 from shufflefs.storage.protocol import MAX_READ_ITEMS, ChunkMeta, ReadItem
 from shufflefs.storage.repair import RepairWorker
-from shufflefs.storage.store import ChunkStore, ReadPlan
+from shufflefs.storage.store import NOWAIT_MAX, ChunkStore, ReadPlan
 from shufflefs.storage.uring import UringReads, for_this_run, for_this_thread
 
 log = logging.getLogger("shufflefs.storage")
@@ -195,8 +196,9 @@ class ReadHandlers:
         items: list[ReadItem],
         results: list[memoryview | int],
     ) -> list[int]:
-        """`_read_planned` on the event loop."""
-        planned, left = self._plan(slow, items, results)
+        """`_read_planned` on the event loop, for ranges up to NOWAIT_MAX:
+        a bigger range's checksums are computed in a thread, off the loop."""
+        planned, left = self._plan(slow, items, results, NOWAIT_MAX)
         if planned:
             outcomes: list[bytearray | OSError] = []
             try:
@@ -227,7 +229,11 @@ class ReadHandlers:
         return left
 
     def _plan(
-        self, slow: list[int], items: list[ReadItem], results: list[memoryview | int]
+        self,
+        slow: list[int],
+        items: list[ReadItem],
+        results: list[memoryview | int],
+        limit: int = MAX_CHUNK_SIZE,
     ) -> tuple[list[tuple[int, ChunkStore, ReadPlan]], list[int]]:
         by_id = self.node.by_id
         planned: list[tuple[int, ChunkStore, ReadPlan]] = []
@@ -236,7 +242,7 @@ class ReadHandlers:
             target, chunk, offset, length = items[i]
             store = by_id[target]
             try:
-                plan = store.read_plan(chunk, offset, length)
+                plan = store.read_plan(chunk, offset, length, limit)
             except FsError as exc:
                 results[i] = -exc.code
                 continue

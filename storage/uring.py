@@ -81,13 +81,8 @@ class UringReads:
     @classmethod
     def open(cls) -> UringReads | None:
         """A ring with its eventfd, or None where io_uring cannot be used."""
-        if _uring is None or os.environ.get("SHUFFLEFS_NO_URING"):
-            return None
-        ring = _uring.Ring()
-        try:
-            _uring.io_uring_queue_init(ENTRIES, ring, 0)
-        except OSError as exc:
-            log.info("io_uring unavailable (%s): disk reads use threads", exc)
+        ring = _new_ring()
+        if ring is None:
             return None
         try:
             eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -97,11 +92,6 @@ class UringReads:
             log.info("io_uring eventfd refused (%s): disk reads use threads", exc)
             return None
         return cls(ring, eventfd)
-
-    def close(self) -> None:
-        """Close a ring whose reaper never started (`open` without `for_this_run`)."""
-        _uring.io_uring_queue_exit(self._ring)
-        os.close(self._eventfd)
 
     async def pread(self, fd: int, length: int, offset: int) -> bytearray:
         """Up to *length* bytes of *fd* at *offset* (short at the file's end),
@@ -238,24 +228,31 @@ def for_this_thread() -> BlockingUringReads | None:
     if hasattr(_THREAD_LOCAL, "reads"):
         found: BlockingUringReads | None = _THREAD_LOCAL.reads
         return found
-    reads = None
-    if _uring is not None and not os.environ.get("SHUFFLEFS_NO_URING"):
-        ring = _uring.Ring()
-        try:
-            _uring.io_uring_queue_init(ENTRIES, ring, 0)
-            reads = BlockingUringReads(ring)
-        except OSError as exc:
-            log.info("io_uring unavailable (%s): disk reads use threads", exc)
+    ring = _new_ring()
+    reads = None if ring is None else BlockingUringReads(ring)
     _THREAD_LOCAL.reads = reads
     return reads
 
 
+def _new_ring() -> Any | None:
+    """An initialized ring, or None where io_uring cannot be used (logged)."""
+    if _uring is None or os.environ.get("SHUFFLEFS_NO_URING"):
+        return None
+    ring = _uring.Ring()
+    try:
+        _uring.io_uring_queue_init(ENTRIES, ring, 0)
+    except OSError as exc:
+        log.info("io_uring unavailable (%s): disk reads use threads", exc)
+        return None
+    return ring
+
+
 def available() -> bool:
     """Whether io_uring can be used here (a ring opens)."""
-    reads = UringReads.open()
-    if reads is None:
+    ring = _new_ring()
+    if ring is None:
         return False
-    reads.close()
+    _uring.io_uring_queue_exit(ring)
     return True
 
 

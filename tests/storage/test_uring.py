@@ -18,7 +18,7 @@ from harness import flip
 from shufflefs.storage import uring
 from shufflefs.storage.protocol import chunk_id
 from shufflefs.storage.service import StorageService
-from shufflefs.storage.store import ChunkStore
+from shufflefs.storage.store import NOWAIT_MAX, ChunkStore
 
 CS = 1 << 16
 
@@ -127,6 +127,13 @@ async def test_cold_reads_through_the_ring_are_verified(store: ChunkStore) -> No
     assert reply.result["lengths"] == [len(e) for e in expected]
     assert b"".join(bytes(p) for p in reply.payload) == b"".join(expected)  # type: ignore[union-attr]
     assert ring.reads - before == len(items)  # every one through the ring
+
+    big = os.urandom(NOWAIT_MAX + 512)  # its checksums are computed in a thread, off the loop
+    await service.write(1, 0, 0, chunk_id(9, 0), 0, 1 << 20, big)
+    before = ring.reads
+    reply = await service.read([(1, chunk_id(9, 0), 0, len(big))])
+    assert b"".join(bytes(p) for p in reply.payload) == big  # type: ignore[union-attr]
+    assert ring.reads == before
 
     reply = await trio.to_thread.run_sync(service.read_sync, items)
     assert b"".join(bytes(p) for p in reply.payload) == b"".join(expected)  # type: ignore[union-attr]
