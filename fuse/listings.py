@@ -32,7 +32,6 @@ opendir, fuse/read_inode.py):
 from __future__ import annotations
 
 import errno
-import logging
 import stat
 from typing import TYPE_CHECKING
 
@@ -40,13 +39,12 @@ import pyfuse3
 import trio
 
 from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
+from shufflefs.fuse.page_store import invalidate_pages
 from shufflefs.fuse.read_inode import CACHE_DIR_BIT, KEEP_CACHE_BIT, READ_INODES
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:
     from shufflefs.fuse.ops import ShuffleOps
-
-log = logging.getLogger("shufflefs.fuse")
 
 
 class Listings:
@@ -80,7 +78,7 @@ class Listings:
         kernel keeps of it (in a thread: dropping a listing waits for its
         pages, which a listing in progress may hold)."""
         if self._nursery is not None:
-            self._nursery.start_soon(trio.to_thread.run_sync, _invalidate, ino)
+            self._nursery.start_soon(trio.to_thread.run_sync, invalidate_pages, ino)
 
     async def open(self, inode: int) -> int:
         if self.ops.inode_reads is not None:
@@ -167,10 +165,3 @@ class Listings:
             if not more or not entries:
                 h.ended, h.end_after = True, after
                 return
-
-
-def _invalidate(ino: int) -> None:
-    try:
-        pyfuse3.invalidate_inode(ino, attr_only=False)
-    except OSError as exc:  # the kernel forgot the directory already
-        log.debug("invalidate_inode(%d): %s", ino, exc)

@@ -48,6 +48,7 @@ from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.listings import Listings
 from shufflefs.fuse.mount_options import MountOptions
+from shufflefs.fuse.page_store import KernelPages
 from shufflefs.fuse.prefetch import PREFETCH_XATTR, Prefetcher
 from shufflefs.fuse.prefetch_hints import version_of
 from shufflefs.fuse.prefetch_xattr import hint_by_getxattr, hint_by_setxattr
@@ -84,7 +85,9 @@ class ShuffleOps(pyfuse3.Operations):
         # inode -> bytes from offset 0 handed to the kernel without a gap, for
         # the version in `cached`: what its page cache holds unless it evicted
         self.read_through: dict[int, int] = {}
-        self.prefetch = Prefetcher(fs, self.options.prefetch_memory, self.kernel_holds)
+        self.prefetch = Prefetcher(
+            fs, self.options.prefetch_memory, self.kernel_holds, KernelPages(self).store
+        )
         # cache=immutable with kernel-served reads: handles by inode (`serve_by_inode`)
         self.inode_reads: InodeReads | None = None
         # rw with a cache watch: kernel entries of files it keeps fresh live longer

@@ -32,10 +32,10 @@ Why an xattr and not a control file: a control file would need a fake inode
 that lookup, getattr, readdir, open and release all special-case (the cache
 engineer's code paths), and errors of buffered writes surface at close, not
 at the call that caused them; setxattr is one atomic call per batch whose
-errno is the answer. Why our own cache and not ``notify_store``: the kernel
-accepts stored pages only for inodes it already knows (the hinted files
-mostly have not been looked up yet: ENOENT), drops them at the next open
-without keep_cache, and gives us no way to bound or account for them.
+errno is the answer. Where fetched bytes wait: a file the kernel knows
+(looked up or listed) goes into its page cache at once (fuse/page_store.py),
+and the reader's reads never reach the mount; any other waits in a bounded
+cache of our own (the kernel takes stored pages only for inodes it knows).
 
 Warm epochs: a hint for a file the kernel's page cache holds (read through
 this mount, whole, at the version it still has) is skipped: the kernel
@@ -71,17 +71,19 @@ import logging
 import os
 import stat
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import trio
 
 from shufflefs.client.fs import FileSystem
+from shufflefs.fuse.page_store import Fetched
 from shufflefs.fuse.prefetch_hints import (
     LISTING_TTL,
     Hint,
     HintResolver,
     Version,
+    merged_ranges,
     parse_hint,
     version_of,
 )
@@ -94,7 +96,6 @@ PREFETCH_XATTR = b"user.shufflefs.prefetch"
 DEFAULT_MEMORY = 256 << 20
 MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
 FETCHERS = 8  # ranges read concurrently
-PAGE = 4096
 MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
 MAX_FILES_PER_READ = 256  # listed files read together (one request per storage node)
 READ_BATCH = 8 << 20  # bytes of listed files read together
@@ -129,6 +130,7 @@ class Counters:
     expired: int = 0  # entries dropped unread after ENTRY_TTL
     failed: int = 0  # ranges whose read failed (the reader will read them itself)
     resident: int = 0  # hints skipped: the kernel's page cache holds those bytes
+    stored: int = 0  # ranges handed to the kernel's page cache (fuse/page_store.py)
     evicted: int = 0  # reads that reached us for a skipped hint: the kernel had dropped it
     fetched_bytes: int = 0
     served_bytes: int = 0
@@ -136,6 +138,10 @@ class Counters:
 
 def nothing_held(ino: int, version: Version, end: int) -> bool:
     return False
+
+
+async def nothing_stored(files: list[Fetched], changed: Callable[[int], bool]) -> set[int]:
+    return set()
 
 
 @dataclass
@@ -146,6 +152,8 @@ class Prefetcher:
     # offset? Such hints are skipped: a warm epoch would otherwise fetch every
     # sample again into a cache no read consults (the kernel answers them)
     kernel_holds: Callable[[int, Version, int], bool] = nothing_held
+    # hands fetched files to the kernel's page cache; those it took
+    store: Callable[[list[Fetched], Callable[[int], bool]], Awaitable[set[int]]] = nothing_stored
     # ino -> the byte ranges held of it (all of one version)
     entries: OrderedDict[int, list[Entry]] = field(default_factory=OrderedDict)
     names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
@@ -408,20 +416,32 @@ class Prefetcher:
             data = bytearray(length)
             if length:
                 await self.fs.read_into(extents, memoryview(data))
-            now = trio.current_time()
             pos = 0
+            fetched = []
+            view = memoryview(data)
             for ino, hints, version, _, ranges in files:
                 chunks = []
                 for off, end in ranges:
-                    chunks.append((off, data[pos : pos + end - off]))
+                    chunks.append((off, view[pos : pos + end - off]))
                     pos += end - off
+                fetched.append((ino, hints, version, chunks))
+            stored = await self.store(
+                [(ino, version, chunks) for ino, _, version, chunks in fetched],
+                lambda ino: self._changed.get(ino, -1) > start,
+            )
+            now = trio.current_time()
+            for ino, hints, version, chunks in fetched:
+                if ino in stored:  # in the kernel's page cache now
+                    self.counters.stored += len(hints)
+                    self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
+                    continue
                 if self._changed.get(ino, -1) > start or self._reset_at > start:
                     continue  # changed (or reset) while we read: the bytes may be stale
                 if ino in self.entries and self.entries[ino][0].version != version:
                     self._drop(ino)  # held bytes of an older version
                 held = self.entries.setdefault(ino, [])
-                for off, chunk in chunks:
-                    held.append(Entry(version, off, chunk, hints[0].name, now))
+                for off, chunk in chunks:  # (a copy: the batch's buffer is not kept)
+                    held.append(Entry(version, off, bytearray(chunk), hints[0].name, now))
                     reserved -= len(chunk)  # now held by the entry
                 self.entries.move_to_end(ino)
                 if hints[0].name is not None:
@@ -578,23 +598,3 @@ class Prefetcher:
         ino = self.names.get((parent, name))
         if ino is not None:
             self.changed(ino)
-
-
-def merged_ranges(hints: list[Hint], size: int) -> list[tuple[int, int]]:
-    """(start, end) byte ranges of *hints* in one file of *size* bytes, out to
-    whole pages (what the kernel asks for) and merged where they touch."""
-    spans = []
-    for h in hints:
-        end = size if h.length is None else min(size, h.offset + h.length)
-        start = h.offset - h.offset % PAGE
-        end = min(size, -(-end // PAGE) * PAGE)
-        if start < end or (start == 0 and size == 0):
-            spans.append((start, end))
-    spans.sort()
-    out: list[tuple[int, int]] = []
-    for start, end in spans:
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out

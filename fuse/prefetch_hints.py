@@ -32,6 +32,7 @@ MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
 MAX_PARALLEL_RESOLVES = 64
 LISTING_TTL = 30.0  # s a directory listing is kept to resolve hinted names
 MAX_LISTED = 1 << 20  # names kept over all listings
+PAGE = 4096
 
 Version = tuple[int, int, int]  # (size, mtime, ctime): what close-to-open compares
 
@@ -186,3 +187,23 @@ class HintResolver:
             _, old = self.listings.popitem(last=False)
             self.listed -= len(old.files)
         return listing
+
+
+def merged_ranges(hints: list[Hint], size: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of *hints* in one file of *size* bytes, out to
+    whole pages (what the kernel asks for) and merged where they touch."""
+    spans = []
+    for h in hints:
+        end = size if h.length is None else min(size, h.offset + h.length)
+        start = h.offset - h.offset % PAGE
+        end = min(size, -(-end // PAGE) * PAGE)
+        if start < end or (start == 0 and size == 0):
+            spans.append((start, end))
+    spans.sort()
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

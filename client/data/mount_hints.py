@@ -33,10 +33,12 @@ log = logging.getLogger("shufflefs.client.data")
 XATTR = "user.shufflefs.prefetch"
 MAX_VALUE = 60_000  # bytes per setxattr: under the kernel's XATTR_SIZE_MAX (64 KiB)
 NAME_MAX = 255  # bytes of an xattr name (XATTR_NAME_MAX)
-MAX_OUTSTANDING = 8  # hint batches queued on the sender thread
+MAX_OUTSTANDING = 64  # hint batches queued on the sender thread (the reads never wait
+# for them to be sent: only a loader that hints this many batches ahead of one send)
 DEFAULT_AHEAD = 512  # samples hinted ahead of the reads
 
 T = TypeVar("T")
+Job = tuple[str, list[tuple[int, int, int]]]  # ("files" | "ranges", [(file, offset, length)])
 
 
 def mount_root(path: str) -> str:
@@ -74,7 +76,8 @@ class MountHints:
         self.read_only = False
         self.named = True  # the mount takes paths in getxattr names (read-only mounts)
         self._pid = -1
-        self._jobs: queue.Queue[Callable[[], None] | None] | None = None
+        self._jobs: queue.Queue[Job | None] | None = None
+        self._listed: set[str] = set()  # directories this process listed
 
     @classmethod
     def find(
@@ -107,34 +110,49 @@ class MountHints:
 
     def files(self, items: Sequence[int]) -> None:
         """Hint whole files (indices into the paths)."""
-        self._submit(lambda: self._send_files(list(items)))
+        self._submit(("files", [(i, 0, 0) for i in items]))
 
     def ranges(self, files: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> None:
         """Hint byte ranges of files."""
-        triples = list(zip(files, offsets, lengths, strict=True))
-        self._submit(lambda: self._send_ranges(triples))
+        self._submit(("ranges", list(zip(files, offsets, lengths, strict=True))))
 
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _submit(self, job: Job) -> None:
         if self._jobs is None or self._pid != os.getpid():  # a forked child: our own thread
             self._pid = os.getpid()
+            self._listed = set()
             self._jobs = queue.Queue(MAX_OUTSTANDING)
             threading.Thread(
                 target=self._run, args=(self._jobs,), name="shufflefs-hints", daemon=True
             ).start()
         self._jobs.put(job)  # blocks while MAX_OUTSTANDING are waiting
 
-    @staticmethod
-    def _run(jobs: queue.Queue[Callable[[], None] | None]) -> None:
+    def _run(self, jobs: queue.Queue[Job | None]) -> None:
+        """Send the batches as they come; those queued meanwhile go
+        together (one listing pass, one round trip per value that fits)."""
         while True:
-            job = jobs.get()
+            taken = [jobs.get()]
+            while taken[-1] is not None and len(taken) < MAX_OUTSTANDING:
+                try:
+                    taken.append(jobs.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if job is None:
-                    return
-                job()
+                for kind, items in merged([job for job in taken if job is not None]):
+                    self._send(kind, items)
             except OSError as exc:
                 log.debug("prefetch hint not taken: %s", exc)
             finally:
-                jobs.task_done()
+                for _ in taken:
+                    jobs.task_done()
+            if taken[-1] is None:
+                return
+
+    def _send(self, kind: str, items: list[tuple[int, int, int]]) -> None:
+        self._list_directories([i for i, _, _ in items])
+        if kind == "files":
+            self._send_files([i for i, _, _ in items])
+        else:
+            self._send_ranges(items)
 
     def _set_all(self, values: Iterator[bytes]) -> bool:
         """setxattr each value on the mount root; False on a read-only mount."""
@@ -146,6 +164,20 @@ class MountHints:
                 raise
             self.read_only = True
         return not self.read_only
+
+    def _list_directories(self, items: list[int]) -> None:
+        """List the directories of *items* not listed by this process yet:
+        the listing (readdirplus) tells the kernel every file in one pass,
+        and the mount hands the bytes it fetches of a file the kernel knows
+        straight to its page cache (fuse/page_store.py), where the reads
+        find them with no round trip; it keeps other files' bytes itself."""
+        for i in items:
+            directory = os.path.dirname(self.paths[i])
+            if directory not in self._listed:
+                self._listed.add(directory)
+                with os.scandir(directory) as entries:
+                    for _ in entries:
+                        pass
 
     def _send_files(self, items: list[int]) -> None:
         lines = [os.fsencode(self.relative[i]) for i in items]
@@ -197,7 +229,19 @@ class MountHints:
         state = self.__dict__.copy()
         state["_jobs"] = None
         state["_pid"] = -1
+        state["_listed"] = set()
         return state
+
+
+def merged(jobs: list[Job]) -> list[Job]:
+    """Consecutive jobs of one kind as one."""
+    out: list[Job] = []
+    for kind, items in jobs:
+        if out and out[-1][0] == kind:
+            out[-1][1].extend(items)
+        else:
+            out.append((kind, list(items)))
+    return out
 
 
 def pack(

@@ -113,7 +113,11 @@ def test_sampler_on_a_mount_path_hints_the_mount(tree: tuple[Path, str, str]) ->
     ds.close()
     after = state()
     assert after["hinted"] - before["hinted"] == len(ds)
-    assert after["hits"] > before["hits"]
+    # the hinted bytes answered reads: from the mount's cache, or (a file
+    # the kernel knows: the hint thread listed its directory) stored in the
+    # kernel's page cache first
+    used = after["hits"] - before["hits"] + after["stored"] - before["stored"]
+    assert used > 0, after
     files = {p: Path(p).read_bytes() for p in ds.files}
     perm = ds.sampler.items(np.arange(len(ds)), 1)
     assert samples == [files[ds.files[i]] for i in perm.tolist()]

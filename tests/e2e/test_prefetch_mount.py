@@ -12,7 +12,10 @@ one, drops the cached bytes; bad hints get their errno and change nothing.
 A third mount in the dataset mode (``cache=immutable``, read-only) takes
 hints by name (paths in getxattr names of its root) and then answers the
 lookups and reads of the hinted files with the storage daemons and the
-metadata server stopped; `MountHints` hints it that way.
+metadata server stopped; `MountHints` hints it that way. Files the kernel
+already knows (their directory listed) go into its page cache as they are
+fetched (fuse/page_store.py): their reads never reach the mount, and
+close-to-open still holds for them.
 """
 
 from __future__ import annotations
@@ -70,11 +73,17 @@ def hint(root: Path, paths: list[str]) -> None:
     os.setxattr(root, XATTR, "\n".join(paths).encode())
 
 
+def taken(s: dict[str, Any]) -> int:
+    """Hinted ranges read ahead: kept by the mount, or stored in the
+    kernel's page cache (a file the kernel knows: fuse/page_store.py)."""
+    return int(s["fetched"] + s["stored"])
+
+
 def wait_fetched(root: Path, count: int, timeout: float = 30.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         s = status(root)
-        if s["fetched"] >= count and s["pending"] == 0:
+        if taken(s) >= count and s["pending"] == 0:
             return s
         assert time.monotonic() < deadline, f"not fetched in time: {s}"
         time.sleep(0.05)
@@ -189,7 +198,7 @@ def test_hinted_files_are_read_without_reaching_storage(
     data = write_files(mnt, 12)
     before = status(pmnt)
     hint(pmnt, [f"{mnt.name}/f{i}" for i in range(10)])  # f10, f11 not hinted
-    wait_fetched(pmnt, before["fetched"] + 10)
+    wait_fetched(pmnt, taken(before) + 10)
     here = pmnt / mnt.name
     with storage_stopped(mounted):
         got = read_in_child([here / f"f{i}" for i in range(10)], timeout=20)
@@ -205,27 +214,27 @@ def test_hinted_files_are_read_without_reaching_storage(
         # read through this mount, the files are in the kernel's page cache:
         # hints for them again (a warm epoch) fetch nothing
         hint(pmnt, [f"{mnt.name}/f{i}" for i in (*range(10), 11)])
-        again = wait_fetched(pmnt, after["fetched"])
+        again = wait_fetched(pmnt, taken(after))
         assert again["resident"] == after["resident"] + 11, again
-        assert again["fetched"] == after["fetched"]
+        assert taken(again) == taken(after)
 
         # the kernel loses a page of f0: that one read reaches the mount, which
         # goes on skipping (the odd page, not a kernel evicting whole files)
         drop_pages(here / "f0", 4096)
         hint(pmnt, [f"{mnt.name}/{p.name}" for p in warm])
-        wait_fetched(pmnt, again["fetched"])
+        wait_fetched(pmnt, taken(again))
         assert read_in_child(warm, timeout=20) == b"".join(data[:10]) + data[11]
         later = status(pmnt)
         assert later["evicted"] == again["evicted"] + 1, later
-        assert later["fetched"] == again["fetched"], later
+        assert taken(later) == taken(again), later
     # every page dropped: once a few reads of skipped files reached the
     # mount, the skipped files not read yet are fetched after all
     for p in warm:
         drop_pages(p, SIZE)
     hint(pmnt, [f"{mnt.name}/{p.name}" for p in warm])
-    wait_fetched(pmnt, later["fetched"])
+    wait_fetched(pmnt, taken(later))
     assert read_in_child(warm, timeout=20) == b"".join(data[:10]) + data[11]
-    final = wait_fetched(pmnt, later["fetched"] + 1)
+    final = wait_fetched(pmnt, taken(later) + 1)
     assert final["evicted"] > later["evicted"], final
 
 
@@ -265,7 +274,7 @@ def test_cached_bytes_are_dropped_when_the_file_changes(mnt: Path, pmnt: Path) -
     here = pmnt / mnt.name
     base = status(pmnt)
     hint(pmnt, [f"{mnt.name}/f{i}" for i in range(4)])
-    wait_fetched(pmnt, base["fetched"] + 4)
+    wait_fetched(pmnt, taken(base) + 4)
     # another mount writes (same size) and closes: the next open here sees it
     new0 = b"new" + os.urandom(SIZE - 3)
     (mnt / "f0").write_bytes(new0)
@@ -340,7 +349,7 @@ def test_a_dataset_mount_reads_hinted_files_with_no_server_at_all(
     parts = [rel[k : k + 2] for k in range(0, 10, 2)]  # paths in the xattr's name (255 bytes)
     for part in parts:
         assert os.getxattr(dmnt, XATTR + "/" + "\n".join(part)) == b"queued"
-    wait_fetched(dmnt, before["fetched"] + 10)
+    wait_fetched(dmnt, taken(before) + 10)
     with storage_stopped(mounted, "meta"):
         got = read_in_child([here / f"f{i}" for i in range(10)], timeout=20)
         assert got == b"".join(data[:10])
@@ -394,10 +403,64 @@ def test_a_loader_hints_a_read_only_mount_by_name(mnt: Path, dmnt: Path) -> None
     hints.files(range(len(paths)))
     hints.flush()
     assert hints.read_only and hints.named
-    s = wait_fetched(dmnt, before["fetched"] + 7)
+    s = wait_fetched(dmnt, taken(before) + 7)
     assert s["failed"] == before["failed"]
     hints.close()
     for i in range(6):
         assert (here / f"f{i}").read_bytes() == data[i]
     assert (here / long_name).read_bytes() == b"x" * 5000
-    assert status(dmnt)["hits"] >= before["hits"] + 7
+    after = status(dmnt)
+    # it listed the directory first: the kernel knew every file, so their
+    # bytes went into its page cache and no read reached the mount
+    assert after["stored"] == before["stored"] + 7, after
+    assert after["hits"] == before["hits"], after
+
+
+def test_stored_pages_answer_reads_with_no_server_and_no_round_trip(
+    mounted: ProcessCluster, mnt: Path, dmnt: Path
+) -> None:
+    """Files the kernel knows (their directory listed) are stored in its
+    page cache as they are fetched: then read with the storage daemons and
+    the metadata server stopped, and no read reaches the mount."""
+    d = mnt / "stored"
+    d.mkdir()
+    data = write_files(d, 8)
+    here = dmnt / mnt.name / "stored"
+    assert sorted(os.listdir(here)) == sorted(f"f{i}" for i in range(8))
+    before = status(dmnt)
+    for k in range(0, 8, 2):  # (two paths fit in the xattr's name: 255 bytes)
+        names = "\n".join(f"{mnt.name}/stored/f{i}" for i in range(k, k + 2))
+        assert os.getxattr(dmnt, XATTR + "/" + names) == b"queued"
+    s = wait_fetched(dmnt, taken(before) + 8)
+    assert s["stored"] == before["stored"] + 8 and s["fetched"] == before["fetched"], s
+    assert s["held_bytes"] == 0  # the kernel holds them, not the mount
+    with storage_stopped(mounted, "meta"):
+        got = read_in_child([here / f"f{i}" for i in range(8)], timeout=20)
+        assert got == b"".join(data)
+    after = status(dmnt)
+    assert after["hits"] == before["hits"], after
+    # hinted again (the next epoch): the kernel holds them, nothing is read
+    os.getxattr(dmnt, XATTR + "/" + f"{mnt.name}/stored/f0")
+    again = wait_fetched(dmnt, taken(after))
+    assert again["resident"] == after["resident"] + 1 and taken(again) == taken(after)
+
+
+def test_stored_pages_of_a_changed_file_are_not_read(mnt: Path, pmnt: Path) -> None:
+    """Close-to-open holds for bytes stored in the kernel: another mount's
+    change (then an open here) and a write here are read, not the stored bytes."""
+    d = mnt / "changing"
+    d.mkdir()
+    write_files(d, 2, b"old")
+    here = pmnt / mnt.name / "changing"
+    os.listdir(here)  # the kernel knows them
+    before = status(pmnt)
+    hint(pmnt, [f"{mnt.name}/changing/f{i}" for i in range(2)])
+    s = wait_fetched(pmnt, taken(before) + 2)
+    assert s["stored"] == before["stored"] + 2, s
+    new0 = b"new" + os.urandom(SIZE - 3)
+    (d / "f0").write_bytes(new0)  # through the other mount, closed
+    assert (here / "f0").read_bytes() == new0
+    with open(here / "f1", "r+b") as f:
+        f.write(b"W")
+    assert (here / "f1").read_bytes()[:1] == b"W"
+    assert (d / "f1").read_bytes()[:1] == b"W"
