@@ -221,6 +221,8 @@ class FastReads:
             ops.handed(ino, off, len(ahead))
             self._reply(req, ahead, started)
             return True
+        if ino in ops.prefetch.landing.fetching:
+            return False  # being read ahead right now: the loop waits for those bytes
         extents = fs.extents(f, ((off, size),))
         n = extents[0][3]
         if n == 0:
@@ -336,6 +338,12 @@ class FastReads:
         inode_reads = self.ops.inode_reads
         assert inode_reads is not None
         try:
+            if await self.ops.prefetch.fetched(ino):  # being read ahead: no handle needed
+                started = time.perf_counter()
+                ahead = inode_reads.read_unopened(ino, off, size)
+                if ahead is not None:
+                    self._reply(req, ahead, started)
+                    return
             fh = await inode_reads.handle(ino)
         except FsError as exc:
             self._reply_error(req, exc.code)

@@ -107,6 +107,7 @@ class InodeReads:
         view = self.view
         version = view.prefetch.version_held(ino)
         if version is None or view.cached.get(ino, version) != version:
+            view.prefetch.passed(ino)
             return None
         got = view.prefetch.read(ino, off, size)
         if got is not None:

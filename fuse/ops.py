@@ -454,6 +454,8 @@ class ShuffleOps(pyfuse3.Operations):
             named = READ_INODES.take()  # first: this READ's inode (fuse/read_inode.py)
             if fh == 0:
                 ahead = self.inode_reads.read_unopened(named, off, size)
+                if ahead is None and await self.prefetch.fetched(named):
+                    ahead = self.inode_reads.read_unopened(named, off, size)
                 if ahead is not None:
                     return ahead
                 fh = await self.inode_reads.handle(named)
@@ -466,6 +468,8 @@ class ShuffleOps(pyfuse3.Operations):
         """A READ of an open client handle (also the fast path's fallback)."""
         ino = self.fs.file(fh).ino
         ahead = self.prefetch.read(ino, off, size)
+        if ahead is None and await self.prefetch.fetched(ino):  # being read ahead right now
+            ahead = self.prefetch.read(ino, off, size)
         got = ahead if ahead is not None else await self.fs.read(fh, off, size)
         self.handed(ino, off, len(got))
         return got

@@ -37,19 +37,8 @@ errno is the answer. Where fetched bytes wait: a file the kernel knows
 and the reader's reads never reach the mount; any other waits in a bounded
 cache of our own (the kernel takes stored pages only for inodes it knows).
 
-Warm epochs: a hint for a file the kernel's page cache holds (read through
-this mount, whole, at the version it still has) is skipped: the kernel
-answers its reads, so fetched bytes would only sit in our cache. The mount
-cannot see the kernel evict, only reads of skipped files that reach it
-anyway. A few such reads are the odd page the kernel dropped (the reads
-are small, and go to storage as any read): the hints go on being skipped.
-Once at least EVICTED_MIN of the files skipped lately, and one in
-EVICTED_SHARE of them, were read here, the kernel is evicting whole files:
-the other skipped files not read yet are fetched after all and skipping
-stops for DISTRUST_SECONDS (a dataset larger than the page cache is
-prefetched every epoch, as before). (One such read used to be enough: on a
-machine whose page cache loses a page now and then, every warm epoch was
-fetched whole into memory no read consulted, slower than no hints at all.)
+Warm epochs: a hint for a file the kernel's page cache holds is skipped
+(fuse/prefetch_resident.py).
 
 Bounded: fetched plus in-flight bytes never exceed the budget (mount option
 ``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
@@ -70,6 +59,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -87,6 +77,8 @@ from shufflefs.fuse.prefetch_hints import (
     parse_hint,
     version_of,
 )
+from shufflefs.fuse.prefetch_landing import Chunks, Landing
+from shufflefs.fuse.prefetch_resident import ResidentSkips
 from shufflefs.metadata.protocol import Attr, Layout
 from shufflefs.rpc.errors import FsError
 
@@ -100,10 +92,6 @@ MAX_RANGES_PER_READ = 1024  # hinted ranges of one file read together
 MAX_FILES_PER_READ = 256  # listed files read together (one request per storage node)
 READ_BATCH = 8 << 20  # bytes of listed files read together
 ENTRY_TTL = 10.0  # seconds an unread entry keeps its room when room is needed
-DISTRUST_SECONDS = 60.0  # no hint is skipped as held by the kernel this long after one was wrong
-EVICTED_MIN = 4  # reads of skipped files that reached the mount before it distrusts...
-EVICTED_SHARE = 4  # ...if also one in this many of the files skipped lately
-SKIP_WINDOW = 256  # files skipped, beyond which both counts are halved ("lately")
 
 
 @dataclass
@@ -131,6 +119,8 @@ class Counters:
     failed: int = 0  # ranges whose read failed (the reader will read them itself)
     resident: int = 0  # hints skipped: the kernel's page cache holds those bytes
     stored: int = 0  # ranges handed to the kernel's page cache (fuse/page_store.py)
+    late: int = 0  # whole files not fetched: read before their turn came
+    waited: int = 0  # READs that waited for the prefetch read of their file under way
     evicted: int = 0  # reads that reached us for a skipped hint: the kernel had dropped it
     fetched_bytes: int = 0
     served_bytes: int = 0
@@ -169,13 +159,13 @@ class Prefetcher:
         self._reset_at = 0
         self._changed: dict[int, int] = {}  # ino -> generation of its last change
         self._in_flight = 0
-        # hints skipped as held by the kernel, newest last; and until when
-        # none is skipped (a skipped file's read reached us: it had been evicted)
-        self._skipped: OrderedDict[int, Hint] = OrderedDict()
-        self._distrust_until = -1.0
-        self._skipped_lately = 0  # files skipped lately
-        self._skipped_missed = 0  # ... of which a read reached the mount
+        self.resident = ResidentSkips(self.kernel_holds)  # warm epochs' hints skipped
+        # inode -> time.monotonic() of the last READ that the cache did not
+        # answer while hints were queued: a whole-file hint queued before it
+        # is late (the reader is past it), and is dropped, not fetched
+        self._passed: OrderedDict[int, float] = OrderedDict()
         self.resolver = HintResolver(self.fs)
+        self.landing = Landing()  # bytes read, not stored or kept yet
 
     async def start(self, nursery: trio.Nursery) -> None:
         if self.budget <= 0:
@@ -243,6 +233,7 @@ class Prefetcher:
         if len(self.pending) >= MAX_PENDING:
             self.pending.popleft()
             self.counters.dropped += 1
+        hint.at = time.monotonic()
         self.pending.append(hint)
         self.counters.hinted += 1
         self._notify()
@@ -299,33 +290,15 @@ class Prefetcher:
             if len(groups.get(hint.ino, ())) >= MAX_RANGES_PER_READ:
                 break
             self.pending.popleft()
-            if self._in_kernel(hint):
+            if hint.length is None and self._passed.get(hint.ino, 0.0) > hint.at:
+                self.counters.late += 1  # the reader was there first: fetch what comes next
+            elif self.resident.skip(hint):
                 self.counters.resident += 1
-                # (counted here, not at opens: a cache=immutable mount sees none)
-                self._skipped_lately += 1
-                if self._skipped_lately > SKIP_WINDOW:
-                    self._skipped_lately //= 2
-                    self._skipped_missed //= 2
-                self._skipped[hint.ino] = hint
-                self._skipped.move_to_end(hint.ino)
-                if len(self._skipped) > MAX_PENDING:
-                    self._skipped.popitem(last=False)
             elif not self._covered(hint.ino, hint.offset, hint.length):
                 groups.setdefault(hint.ino, []).append(hint)
                 if hint.version is not None:
                     size += hint.version[0] if hint.length is None else hint.length
         return list(groups.items())
-
-    def _in_kernel(self, hint: Hint) -> bool:
-        """Skip *hint*: the kernel holds its bytes (as far as the mount
-        knows; once a read of a skipped file reached us after all, the
-        kernel is evicting, and nothing is skipped for `DISTRUST_SECONDS`:
-        a dataset larger than the page cache is prefetched every epoch)."""
-        if hint.version is None or trio.current_time() < self._distrust_until:
-            return False
-        size = hint.version[0]
-        end = size if hint.length is None else min(size, hint.offset + hint.length)
-        return self.kernel_holds(hint.ino, hint.version, end)
 
     def _covered(self, ino: int, offset: int, length: int | None) -> bool:
         for e in self.entries.get(ino, ()):
@@ -396,6 +369,7 @@ class Prefetcher:
         start = self._generation
         self._in_flight += 1
         reserved = 0
+        fetched: list[tuple[int, list[Hint], Version, Chunks]] = []
         try:
             # every file opened (one call for those not held yet): a file
             # removed since its listing is left out, and none is freed while
@@ -414,17 +388,23 @@ class Prefetcher:
             reserved = length
             self.held += reserved
             data = bytearray(length)
-            if length:
-                await self.fs.read_into(extents, memoryview(data))
-            pos = 0
-            fetched = []
             view = memoryview(data)
-            for ino, hints, version, _, ranges in files:
-                chunks = []
-                for off, end in ranges:
-                    chunks.append((off, view[pos : pos + end - off]))
-                    pos += end - off
-                fetched.append((ino, hints, version, chunks))
+            fetched = []
+            waiting = self.landing.begin([ino for ino, *_ in files])
+            try:
+                if length:
+                    await self.fs.read_into(extents, view)
+                pos = 0
+                for ino, hints, version, _, ranges in files:
+                    chunks = []
+                    for off, end in ranges:
+                        chunks.append((off, view[pos : pos + end - off]))
+                        pos += end - off
+                    fetched.append((ino, hints, version, chunks))
+                    if self._changed.get(ino, -1) <= start:
+                        self.landing.arrived(version, ino, chunks)
+            finally:  # READs waiting for these files go on (fuse/prefetch_landing.py)
+                self.landing.end(waiting)
             stored = await self.store(
                 [(ino, version, chunks) for ino, _, version, chunks in fetched],
                 lambda ino: self._changed.get(ino, -1) > start,
@@ -449,6 +429,7 @@ class Prefetcher:
                 self.counters.fetched += len(hints)
                 self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
         finally:
+            self.landing.settled([ino for ino, *_ in fetched])
             self.held -= reserved
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -516,6 +497,7 @@ class Prefetcher:
 
     def opened(self, attr: Attr) -> None:
         """An open saw *attr*: data of another version is dropped."""
+        self.landing.drop(attr["ino"], unless=version_of(attr))
         held = self.entries.get(attr["ino"])
         if held and held[0].version != version_of(attr):
             self._drop(attr["ino"])
@@ -541,21 +523,25 @@ class Prefetcher:
     def version_held(self, ino: int) -> Version | None:
         """The version of *ino* whose bytes are held, if any."""
         held = self.entries.get(ino)
-        return held[0].version if held else None
+        return held[0].version if held else self.landing.version(ino)
+
+    async def fetched(self, ino: int) -> bool:
+        """If *ino* is being read ahead right now: wait for its bytes (a
+        while at most), rather than reading them a second time; whether
+        they are here now (`read` answers from them)."""
+        if ino not in self.landing.fetching:
+            return False
+        self.counters.waited += 1
+        return await self.landing.wait(ino)
 
     def read(self, ino: int, offset: int, size: int) -> memoryview | None:
         """The bytes of a read if one held range has all of them (clamped to
         the file's end as it was fetched), else None."""
-        if self._skipped and ino in self._skipped:  # the kernel did not have it all
-            del self._skipped[ino]
-            self.counters.evicted += 1
-            self._skipped_missed += 1
-            if self._evicting():
-                self._distrust_until = trio.current_time() + DISTRUST_SECONDS
-                # the other skipped files, not read yet, were likely evicted
-                # too: fetch them after all, in their order
-                self.pending.extend(self._skipped.values())
-                self._skipped.clear()
+        if self.resident.skipped and ino in self.resident.skipped:
+            self.counters.evicted += 1  # the kernel did not have it all
+            again = self.resident.missed(ino)
+            if again:  # evicting whole files: fetch the others after all, in order
+                self.pending.extend(again)
                 while len(self.pending) > MAX_PENDING:
                     self.pending.popleft()
                     self.counters.dropped += 1
@@ -570,19 +556,27 @@ class Prefetcher:
                 if end >= min(e.end, e.version[0]):
                     self._drop_entry(ino, e)  # read to its end: the sample is taken
                 return out
+        landed = self.landing.read(ino, offset, size) if self.landing.landed else None
+        if landed is not None:
+            self.counters.hits += 1
+            self.counters.served_bytes += len(landed)
+            return landed
+        self.passed(ino)
         return None
 
-    def _evicting(self) -> bool:
-        """Do the skipped files' reads that reached the mount show the kernel
-        evicting whole files (not the odd page)?"""
-        missed = self._skipped_missed
-        return missed >= EVICTED_MIN and missed * EVICTED_SHARE >= self._skipped_lately
+    def passed(self, ino: int) -> None:
+        """A READ of *ino* that the cache did not answer (also called from
+        the FUSE thread of fuse/fast_reads.py)."""
+        if self.pending:
+            self._passed.pop(ino, None)
+            self._passed[ino] = time.monotonic()
+            if len(self._passed) > MAX_PENDING:
+                self._passed.popitem(last=False)
 
     def released(self, ino: int) -> None:
         """A handle was closed: the ranges it read from have served their
         samples (and a skipped file read from the page cache is taken)."""
-        if self._skipped:
-            self._skipped.pop(ino, None)
+        self.resident.taken(ino)
         self._drop(ino, only_served=True)
 
     def changed(self, ino: int) -> None:
@@ -590,6 +584,7 @@ class Prefetcher:
         self._generation += 1
         if self._in_flight:
             self._changed[ino] = self._generation
+        self.landing.drop(ino)
         if self._drop(ino):
             self.counters.invalidated += 1
 

@@ -50,6 +50,7 @@ class Hint:
     # from a directory listing: read without an open (else opened for them)
     layout: Layout | None = None
     version: Version | None = None  # as listed or looked up (the layout's, if listed)
+    at: float = 0.0  # time.monotonic() when queued: a READ of the file after it makes it late
 
 
 @dataclass

@@ -238,6 +238,61 @@ def test_hinted_files_are_read_without_reaching_storage(
     assert final["evicted"] > later["evicted"], final
 
 
+def test_a_read_that_catches_up_with_the_prefetch_waits_for_its_bytes(
+    mounted: ProcessCluster, mnt: Path, pmnt: Path
+) -> None:
+    """A READ of a file whose prefetch read is under way waits for it and
+    is answered from its bytes (fuse/prefetch_landing.py), rather than
+    reading them a second time: with storage stopped, the hinted file's
+    read waits; once storage goes on, both end, with the right bytes."""
+    d = mnt / "landing"
+    d.mkdir()
+    (data,) = write_files(d, 1)
+    here = pmnt / mnt.name / "landing" / "f0"
+    assert here.stat().st_size == SIZE  # looked up (no storage needed)
+    before = status(pmnt)
+    with storage_stopped(mounted):
+        hint(pmnt, [f"{mnt.name}/landing/f0"])
+        reader = subprocess.Popen([sys.executable, "-c", READER, str(here)], stdout=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while (s := status(pmnt))["waited"] == before["waited"]:
+            assert time.monotonic() < deadline, f"the READ did not wait: {s}"
+            assert reader.poll() is None
+            time.sleep(0.02)
+    out, _ = reader.communicate(timeout=30)
+    assert reader.returncode == 0 and out == data
+    after = wait_fetched(pmnt, taken(before) + 1)
+    assert after["waited"] == before["waited"] + 1
+    assert after["hits"] > before["hits"], after  # answered from the prefetch read's bytes
+
+
+def test_a_hinted_file_read_before_its_turn_is_not_fetched(mnt: Path, pmnt: Path) -> None:
+    """The reader got to a hinted file first (the prefetcher fell behind):
+    when its hint's turn comes it is dropped unread (``late``)."""
+    d = mnt / "late"
+    d.mkdir()
+    write_files(d, 120)  # 13 MB: three times what the 4 MiB budget holds
+    (d / "b").write_bytes(b"b" * 5000)
+    here = pmnt / mnt.name / "late"
+    before = status(pmnt)
+    hint(pmnt, [f"{mnt.name}/late/f{i}" for i in range(40)])
+    deadline = time.monotonic() + 20
+    while (s := status(pmnt))["held_bytes"] < BUDGET // 2 or s["pending"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.02)
+    # the budget is full: every fetcher waits for room with what it took
+    hint(pmnt, [f"{mnt.name}/late/f{i}" for i in range(40, 120)] + [f"{mnt.name}/late/b"])
+    assert status(pmnt)["pending"] >= 1
+    assert (here / "b").read_bytes() == b"b" * 5000  # before its turn
+    for i in range(120):  # read (the held ones dropped: room for the rest)
+        (here / f"f{i}").read_bytes()
+    deadline = time.monotonic() + 30
+    while taken(s := status(pmnt)) - taken(before) + s["late"] - before["late"] < 121:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.02)
+    assert s["late"] > before["late"] and s["pending"] == 0, s
+
+
 def test_memory_stays_under_the_budget_with_a_huge_hint_stream(mnt: Path, pmnt: Path) -> None:
     n = 100  # 11 MB of files, a 4 MiB budget
     data = write_files(mnt, n)

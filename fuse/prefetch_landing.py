@@ -1,0 +1,85 @@
+"""Bytes of a prefetch read, from the moment they arrive until they are
+stored or kept (fuse/prefetch.py, fuse/page_store.py).
+
+A reader that catches up with the prefetcher asks for a file whose bytes
+are being read for it right now. Its READ used to read them a second time
+from storage, and at the front of a cold epoch that is most READs: the
+mount did the work twice exactly where it was shortest of time. Now such a
+READ waits for the prefetch read (`wait`) and is answered from its buffer
+(`read`), as are READs that come while the bytes go into the kernel's page
+cache.
+
+The wait ends when the bytes arrive, before they are stored: the store
+fills pages that the waiting READ holds locked, and waits for its answer.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from shufflefs.fuse.prefetch_hints import Version
+
+LANDING_WAIT = 5.0  # s a READ waits for a prefetch read of its file before reading itself
+
+Chunks = list[tuple[int, memoryview]]  # (file offset, bytes)
+
+
+class Landing:
+    def __init__(self) -> None:
+        self.fetching: dict[int, trio.Event] = {}  # inode -> set when its bytes arrived
+        self.landed: dict[int, tuple[Version, Chunks]] = {}
+
+    def begin(self, inos: list[int]) -> dict[int, trio.Event]:
+        """A prefetch read of *inos* starts; the events it sets (not those
+        of another read of the same file already under way)."""
+        mine = {}
+        for ino in inos:
+            if ino not in self.fetching:
+                mine[ino] = self.fetching[ino] = trio.Event()
+        return mine
+
+    def arrived(self, version: Version, ino: int, chunks: Chunks) -> None:
+        self.landed[ino] = (version, chunks)
+
+    def end(self, mine: dict[int, trio.Event]) -> None:
+        """The read is over (its bytes arrived, or it failed): waiters go on."""
+        for ino, event in mine.items():
+            if self.fetching.get(ino) is event:
+                del self.fetching[ino]
+            event.set()
+
+    def settled(self, inos: list[int]) -> None:
+        """The bytes are stored or kept (or dropped): no longer here."""
+        for ino in inos:
+            self.landed.pop(ino, None)
+
+    def drop(self, ino: int, unless: Version | None = None) -> None:
+        """*ino* changed (or was opened at *unless*'s other version)."""
+        held = self.landed.get(ino)
+        if held is not None and held[0] != unless:
+            del self.landed[ino]
+
+    def version(self, ino: int) -> Version | None:
+        held = self.landed.get(ino)
+        return held[0] if held is not None else None
+
+    def read(self, ino: int, offset: int, size: int) -> memoryview | None:
+        held = self.landed.get(ino)
+        if held is None:
+            return None
+        version, chunks = held
+        for start, data in chunks:
+            end = min(offset + size, version[0])
+            if start <= offset <= end <= start + len(data):
+                return data[offset - start : end - start]
+        return None
+
+    async def wait(self, ino: int) -> bool:
+        """Wait (a while at most) for a prefetch read of *ino* under way;
+        whether its bytes are here now."""
+        event = self.fetching.get(ino)
+        if event is None:
+            return False
+        with trio.move_on_after(LANDING_WAIT):
+            await event.wait()
+        return ino in self.landed
