@@ -72,16 +72,19 @@ class KernelPages:
             and view.cached.get(ino, version) == version
         )
 
-    async def store(self, files: list[Fetched], changed: Callable[[int], bool]) -> set[int]:
+    async def store(
+        self, files: list[Fetched], changed: Callable[[int], bool], skip: Callable[[int], bool]
+    ) -> set[int]:
         """Store what of *files* the kernel takes; the inodes stored.
-        *changed* tells whether a file changed since its bytes were read."""
+        *changed* tells whether a file changed since its bytes were read,
+        *skip* whether it need not be stored any more (asked as it comes)."""
         todo = [f for f in files if self.storable(f[0], f[1]) and not changed(f[0])]
         if not todo:
             return set()
         for ino, version, _ in todo:
             # an open while the bytes go in keeps them (and what it finds)
             self.view.cached[ino] = version
-        done = await trio.to_thread.run_sync(self._store_all, todo)
+        done = await trio.to_thread.run_sync(self._store_all, todo, skip)
         stored = set()
         for ino, version, chunks in todo:
             if ino not in done:
@@ -99,9 +102,11 @@ class KernelPages:
             self.view.read_through[ino] = through
         return stored
 
-    def _store_all(self, files: list[Fetched]) -> set[int]:
+    def _store_all(self, files: list[Fetched], skip: Callable[[int], bool]) -> set[int]:
         done = set()
         for ino, _, chunks in files:
+            if skip(ino):
+                continue
             try:
                 for off, data in chunks:
                     for at in range(0, max(len(data), 1), PIECE):

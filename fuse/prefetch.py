@@ -130,7 +130,9 @@ def nothing_held(ino: int, version: Version, end: int) -> bool:
     return False
 
 
-async def nothing_stored(files: list[Fetched], changed: Callable[[int], bool]) -> set[int]:
+async def nothing_stored(
+    files: list[Fetched], changed: Callable[[int], bool], skip: Callable[[int], bool]
+) -> set[int]:
     return set()
 
 
@@ -143,7 +145,9 @@ class Prefetcher:
     # sample again into a cache no read consults (the kernel answers them)
     kernel_holds: Callable[[int, Version, int], bool] = nothing_held
     # hands fetched files to the kernel's page cache; those it took
-    store: Callable[[list[Fetched], Callable[[int], bool]], Awaitable[set[int]]] = nothing_stored
+    store: Callable[
+        [list[Fetched], Callable[[int], bool], Callable[[int], bool]], Awaitable[set[int]]
+    ] = nothing_stored
     # ino -> the byte ranges held of it (all of one version)
     entries: OrderedDict[int, list[Entry]] = field(default_factory=OrderedDict)
     names: dict[tuple[int, bytes], int] = field(default_factory=dict)  # (parent, name) -> ino
@@ -370,12 +374,16 @@ class Prefetcher:
         self._in_flight += 1
         reserved = 0
         fetched: list[tuple[int, list[Hint], Version, Chunks]] = []
+        # READs of these files wait for their bytes from now on (not only
+        # while they are read: the open and the batching come first)
+        waiting = self.landing.begin([ino for ino, _ in groups])
         try:
             # every file opened (one call for those not held yet): a file
             # removed since its listing is left out, and none is freed while
             # it is read
             known = await self._open_ahead([ino for ino, _ in groups])
             files = self._batch(groups, known)
+            waiting = self.landing.end(waiting, keep={ino for ino, *_ in files})
             extents = [
                 (ino, layout, off, end - off)
                 for ino, _, _, layout, ranges in files
@@ -384,30 +392,32 @@ class Prefetcher:
             length = sum(e[3] for e in extents)
             while self.held + length > self.budget:
                 if not self._expire():
+                    waiting = self.landing.end(waiting)  # no READ waits for room
                     await self._room_or_expiry()
             reserved = length
             self.held += reserved
             data = bytearray(length)
             view = memoryview(data)
-            fetched = []
-            waiting = self.landing.begin([ino for ino, *_ in files])
-            try:
-                if length:
-                    await self.fs.read_into(extents, view)
-                pos = 0
-                for ino, hints, version, _, ranges in files:
-                    chunks = []
-                    for off, end in ranges:
-                        chunks.append((off, view[pos : pos + end - off]))
-                        pos += end - off
-                    fetched.append((ino, hints, version, chunks))
-                    if self._changed.get(ino, -1) <= start:
-                        self.landing.arrived(version, ino, chunks)
-            finally:  # READs waiting for these files go on (fuse/prefetch_landing.py)
-                self.landing.end(waiting)
+            if length:
+                await self.fs.read_into(extents, view)
+            pos = 0
+            for ino, hints, version, _, ranges in files:
+                chunks = []
+                for off, end in ranges:
+                    chunks.append((off, view[pos : pos + end - off]))
+                    pos += end - off
+                fetched.append((ino, hints, version, chunks))
+                if self._changed.get(ino, -1) <= start:
+                    self.landing.arrived(version, ino, chunks)
+            waiting = self.landing.end(waiting)  # READs waiting for them go on
+
+            def changed(ino: int) -> bool:
+                return self._changed.get(ino, -1) > start
+
             stored = await self.store(
                 [(ino, version, chunks) for ino, _, version, chunks in fetched],
-                lambda ino: self._changed.get(ino, -1) > start,
+                changed,
+                lambda ino: changed(ino) or ino in self.landing.served,  # (its reader has them)
             )
             now = trio.current_time()
             for ino, hints, version, chunks in fetched:
@@ -415,6 +425,8 @@ class Prefetcher:
                     self.counters.stored += len(hints)
                     self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
                     continue
+                if ino in self.landing.served:
+                    continue  # its reader had them as they arrived: taken (in `hits`)
                 if self._changed.get(ino, -1) > start or self._reset_at > start:
                     continue  # changed (or reset) while we read: the bytes may be stale
                 if ino in self.entries and self.entries[ino][0].version != version:
@@ -429,6 +441,7 @@ class Prefetcher:
                 self.counters.fetched += len(hints)
                 self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
         finally:
+            self.landing.end(waiting)
             self.landing.settled([ino for ino, *_ in fetched])
             self.held -= reserved
             self._in_flight -= 1

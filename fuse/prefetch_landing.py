@@ -28,6 +28,7 @@ class Landing:
     def __init__(self) -> None:
         self.fetching: dict[int, trio.Event] = {}  # inode -> set when its bytes arrived
         self.landed: dict[int, tuple[Version, Chunks]] = {}
+        self.served: set[int] = set()  # landed files a READ was answered from
 
     def begin(self, inos: list[int]) -> dict[int, trio.Event]:
         """A prefetch read of *inos* starts; the events it sets (not those
@@ -41,17 +42,27 @@ class Landing:
     def arrived(self, version: Version, ino: int, chunks: Chunks) -> None:
         self.landed[ino] = (version, chunks)
 
-    def end(self, mine: dict[int, trio.Event]) -> None:
-        """The read is over (its bytes arrived, or it failed): waiters go on."""
+    def end(
+        self, mine: dict[int, trio.Event], keep: set[int] | frozenset[int] = frozenset()
+    ) -> dict[int, trio.Event]:
+        """The read of *mine* is over (their bytes arrived, or it failed, or
+        it is not for them after all) except for *keep*: waiters go on.
+        Returns those kept."""
+        kept = {}
         for ino, event in mine.items():
+            if ino in keep:
+                kept[ino] = event
+                continue
             if self.fetching.get(ino) is event:
                 del self.fetching[ino]
             event.set()
+        return kept
 
     def settled(self, inos: list[int]) -> None:
         """The bytes are stored or kept (or dropped): no longer here."""
         for ino in inos:
             self.landed.pop(ino, None)
+            self.served.discard(ino)
 
     def drop(self, ino: int, unless: Version | None = None) -> None:
         """*ino* changed (or was opened at *unless*'s other version)."""
@@ -71,6 +82,7 @@ class Landing:
         for start, data in chunks:
             end = min(offset + size, version[0])
             if start <= offset <= end <= start + len(data):
+                self.served.add(ino)  # (the kernel has what its reader asked for)
                 return data[offset - start : end - start]
         return None
 

@@ -261,7 +261,7 @@ def test_a_read_that_catches_up_with_the_prefetch_waits_for_its_bytes(
             time.sleep(0.02)
     out, _ = reader.communicate(timeout=30)
     assert reader.returncode == 0 and out == data
-    after = wait_fetched(pmnt, taken(before) + 1)
+    after = status(pmnt)
     assert after["waited"] == before["waited"] + 1
     assert after["hits"] > before["hits"], after  # answered from the prefetch read's bytes
 
