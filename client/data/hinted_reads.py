@@ -20,9 +20,10 @@ from shufflefs.client.data.mount_hints import (
 CHUNK = 16  # files hinted per setxattr
 
 
-def read_files(paths: Sequence[str], hint_ahead: int = DEFAULT_AHEAD) -> list[bytes]:
-    """Each file's bytes, in order; with *hint_ahead* > 0 and the paths on a
-    shufflefs mount with prefetch on, the next *hint_ahead* files are
+def read_files(paths: Sequence[str], hint_ahead: int = DEFAULT_AHEAD) -> Iterator[bytes]:
+    """Each file's bytes, in order, as read (one at a time: a sample is
+    used and let go, as a loader does); with *hint_ahead* > 0 and the paths
+    on a shufflefs mount with prefetch on, the next *hint_ahead* files are
     hinted ahead of the reads (nothing is hinted elsewhere)."""
     hints = MountHints.find(paths, hint_ahead, whole_files=True) if hint_ahead > 0 else None
 
@@ -33,16 +34,14 @@ def read_files(paths: Sequence[str], hint_ahead: int = DEFAULT_AHEAD) -> list[by
     order: Iterator[range] = chunks()
     if hints is not None:
         order = lookahead(order, hint_ahead, lambda r: hints.files(list(r)), len)
-    out: list[bytes] = []
     try:
         for r in order:
             for i in r:
                 with open(paths[i], "rb") as f:
-                    out.append(f.read())
+                    yield f.read()
     finally:
         if hints is not None:
             hints.close()
-    return out
 
 
 def prefetch_available(path: str) -> bool:
