@@ -425,8 +425,10 @@ class Prefetcher:
                     self.counters.stored += len(hints)
                     self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
                     continue
-                if ino in self.landing.served:
-                    continue  # its reader had them as they arrived: taken (in `hits`)
+                if ino in self.landing.served:  # its reader had them as they arrived
+                    self.counters.fetched += len(hints)
+                    self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
+                    continue
                 if self._changed.get(ino, -1) > start or self._reset_at > start:
                     continue  # changed (or reset) while we read: the bytes may be stale
                 if ino in self.entries and self.entries[ino][0].version != version:
