@@ -200,9 +200,7 @@ class Prefetcher:
                 raise FsError(
                     errno.E2BIG, f"prefetch hint: a range of {length} bytes > budget {self.budget}"
                 )
-        hints = await self.resolver.resolve(items)
-        for h in hints:
-            self._queue(h)
+        self._queue(await self.resolver.resolve(items))
 
     async def hint_file(self, attr: Attr) -> bytes:
         """getxattr on an inode: a directory answers the state, a file is queued."""
@@ -216,7 +214,7 @@ class Prefetcher:
     def hint_inode(self, ino: int, version: Version) -> bytes:
         """Queue the whole file *ino* (of *version* as last seen)."""
         self._check_enabled()
-        self._queue(Hint(ino, 0, None, version=version))
+        self._queue([Hint(ino, 0, None, version=version)])
         return b"queued"
 
     def status(self) -> bytes:
@@ -233,14 +231,24 @@ class Prefetcher:
         if not self.running:
             raise FsError(errno.EOPNOTSUPP, "prefetch is off on this mount (prefetch_memory=0)")
 
-    def _queue(self, hint: Hint) -> None:
-        if len(self.pending) >= MAX_PENDING:
-            self.pending.popleft()
-            self.counters.dropped += 1
-        hint.at = time.monotonic()
-        self.pending.append(hint)
-        self.counters.hinted += 1
-        self._notify()
+    def _queue(self, hints: list[Hint]) -> None:
+        """Queue *hints*, skipping at once those the kernel holds (a warm
+        epoch wakes no fetcher), and wake the fetchers once."""
+        now = time.monotonic()
+        queued = False
+        for hint in hints:
+            self.counters.hinted += 1
+            if self.resident.skip(hint):
+                self.counters.resident += 1
+                continue
+            if len(self.pending) >= MAX_PENDING:
+                self.pending.popleft()
+                self.counters.dropped += 1
+            hint.at = now
+            self.pending.append(hint)
+            queued = True
+        if queued:
+            self._notify()
 
     def _notify(self) -> None:
         self._wake.set()

@@ -36,6 +36,7 @@ NAME_MAX = 255  # bytes of an xattr name (XATTR_NAME_MAX)
 MAX_OUTSTANDING = 64  # hint batches queued on the sender thread (the reads never wait
 # for them to be sent: only a loader that hints this many batches ahead of one send)
 DEFAULT_AHEAD = 512  # samples hinted ahead of the reads
+LIST_MAX = 100_000  # entries of a hinted file's directory listed (`_list_directories`)
 
 T = TypeVar("T")
 Job = tuple[str, list[tuple[int, int, int]]]  # ("files" | "ranges", [(file, offset, length)])
@@ -170,14 +171,17 @@ class MountHints:
         the listing (readdirplus) tells the kernel every file in one pass,
         and the mount hands the bytes it fetches of a file the kernel knows
         straight to its page cache (fuse/page_store.py), where the reads
-        find them with no round trip; it keeps other files' bytes itself."""
+        find them with no round trip; it keeps other files' bytes itself
+        (also those past the first LIST_MAX entries of a directory: a huge
+        flat directory is not listed whole by every process)."""
         for i in items:
             directory = os.path.dirname(self.paths[i])
             if directory not in self._listed:
                 self._listed.add(directory)
                 with os.scandir(directory) as entries:
-                    for _ in entries:
-                        pass
+                    for n, _ in enumerate(entries, 1):
+                        if n >= LIST_MAX:
+                            break  # (a huge flat directory: the rest stay with the mount)
 
     def _send_files(self, items: list[int]) -> None:
         lines = [os.fsencode(self.relative[i]) for i in items]
