@@ -178,10 +178,13 @@ class MountHints:
             directory = os.path.dirname(self.paths[i])
             if directory not in self._listed:
                 self._listed.add(directory)
-                with os.scandir(directory) as entries:
-                    for n, _ in enumerate(entries, 1):
-                        if n >= LIST_MAX:
-                            break  # (a huge flat directory: the rest stay with the mount)
+                try:
+                    with os.scandir(directory) as entries:
+                        for n, _ in enumerate(entries, 1):
+                            if n >= LIST_MAX:
+                                break  # (a huge flat directory: the rest stay with the mount)
+                except OSError as exc:  # the hints go anyway (the mount keeps those bytes)
+                    log.debug("listing %s for prefetch hints: %s", directory, exc)
 
     def _send_files(self, items: list[int]) -> None:
         lines = [os.fsencode(self.relative[i]) for i in items]

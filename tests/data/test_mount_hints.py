@@ -1,0 +1,70 @@
+"""The hint sender of client/data/mount_hints.py, without a mount: batches
+queued while one is being sent go out together, in order, and a directory
+that cannot be listed does not stop the hints (the mount's side is in
+tests/e2e/test_prefetch_mount.py)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from shufflefs.client.data import mount_hints
+from shufflefs.client.data.mount_hints import MountHints, merged
+
+
+def test_consecutive_jobs_of_one_kind_merge_in_order() -> None:
+    jobs = [
+        ("files", [(1, 0, 0)]),
+        ("files", [(2, 0, 0), (3, 0, 0)]),
+        ("ranges", [(4, 10, 5)]),
+        ("files", [(5, 0, 0)]),
+    ]
+    assert merged(jobs) == [
+        ("files", [(1, 0, 0), (2, 0, 0), (3, 0, 0)]),
+        ("ranges", [(4, 10, 5)]),
+        ("files", [(5, 0, 0)]),
+    ]
+    assert jobs[0] == ("files", [(1, 0, 0)])  # (the jobs themselves are left as they were)
+
+
+def test_batches_queued_during_a_send_go_out_together(tmp_path: Path) -> None:
+    paths = [str(tmp_path / f"f{i}") for i in range(40)]
+    hints = MountHints(str(tmp_path), paths, whole_files=True)
+    sent: list[tuple[str, list[int]]] = []
+    first_taken, go_on = threading.Event(), threading.Event()
+
+    def send(kind: str, items: list[tuple[int, int, int]]) -> None:
+        sent.append((kind, [i for i, _, _ in items]))
+        first_taken.set()
+        assert go_on.wait(10)
+
+    hints._send = send  # type: ignore[method-assign]
+    hints.files([0])
+    assert first_taken.wait(10)  # the thread is in the first send
+    for lo in range(1, 40, 3):
+        hints.files(range(lo, min(lo + 3, 40)))  # the reader goes on: nothing waits
+    go_on.set()
+    hints.flush()
+    hints.close()
+    assert sent == [("files", [0]), ("files", list(range(1, 40)))]
+
+
+def test_a_directory_that_cannot_be_listed_does_not_stop_the_hints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(10):
+        (big / f"f{i}").write_bytes(b"")
+    paths = [str(tmp_path / "gone" / "a"), str(big / "f0")]
+    hints = MountHints(str(tmp_path), paths, whole_files=True)
+    monkeypatch.setattr(mount_hints, "LIST_MAX", 3)  # a huge directory: listed in part
+    sent: list[list[int]] = []
+    hints._send_files = lambda items: sent.append(items)  # type: ignore[method-assign]
+    hints.files([0, 1])
+    hints.flush()
+    hints.close()
+    assert sent == [[0, 1]]
+    assert hints._listed == {str(tmp_path / "gone"), str(big)}
