@@ -338,12 +338,11 @@ class FastReads:
         inode_reads = self.ops.inode_reads
         assert inode_reads is not None
         try:
-            if await self.ops.prefetch.fetched(ino):  # being read ahead: no handle needed
-                started = time.perf_counter()
-                ahead = inode_reads.read_unopened(ino, off, size)
-                if ahead is not None:
-                    self._reply(req, ahead, started)
-                    return
+            started = time.perf_counter()
+            ahead = await inode_reads.read_prefetching(ino, off, size)  # (no handle needed)
+            if ahead is not None:
+                self._reply(req, ahead, started)
+                return
             fh = await inode_reads.handle(ino)
         except FsError as exc:
             self._reply_error(req, exc.code)

@@ -115,6 +115,13 @@ class InodeReads:
             view.handed(ino, off, len(got))
         return got
 
+    async def read_prefetching(self, ino: int, off: int, size: int) -> memoryview | None:
+        """`read_unopened` once the prefetch read of *ino* under way (if
+        any) brought its bytes."""
+        if await self.view.prefetch.fetched(ino):
+            return self.read_unopened(ino, off, size)
+        return None
+
     async def ready(self, attr: Attr) -> None:
         """After a lookup of a regular file whose read-only handle the open
         cache holds (`FileSystem.lookup_open`): its handle taken now, with no

@@ -85,9 +85,8 @@ class ShuffleOps(pyfuse3.Operations):
         # inode -> bytes from offset 0 handed to the kernel without a gap, for
         # the version in `cached`: what its page cache holds unless it evicted
         self.read_through: dict[int, int] = {}
-        self.prefetch = Prefetcher(
-            fs, self.options.prefetch_memory, self.kernel_holds, KernelPages(self).store
-        )
+        pages = KernelPages(self)  # what the kernel's page cache holds, and stores into it
+        self.prefetch = Prefetcher(fs, self.options.prefetch_memory, pages.holds, pages.store)
         # cache=immutable with kernel-served reads: handles by inode (`serve_by_inode`)
         self.inode_reads: InodeReads | None = None
         # rw with a cache watch: kernel entries of files it keeps fresh live longer
@@ -454,8 +453,8 @@ class ShuffleOps(pyfuse3.Operations):
             named = READ_INODES.take()  # first: this READ's inode (fuse/read_inode.py)
             if fh == 0:
                 ahead = self.inode_reads.read_unopened(named, off, size)
-                if ahead is None and await self.prefetch.fetched(named):
-                    ahead = self.inode_reads.read_unopened(named, off, size)
+                if ahead is None:
+                    ahead = await self.inode_reads.read_prefetching(named, off, size)
                 if ahead is not None:
                     return ahead
                 fh = await self.inode_reads.handle(named)
@@ -467,9 +466,7 @@ class ShuffleOps(pyfuse3.Operations):
     async def read_handle(self, fh: int, off: int, size: int) -> bytearray | memoryview:
         """A READ of an open client handle (also the fast path's fallback)."""
         ino = self.fs.file(fh).ino
-        ahead = self.prefetch.read(ino, off, size)
-        if ahead is None and await self.prefetch.fetched(ino):  # being read ahead right now
-            ahead = self.prefetch.read(ino, off, size)
+        ahead = await self.prefetch.read_or_wait(ino, off, size)
         got = ahead if ahead is not None else await self.fs.read(fh, off, size)
         self.handed(ino, off, len(got))
         return got
@@ -479,12 +476,6 @@ class ShuffleOps(pyfuse3.Operations):
         through = self.read_through.get(ino, 0)
         if off <= through < off + n:
             self.read_through[ino] = off + n
-
-    def kernel_holds(self, ino: int, version: tuple[int, int, int], end: int) -> bool:
-        """Does the kernel's page cache hold *ino*'s bytes up to *end* at
-        *version*? (As far as this mount can know: the kernel may have
-        evicted pages since; then a read is just not prefetched.)"""
-        return self.cached.get(ino) == version and self.read_through.get(ino, 0) >= end
 
     @fuse_errors
     @mutation

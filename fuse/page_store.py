@@ -61,6 +61,13 @@ class KernelPages:
         self.view = view
         self.enabled = True  # off for good once the kernel says ENOSYS
 
+    def holds(self, ino: int, version: Version, end: int) -> bool:
+        """Does the kernel's page cache hold *ino*'s bytes up to *end* at
+        *version*? (As far as this mount can know: the kernel may have
+        evicted pages since; then a read is just not prefetched.)"""
+        view = self.view
+        return view.cached.get(ino) == version and view.read_through.get(ino, 0) >= end
+
     def storable(self, ino: int, version: Version) -> bool:
         """Would the kernel take *ino*'s bytes of *version* (as far as this
         mount knows)?"""

@@ -57,7 +57,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import stat
 import time
 from collections import OrderedDict, deque
@@ -74,6 +73,7 @@ from shufflefs.fuse.prefetch_hints import (
     HintResolver,
     Version,
     merged_ranges,
+    open_ahead,
     parse_hint,
     version_of,
 )
@@ -164,10 +164,6 @@ class Prefetcher:
         self._changed: dict[int, int] = {}  # ino -> generation of its last change
         self._in_flight = 0
         self.resident = ResidentSkips(self.kernel_holds)  # warm epochs' hints skipped
-        # inode -> time.monotonic() of the last READ that the cache did not
-        # answer while hints were queued: a whole-file hint queued before it
-        # is late (the reader is past it), and is dropped, not fetched
-        self._passed: OrderedDict[int, float] = OrderedDict()
         self.resolver = HintResolver(self.fs)
         self.landing = Landing()  # bytes read, not stored or kept yet
 
@@ -302,7 +298,7 @@ class Prefetcher:
             if len(groups.get(hint.ino, ())) >= MAX_RANGES_PER_READ:
                 break
             self.pending.popleft()
-            if hint.length is None and self._passed.get(hint.ino, 0.0) > hint.at:
+            if self.landing.late(hint):
                 self.counters.late += 1  # the reader was there first: fetch what comes next
             elif self.resident.skip(hint):
                 self.counters.resident += 1
@@ -319,31 +315,6 @@ class Prefetcher:
             if e.offset <= offset and end <= e.end:
                 return True
         return False
-
-    async def _open_ahead(self, inos: list[int]) -> dict[int, tuple[Version, Layout | None]]:
-        """The version and layout of files about to be read: read-only handles
-        taken in one call and left in the client's open cache, where the
-        reader's own open (and on cache=immutable the first READ that the
-        fetched bytes do not answer) finds them (`OpenCache.open_ahead`).
-        Without that cache: an open and a release each."""
-        cache = self.fs.open_cache
-        if cache.enabled:
-            held = await cache.open_ahead(inos)
-            return {ino: (version_of(e.attr), e.layout) for ino, e in held.items()}
-        out = {}
-        for ino in inos:
-            try:
-                f, attr = await self.fs.open(ino, os.O_RDONLY)
-            except FsError as exc:
-                if exc.code != errno.ENOENT:
-                    raise
-                continue  # gone
-            try:
-                out[ino] = (version_of(attr), f.layout)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await self.fs.release(f.fh)
-        return out
 
     def _batch(
         self, groups: list[tuple[int, list[Hint]]], known: dict[int, tuple[Version, Layout | None]]
@@ -379,6 +350,10 @@ class Prefetcher:
 
     async def _fetch(self, groups: list[tuple[int, list[Hint]]]) -> None:
         start = self._generation
+
+        def changed(ino: int) -> bool:  # since this read began
+            return self._changed.get(ino, -1) > start
+
         self._in_flight += 1
         reserved = 0
         fetched: list[tuple[int, list[Hint], Version, Chunks]] = []
@@ -389,7 +364,7 @@ class Prefetcher:
             # every file opened (one call for those not held yet): a file
             # removed since its listing is left out, and none is freed while
             # it is read
-            known = await self._open_ahead([ino for ino, _ in groups])
+            known = await open_ahead(self.fs, [ino for ino, _ in groups])
             files = self._batch(groups, known)
             waiting = self.landing.end(waiting, keep={ino for ino, *_ in files})
             extents = [
@@ -415,39 +390,24 @@ class Prefetcher:
                     chunks.append((off, view[pos : pos + end - off]))
                     pos += end - off
                 fetched.append((ino, hints, version, chunks))
-                if self._changed.get(ino, -1) <= start:
+                if not changed(ino):
                     self.landing.arrived(version, ino, chunks)
             waiting = self.landing.end(waiting)  # READs waiting for them go on
-
-            def changed(ino: int) -> bool:
-                return self._changed.get(ino, -1) > start
 
             stored = await self.store(
                 [(ino, version, chunks) for ino, _, version, chunks in fetched],
                 changed,
                 lambda ino: changed(ino) or ino in self.landing.served,  # (its reader has them)
             )
-            now = trio.current_time()
             for ino, hints, version, chunks in fetched:
                 if ino in stored:  # in the kernel's page cache now
                     self.counters.stored += len(hints)
                     self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
                     continue
-                if ino in self.landing.served:  # its reader had them as they arrived
-                    self.counters.fetched += len(hints)
-                    self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
-                    continue
-                if self._changed.get(ino, -1) > start or self._reset_at > start:
-                    continue  # changed (or reset) while we read: the bytes may be stale
-                if ino in self.entries and self.entries[ino][0].version != version:
-                    self._drop(ino)  # held bytes of an older version
-                held = self.entries.setdefault(ino, [])
-                for off, chunk in chunks:  # (a copy: the batch's buffer is not kept)
-                    held.append(Entry(version, off, bytearray(chunk), hints[0].name, now))
-                    reserved -= len(chunk)  # now held by the entry
-                self.entries.move_to_end(ino)
-                if hints[0].name is not None:
-                    self.names[hints[0].name] = ino
+                if ino not in self.landing.served:  # (else its reader had them as they came)
+                    if changed(ino) or self._reset_at > start:
+                        continue  # changed (or reset) while we read: the bytes may be stale
+                    reserved -= self._keep(ino, hints, version, chunks)
                 self.counters.fetched += len(hints)
                 self.counters.fetched_bytes += sum(len(c) for _, c in chunks)
         finally:
@@ -459,6 +419,20 @@ class Prefetcher:
                 self._changed.clear()
             if reserved:
                 self._freed()
+
+    def _keep(self, ino: int, hints: list[Hint], version: Version, chunks: Chunks) -> int:
+        """Hold *ino*'s fetched *chunks* here (a copy: the batch's buffer is
+        not kept); the bytes now held."""
+        if ino in self.entries and self.entries[ino][0].version != version:
+            self._drop(ino)  # held bytes of an older version
+        held = self.entries.setdefault(ino, [])
+        now = trio.current_time()
+        for off, chunk in chunks:
+            held.append(Entry(version, off, bytearray(chunk), hints[0].name, now))
+        self.entries.move_to_end(ino)
+        if hints[0].name is not None:
+            self.names[hints[0].name] = ino
+        return sum(len(c) for _, c in chunks)
 
     def _expire(self) -> bool:
         """Drop files whose bytes were fetched ENTRY_TTL ago (the oldest
@@ -548,6 +522,14 @@ class Prefetcher:
         held = self.entries.get(ino)
         return held[0].version if held else self.landing.version(ino)
 
+    async def read_or_wait(self, ino: int, offset: int, size: int) -> memoryview | None:
+        """`read`, and if *ino* is being read ahead right now, `read` once
+        its bytes came."""
+        got = self.read(ino, offset, size)
+        if got is None and await self.fetched(ino):
+            got = self.read(ino, offset, size)
+        return got
+
     async def fetched(self, ino: int) -> bool:
         """If *ino* is being read ahead right now: wait for its bytes (a
         while at most), rather than reading them a second time; whether
@@ -590,11 +572,8 @@ class Prefetcher:
     def passed(self, ino: int) -> None:
         """A READ of *ino* that the cache did not answer (also called from
         the FUSE thread of fuse/fast_reads.py)."""
-        if self.pending:
-            self._passed.pop(ino, None)
-            self._passed[ino] = time.monotonic()
-            if len(self._passed) > MAX_PENDING:
-                self._passed.popitem(last=False)
+        if self.pending:  # (a hint queued before it is late)
+            self.landing.passed(ino)
 
     def released(self, ino: int) -> None:
         """A handle was closed: the ranges it read from have served their

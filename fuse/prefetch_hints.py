@@ -1,5 +1,6 @@
 """Prefetch hints: what a ``setxattr`` value says (`parse_hint`) and the
-inodes its paths name (`HintResolver`), for fuse/prefetch.py, which queues,
+inodes its paths name (`HintResolver`), and the versions and layouts of the
+files one read takes (`open_ahead`), for fuse/prefetch.py, which queues,
 fetches and serves them (the interface is described there and in
 docs/training-data.md, "Prefetch through the mount").
 
@@ -207,4 +208,30 @@ def merged_ranges(hints: list[Hint], size: int) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], max(out[-1][1], end))
         else:
             out.append((start, end))
+    return out
+
+
+async def open_ahead(fs: FileSystem, inos: list[int]) -> dict[int, tuple[Version, Layout | None]]:
+    """The version and layout of files about to be read: read-only handles
+    taken in one call and left in the client's open cache, where the
+    reader's own open (and on cache=immutable the first READ that the
+    fetched bytes do not answer) finds them (`OpenCache.open_ahead`).
+    Without that cache: an open and a release each."""
+    cache = fs.open_cache
+    if cache.enabled:
+        held = await cache.open_ahead(inos)
+        return {ino: (version_of(e.attr), e.layout) for ino, e in held.items()}
+    out = {}
+    for ino in inos:
+        try:
+            f, attr = await fs.open(ino, os.O_RDONLY)
+        except FsError as exc:
+            if exc.code != errno.ENOENT:
+                raise
+            continue  # gone
+        try:
+            out[ino] = (version_of(attr), f.layout)
+        finally:
+            with trio.CancelScope(shield=True):
+                await fs.release(f.fh)
     return out

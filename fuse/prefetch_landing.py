@@ -1,5 +1,6 @@
-"""Bytes of a prefetch read, from the moment they arrive until they are
-stored or kept (fuse/prefetch.py, fuse/page_store.py).
+"""Readers that catch up with the prefetcher (fuse/prefetch.py): bytes of a
+prefetch read from the moment its files are taken until they are stored or
+kept (fuse/page_store.py), and files a reader got to first.
 
 A reader that catches up with the prefetcher asks for a file whose bytes
 are being read for it right now. Its READ used to read them a second time
@@ -11,15 +12,22 @@ cache.
 
 The wait ends when the bytes arrive, before they are stored: the store
 fills pages that the waiting READ holds locked, and waits for its answer.
+
+A reader that got to a file before its hint was taken at all is past it: the
+whole-file hint is `late`, dropped rather than fetched.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+
 import trio
 
-from shufflefs.fuse.prefetch_hints import Version
+from shufflefs.fuse.prefetch_hints import Hint, Version
 
 LANDING_WAIT = 5.0  # s a READ waits for a prefetch read of its file before reading itself
+MAX_PASSED = 65536  # files remembered as read before their hint's turn
 
 Chunks = list[tuple[int, memoryview]]  # (file offset, bytes)
 
@@ -29,6 +37,9 @@ class Landing:
         self.fetching: dict[int, trio.Event] = {}  # inode -> set when its bytes arrived
         self.landed: dict[int, tuple[Version, Chunks]] = {}
         self.served: set[int] = set()  # landed files a READ was answered from
+        # inode -> time.monotonic() of the last READ of it that no prefetched
+        # bytes answered while hints were queued (`late`)
+        self.passed_at: OrderedDict[int, float] = OrderedDict()
 
     def begin(self, inos: list[int]) -> dict[int, trio.Event]:
         """A prefetch read of *inos* starts; the events it sets (not those
@@ -85,6 +96,18 @@ class Landing:
                 self.served.add(ino)  # (the kernel has what its reader asked for)
                 return data[offset - start : end - start]
         return None
+
+    def passed(self, ino: int) -> None:
+        """A READ of *ino* that no prefetched bytes answered (also called
+        from the FUSE thread of fuse/fast_reads.py)."""
+        self.passed_at.pop(ino, None)
+        self.passed_at[ino] = time.monotonic()
+        if len(self.passed_at) > MAX_PASSED:
+            self.passed_at.popitem(last=False)
+
+    def late(self, hint: Hint) -> bool:
+        """Was *hint*'s whole file read after the hint was queued?"""
+        return hint.length is None and self.passed_at.get(hint.ino, 0.0) > hint.at
 
     async def wait(self, ino: int) -> bool:
         """Wait (a while at most) for a prefetch read of *ino* under way;

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -79,14 +79,22 @@ def taken(s: dict[str, Any]) -> int:
     return int(s["fetched"] + s["stored"])
 
 
-def wait_fetched(root: Path, count: int, timeout: float = 30.0) -> dict[str, Any]:
+def wait_status(
+    root: Path, done: Callable[[dict[str, Any]], bool], what: str, timeout: float = 30.0
+) -> dict[str, Any]:
+    """The mount's prefetch state once *done* holds of it (polled: the
+    state has no change notification), failing after *timeout* seconds."""
     deadline = time.monotonic() + timeout
-    while True:
-        s = status(root)
-        if taken(s) >= count and s["pending"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"not fetched in time: {s}"
-        time.sleep(0.05)
+    while not done(s := status(root)):
+        assert time.monotonic() < deadline, f"{what}, not in {timeout} s: {s}"
+        time.sleep(0.02)
+    return s
+
+
+def wait_fetched(root: Path, count: int, timeout: float = 30.0) -> dict[str, Any]:
+    return wait_status(
+        root, lambda s: taken(s) >= count and s["pending"] == 0, f"{count} fetched", timeout
+    )
 
 
 def write_files(d: Path, n: int, tag: bytes = b"") -> list[bytes]:
@@ -254,11 +262,8 @@ def test_a_read_that_catches_up_with_the_prefetch_waits_for_its_bytes(
     with storage_stopped(mounted):
         hint(pmnt, [f"{mnt.name}/landing/f0"])
         reader = subprocess.Popen([sys.executable, "-c", READER, str(here)], stdout=subprocess.PIPE)
-        deadline = time.monotonic() + 10
-        while (s := status(pmnt))["waited"] == before["waited"]:
-            assert time.monotonic() < deadline, f"the READ did not wait: {s}"
-            assert reader.poll() is None
-            time.sleep(0.02)
+        wait_status(pmnt, lambda s: s["waited"] > before["waited"], "the READ waits", 10)
+        assert reader.poll() is None
     out, _ = reader.communicate(timeout=30)
     assert reader.returncode == 0 and out == data
     after = status(pmnt)
@@ -276,20 +281,18 @@ def test_a_hinted_file_read_before_its_turn_is_not_fetched(mnt: Path, pmnt: Path
     here = pmnt / mnt.name / "late"
     before = status(pmnt)
     hint(pmnt, [f"{mnt.name}/late/f{i}" for i in range(40)])
-    deadline = time.monotonic() + 20
-    while (s := status(pmnt))["held_bytes"] < BUDGET // 2 or s["pending"]:
-        assert time.monotonic() < deadline, s
-        time.sleep(0.02)
+    wait_status(pmnt, lambda s: s["held_bytes"] >= BUDGET // 2 and not s["pending"], "full", 20)
     # the budget is full: every fetcher waits for room with what it took
     hint(pmnt, [f"{mnt.name}/late/f{i}" for i in range(40, 120)] + [f"{mnt.name}/late/b"])
     assert status(pmnt)["pending"] >= 1
     assert (here / "b").read_bytes() == b"b" * 5000  # before its turn
     for i in range(120):  # read (the held ones dropped: room for the rest)
         (here / f"f{i}").read_bytes()
-    deadline = time.monotonic() + 30
-    while taken(s := status(pmnt)) - taken(before) + s["late"] - before["late"] < 121:
-        assert time.monotonic() < deadline, s
-        time.sleep(0.02)
+    s = wait_status(
+        pmnt,
+        lambda s: taken(s) - taken(before) + s["late"] - before["late"] >= 121,
+        "every hint taken or late",
+    )
     assert s["late"] > before["late"] and s["pending"] == 0, s
 
 
