@@ -8,6 +8,9 @@ in the mount, then measured through every way in there is:
 
     local          a directory on the local disk: the limit
     fuse           the mount (``--mount``, else the cluster's own mount)
+    fuse-writeback creates only: a ``shufflefs mount -o writeback`` (closes
+                   finish behind: fuse/writeback.py), timed until its closes
+                   are all done, into a copy of the set removed after
     fuse-ro        the same files through a ``shufflefs mount -o ro``
     fuse-immutable the same through a ``shufflefs mount -o cache=immutable``
     fuse-prefetch  the cache=immutable mount (``--prefetch-mount``), each reader
@@ -47,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,10 +60,11 @@ from shufflefs.client.bench_files_work import FileSet, WorkerPool, split
 from shufflefs.client.data.hinted_reads import prefetch_available
 from shufflefs.client.iobench import drop_caches, embedded_cluster
 from shufflefs.cluster.config import find_client_config
-from shufflefs.cluster.launcher import LocalCluster
+from shufflefs.cluster.launcher import LocalCluster, free_ports
 from shufflefs.cluster.preflight import parse_size
+from shufflefs.fuse.writeback import closes_behind
 
-PATHS = ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
+PATHS = ("local", "fuse", "fuse-writeback", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
 OPS = ("create", "stat", "scan", "read")
 READ_OPS = ("stat", "scan", "read")
 # the worker operation behind each (path, op); a missing pair is not measured
@@ -141,6 +146,7 @@ class Targets:
     roots: dict[str, str] = field(default_factory=dict)  # path -> its root (native: url, config)
     notes: list[str] = field(default_factory=list)
     config: str | None = None  # the shufflefs cluster behind the fuse row, if known
+    writeback_metrics: str = ""  # the fuse-writeback mount's Prometheus URL
 
 
 def ro_mount_supported() -> bool:
@@ -156,7 +162,7 @@ def ro_mount_supported() -> bool:
 
 
 @contextlib.contextmanager
-def ro_mount(config: str, mountpoint: Path, options: str = "ro") -> Iterator[Path]:
+def option_mount(config: str, mountpoint: Path, options: str = "ro") -> Iterator[Path]:
     """A ``shufflefs mount -o OPTIONS`` of *config*'s cluster, unmounted after."""
     mountpoint.mkdir(parents=True, exist_ok=True)
     try:  # (a stop while mounting unmounts too)
@@ -212,13 +218,22 @@ def targets(
     elif not ro_mount_supported():
         t.notes.append("fuse-ro: left out: `shufflefs mount -o ro` is not in this tree")
     else:
-        ro = stack.enter_context(ro_mount(t.config, workdir / "ro-mnt"))
+        ro = stack.enter_context(option_mount(t.config, workdir / "ro-mnt"))
         t.roots["fuse-ro"] = str(ro / subdir)
+    if t.config is None:
+        t.notes.append("fuse-writeback: left out: no --config for the cluster behind --mount")
+    elif "create" in s.ops:
+        [port] = free_ports("127.0.0.1", 1)
+        options = f"writeback,metrics=127.0.0.1:{port}"
+        wb = stack.enter_context(option_mount(t.config, workdir / "writeback-mnt", options))
+        t.roots["fuse-writeback"] = str(wb / f"{subdir}-writeback")
+        t.writeback_metrics = f"http://127.0.0.1:{port}/metrics"
+        stack.callback(shutil.rmtree, t.roots["fuse-writeback"], True)  # (before the unmount)
     if t.config is None:
         t.notes.append("fuse-immutable: left out: no --config for the cluster behind --mount")
     else:
         options = "cache=immutable"
-        immutable = stack.enter_context(ro_mount(t.config, workdir / "immutable-mnt", options))
+        immutable = stack.enter_context(option_mount(t.config, workdir / "immutable-mnt", options))
         t.roots["fuse-immutable"] = str(immutable / subdir)
     # prefetch along the shuffle is for training data: the dataset mode's
     # mount, unless told otherwise
@@ -238,6 +253,16 @@ def targets(
 # ---- the run ----------------------------------------------------------------------------------
 
 
+def writeback_settled(url: str, timeout: float = 600.0) -> None:
+    """Wait until the writeback mount with metrics at *url* has finished
+    every close it started."""
+    deadline = time.monotonic() + timeout
+    while closes_behind(url):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the writeback mount's closes not done after {timeout:g}s")
+        time.sleep(0.02)
+
+
 def with_ratios(rows: list[Row]) -> list[Row]:
     local = {(r.op, r.procs, r.cache): r.per_s for r in rows if r.path == "local"}
     for r in rows:
@@ -251,13 +276,19 @@ def create_rows(pool: WorkerPool, s: Settings, t: Targets, progress: bool) -> li
     rows: list[Row] = []
     names = [s.files.name(i) for i in range(s.files.files)]
     parts = split(names, len(s.proc_counts))
-    for path in ("local", "fuse"):
-        root = t.roots[path]
+    for path in ("local", "fuse", "fuse-writeback"):
+        root = t.roots.get(path)
+        if root is None:
+            continue
         for d in s.files.directories():
             os.makedirs(os.path.join(root, d), exist_ok=True)
         for procs, part in zip(s.proc_counts, parts, strict=True):
             tasks = [("create", root, chunk, s.files.size) for chunk in split(part, procs)]
+            started = time.monotonic()
             count, seconds = pool.run(tasks)
+            if path == "fuse-writeback":  # until the closes behind are done too
+                writeback_settled(t.writeback_metrics)
+                seconds = time.monotonic() - started
             rows.append(Row(path, procs, "warm", "create", count / seconds, count, seconds))
             report(rows[-1], progress)
     return rows

@@ -198,13 +198,17 @@ def mount_local(cluster: LocalCluster, mountpoint: Path, startup: Startup, timeo
     print(f"mounted at {mountpoint} (pid {pid})", file=out)
 
 
+MOUNT_STOP_SECONDS = 60.0  # a mount's SIGTERM, then SIGKILL
+
+
 def down(data_dir: str | Path, out: Any = sys.stdout) -> None:
     cluster = LocalCluster(data_dir)
     cluster.layout()  # a clear error if this is not a cluster
     mountpoint = cluster.recorded_mountpoint()
     if mountpoint is not None:
         unmount_reporting(mountpoint, out)
-        if procs.stop(cluster.mount_process(mountpoint)):
+        # (a mount's SIGTERM finishes what it owes the cluster: -o writeback's closes)
+        if procs.stop(cluster.mount_process(mountpoint), MOUNT_STOP_SECONDS):
             print("stopped mount", file=out)
         with contextlib.suppress(OSError):
             (cluster.run / "mountpoint").unlink()
@@ -212,7 +216,7 @@ def down(data_dir: str | Path, out: Any = sys.stdout) -> None:
         # `shufflefs mount --config <this cluster's>` elsewhere: left running,
         # it would answer ENOTCONN for good once the servers are gone
         unmount_reporting(other, out)
-        procs.stop_pid(pid)
+        procs.stop_pid(pid, MOUNT_STOP_SECONDS)
     for service in reversed(cluster.services()):
         if procs.stop(service):
             print(f"stopped {service.name}", file=out)

@@ -99,6 +99,17 @@ def fetch(url: str, timeout: float = SCRAPE_TIMEOUT) -> str:
     return body.decode("utf-8", "replace")
 
 
+def counter_samples(url: str, name: str, label: str) -> dict[str, float]:
+    """The samples of counter *name* at *url*, by the value of their *label*
+    (e.g. a mount's ``shufflefs_client_writeback_total`` by ``outcome``)."""
+    return {
+        sample.labels[label]: sample.value
+        for family in text_string_to_metric_families(fetch(url))
+        for sample in family.samples
+        if sample.name == name and label in sample.labels
+    }
+
+
 def scrape(url: str, timeout: float = SCRAPE_TIMEOUT) -> Totals | None:
     """The totals at *url*, None when it does not answer."""
     try:

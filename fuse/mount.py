@@ -32,6 +32,7 @@ from shufflefs.fuse.libfuse import KernelQueue, SpinCounts
 from shufflefs.fuse.mount_options import MountOptions, parse_options
 from shufflefs.fuse.ops import ShuffleOps
 from shufflefs.fuse.read_inode import READ_INODES
+from shufflefs.fuse.writeback import DRAIN_SECONDS
 from shufflefs.rpc.client import open_rpc_client
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.runtime import run_service, setup_logging
@@ -86,6 +87,7 @@ async def run_mount(
         answer_counts = FastAnswerCounts()
         spin_counts = SpinCounts()
         ops = ShuffleOps(fs, options)
+        writeback = [ops.writeback.counts.collect] if ops.writeback is not None else []
         await start_client_metrics(
             nursery,
             fs,
@@ -97,6 +99,7 @@ async def run_mount(
                 answer_counts.collect,
                 spin_counts.collect,
                 ops.dir_ahead.counts.collect,
+                *writeback,
             ],
         )
         await ops.start(nursery)
@@ -143,6 +146,8 @@ async def run_mount(
                     queue.close()
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", mountpoint)
+                if ops.writeback is not None:
+                    await ops.writeback.drain()  # every close done, as on the default mount
                 with trio.move_on_after(10):
                     await fs.close()
         nursery.cancel_scope.cancel()
@@ -195,5 +200,24 @@ def cli_umount(args: argparse.Namespace) -> int:
     if mounted_fstype(mountpoint) != FSTYPE:
         print(f"shufflefs umount: {mountpoint} is not a shufflefs mount", file=sys.stderr)
         return 1
+    serving = mount_processes(mountpoint)
     unmount(mountpoint)
+    for pid in serving:
+        # it finishes what it owes the cluster first (-o writeback: the
+        # closes still behind) and then exits
+        if not procs.wait_exit(pid, DRAIN_SECONDS + 10):
+            print(f"shufflefs umount: mount process {pid} has not exited", file=sys.stderr)
+            return 1
     return 0
+
+
+def mount_processes(mountpoint: Path) -> list[int]:
+    """The pids of the mount processes serving *mountpoint* (``mount
+    --foreground ... MOUNTPOINT``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            words = procs.argv(int(entry.name))
+            if words[-1:] == [str(mountpoint)] and "--foreground" in words and "mount" in words:
+                found.append(int(entry.name))
+    return found

@@ -57,6 +57,7 @@ FLAGS = (
     "no_fast_reads",
     "no_fast_answers",
     "no_cache_watch",
+    "writeback",
     "debug",
 )
 VALUED = (
@@ -90,6 +91,7 @@ class MountOptions:
     fast_reads: bool = True  # READs answered off the event loop (fuse/fast_reads.py)
     fast_answers: bool = True  # what the caches answer, in libfuse's callback (fast_answers.py)
     cache_watch: bool = True  # rw: cached opens kept fresh by the server (client/cache_watch.py)
+    writeback: bool = False  # closes of written files finish in the background (fuse/writeback.py)
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     spin: float = SPIN  # s the FUSE thread polls its empty queue before sleeping (libfuse.py)
     dir_ahead: int = DIR_AHEAD  # entries of a directory opened ahead on a lookup miss (0: off)
@@ -107,7 +109,13 @@ class MountOptions:
         """What the mount reports with its metadata session (`shufflefs status`)."""
         return {
             "mountpoint": mountpoint,
-            "mode": "immutable" if self.immutable else "ro" if self.read_only else "rw",
+            "mode": "immutable"
+            if self.immutable
+            else "ro"
+            if self.read_only
+            else "writeback"
+            if self.writeback
+            else "rw",
             "attr_timeout": self.attr_timeout,
             "entry_timeout": self.entry_timeout,
             "negative_timeout": self.negative_timeout,
@@ -140,6 +148,8 @@ def parse_options(items: list[str]) -> MountOptions:
     if cache == "immutable" and "rw" in given:
         raise FsError(errno.EINVAL, "mount option 'cache=immutable' needs a read-only mount")
     read_only = "ro" in given or cache == "immutable"
+    if read_only and "writeback" in given:
+        raise FsError(errno.EINVAL, "mount option 'writeback' needs a read-write mount")
     default = DATASET_TIMEOUT if read_only else RW_TIMEOUT
     options = MountOptions(
         read_only=read_only,
@@ -154,6 +164,7 @@ def parse_options(items: list[str]) -> MountOptions:
         fast_reads="no_fast_reads" not in given,
         fast_answers="no_fast_answers" not in given,
         cache_watch="no_cache_watch" not in given,
+        writeback="writeback" in given,
         debug="debug" in given,
     )
     if "max_tasks" in given:

@@ -54,6 +54,7 @@ from shufflefs.fuse.prefetch_hints import version_of
 from shufflefs.fuse.prefetch_xattr import hint_by_getxattr, hint_by_setxattr
 from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.fuse.watched_entries import WatchedEntries
+from shufflefs.fuse.writeback import WritebackCloses
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
 
@@ -97,9 +98,12 @@ class ShuffleOps(pyfuse3.Operations):
             fs, self.watched, self.options.dir_ahead, self.options.entry_timeout
         )
         self._nursery: trio.Nursery | None = None
+        self.writeback = WritebackCloses(fs) if self.options.writeback else None
 
     async def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+        if self.writeback is not None:
+            self.writeback.start(nursery)
         self.listings.start(nursery)
         await self.prefetch.start(nursery)
 
@@ -263,6 +267,8 @@ class ShuffleOps(pyfuse3.Operations):
             and (await self.fs.read_only.fresh_attr(inode))["nlink"] == 0
         ):
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
+        if self.writeback is not None:
+            await self.writeback.done_with(inode)  # (tar x, cp -p: times set after the close)
         new = await self.fs.setattr(
             inode,
             mode=stat.S_IMODE(attr.st_mode) if fields.update_mode else None,
@@ -399,8 +405,11 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     @stale_when_gone
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        if self.options.read_only and (flags & ACCESS_MODE != os.O_RDONLY or flags & os.O_TRUNC):
+        changes = flags & ACCESS_MODE != os.O_RDONLY or flags & os.O_TRUNC
+        if self.options.read_only and changes:
             raise FsError(errno.EROFS, "read-only mount (-o ro)")
+        if self.writeback is not None and changes:
+            await self.writeback.done_with(inode)
         if self.inode_reads is not None:
             # the kernel sends no OPEN (nor FLUSH or RELEASE) from now on
             # and keeps every file's pages: READs name their inode
@@ -503,6 +512,8 @@ class ShuffleOps(pyfuse3.Operations):
             # sending FLUSH for the rest of the mount (one round trip less
             # per close)
             raise pyfuse3.FUSEError(errno.ENOSYS)
+        if self.writeback is not None:
+            return  # the release does it, behind (fuse/writeback.py)
         await self.fs.flush(fh)
 
     @fuse_errors
@@ -529,6 +540,9 @@ class ShuffleOps(pyfuse3.Operations):
             self.read_through.pop(f.ino, None)
         if f is not None:
             self.prefetch.released(f.ino)
+            if f.writable and self.writeback is not None:
+                await self.writeback.close(fh, f.ino)
+                return
         await self.fs.release(fh)
 
     # ---- directories ------------------------------------------------------------------

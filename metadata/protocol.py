@@ -114,7 +114,7 @@ class MountInfo(TypedDict):
     so `shufflefs status` can list every mount (fuse/mount_options.py)."""
 
     mountpoint: str
-    mode: Literal["rw", "ro", "immutable"]
+    mode: Literal["rw", "writeback", "ro", "immutable"]  # writeback: rw, closes behind
     attr_timeout: float  # seconds, as handed to the kernel
     entry_timeout: float
     negative_timeout: float

@@ -648,6 +648,29 @@ def mnt(mounted: ProcessCluster, request: pytest.FixtureRequest) -> Iterator[Pat
     yield d
 
 
+@pytest.fixture(scope="session")
+def writeback_mount(
+    mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """A second mount of the session's cluster, ``-o writeback`` (closes of
+    written files finish behind: fuse/writeback.py)."""
+    mountpoint = tmp_path_factory.mktemp("writeback-mount")
+    shufflefs("mount", "--config", str(mounted.client_config), "-o", "writeback", str(mountpoint))
+    try:
+        yield mountpoint
+    finally:
+        shufflefs("umount", str(mountpoint))
+
+
+@pytest.fixture(params=["rw", "writeback"])
+def writable_mnt(request: pytest.FixtureRequest, mnt: Path) -> Path:
+    """The test's directory (`mnt`) through each mount mode that writes:
+    the default mount, and a ``-o writeback`` one."""
+    if request.param == "writeback":
+        return Path(request.getfixturevalue("writeback_mount")) / mnt.name
+    return mnt
+
+
 @pytest.fixture
 def native(mounted: ProcessCluster) -> Iterator[object]:
     from shufflefs.client import Client
@@ -694,3 +717,20 @@ def fault_cluster(tmp_path: Path) -> Iterator[ProcessCluster]:
             c.down()
         if hosts is not None:
             hosts.destroy()
+
+
+@contextmanager
+def storage_stopped(cluster: ProcessCluster, *also: str) -> Iterator[None]:
+    """Every storage daemon SIGSTOPped (briefly: well under mgmtd's heartbeat
+    timeout), so nothing that reaches storage completes; and the
+    services whose names start with one of *also*."""
+    kinds = ("storage", *also)
+    pids = [p for n in cluster.names() if n.startswith(kinds) and (p := cluster.pid(n))]
+    assert len(pids) > len(also)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)

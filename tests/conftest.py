@@ -18,16 +18,35 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusters import cluster, fault_cluster, mnt, mounted, native, process_cluster
+from clusters import (
+    cluster,
+    fault_cluster,
+    mnt,
+    mounted,
+    native,
+    process_cluster,
+    writable_mnt,
+    writeback_mount,
+)
 from opsworld import ops_cluster
 
-__all__ = ["cluster", "fault_cluster", "mnt", "mounted", "native", "ops_cluster", "process_cluster"]
+__all__ = [
+    "cluster",
+    "fault_cluster",
+    "mnt",
+    "mounted",
+    "native",
+    "ops_cluster",
+    "process_cluster",
+    "writable_mnt",
+    "writeback_mount",
+]
 
 TESTS = Path(__file__).parent
 E2E_FOLDERS = (TESTS / "e2e", TESTS / "faults")
 # Fixtures that start service processes or mount (directly or through another).
 PROCESS_FIXTURES = frozenset(
-    {"mounted", "mnt", "native", "process_cluster", "fault_cluster", "ops_cluster"}
+    {"mounted", "mnt", "writable_mnt", "native", "process_cluster", "fault_cluster", "ops_cluster"}
 )
 
 

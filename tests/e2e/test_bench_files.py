@@ -39,7 +39,7 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
             assert r["count"] == 24, r  # every file once (scan: every entry)
         if r["path"] == "local":
             assert r["ratio_to_local"] == 1.0
-    assert dict(created) == {"local": 24, "fuse": 24}
+    assert dict(created) == {"local": 24, "fuse": 24, "fuse-writeback": 24}
     reads = {(r["path"], r["procs"], r["cache"]) for r in rows if r["op"] == "read"}
     assert reads == {
         (p, n, c) for p in ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
@@ -73,13 +73,13 @@ def test_bench_files_stopped_by_sigterm_leaves_nothing(
     )  # fmt: skip
     try:
 
-        def writing() -> bool:  # its set: after its -o ro and cache=immutable mounts are up
+        def writing() -> bool:  # its set: after its ro, immutable and writeback mounts are up
             assert bench.poll() is None, bench.communicate()[1]
             return any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
 
         wait_until("the bench writing its set", writing, timeout=120)
         ours = bench_mounts(scratch)
-        assert len(ours) == 2
+        assert len(ours) == 3  # -o ro, cache=immutable, writeback
         bench.send_signal(signal.SIGTERM)
         _, err = bench.communicate(timeout=120)
         assert bench.returncode == 128 + signal.SIGTERM, err

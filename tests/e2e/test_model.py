@@ -283,12 +283,12 @@ class MountVersusLocal(RuleBasedStateMachine):
         assert mount == local
 
 
-def test_mount_behaves_like_local_fs(mnt: Path, tmp_path: Path) -> None:
+def test_mount_behaves_like_local_fs(writable_mnt: Path, tmp_path: Path) -> None:
     local = tmp_path / "local"
     local.mkdir()
 
     class Machine(MountVersusLocal):
-        bases = (local, mnt)
+        bases = (local, writable_mnt)
         counter = itertools.count()
 
     run_state_machine_as_test(

@@ -35,10 +35,11 @@ OLD_NS = 1_000_000_000  # a directory mtime far in the past, to see it move
 
 
 @pytest.fixture
-def dirs(mnt: Path, tmp_path: Path) -> tuple[Path, Path]:
+def dirs(writable_mnt: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A local directory, and the test's through each mount mode that writes."""
     local = tmp_path / "local"
     local.mkdir()
-    return local, mnt
+    return local, writable_mnt
 
 
 def compare(dirs: tuple[Path, Path], scenario: Callable[[Path, Trace], None]) -> dict[str, Any]:

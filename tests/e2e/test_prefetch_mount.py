@@ -25,7 +25,6 @@ import errno
 import json
 import mmap
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clusters import ProcessCluster
+from clusters import ProcessCluster, storage_stopped
 from harness import shufflefs
 
 # they drop the kernel's caches, or count what those spare: one at a time on the machine
@@ -104,23 +103,6 @@ def write_files(d: Path, n: int, tag: bytes = b"") -> list[bytes]:
         (d / f"f{i}").write_bytes(data)
         out.append(data)
     return out
-
-
-@contextmanager
-def storage_stopped(cluster: ProcessCluster, *also: str) -> Iterator[None]:
-    """Every storage daemon SIGSTOPped (briefly: well under mgmtd's heartbeat
-    timeout), so a read that reaches storage cannot complete; and the
-    services whose names start with one of *also*."""
-    kinds = ("storage", *also)
-    pids = [p for n in cluster.names() if n.startswith(kinds) and (p := cluster.pid(n))]
-    assert len(pids) > len(also)
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
 
 
 def process_state(pid: int | None) -> str:

@@ -37,6 +37,13 @@ def test_ro_is_the_dataset_mode_with_long_timeouts(given: list[str]) -> None:
     assert o.info("/m")["mode"] == ("immutable" if o.immutable else "ro")
 
 
+def test_writeback_is_the_read_write_mode_whose_closes_finish_behind() -> None:
+    o = parse_options(["writeback"])
+    assert o.writeback and not o.read_only and o.fuse_options() == set()
+    assert o.info("/m")["mode"] == "writeback"
+    assert not parse_options([]).writeback and parse_options([]).info("/m")["mode"] == "rw"
+
+
 def test_timeouts_are_options_in_either_mode() -> None:
     o = parse_options(["attr_timeout=2.5,entry_timeout=0", "negative_timeout=7"])
     assert (o.attr_timeout, o.entry_timeout, o.negative_timeout) == (2.5, 0.0, 7.0)
@@ -91,6 +98,9 @@ def test_info_is_what_the_session_reports() -> None:
         ("dir_ahead", "dir_ahead=ENTRIES"),
         ("cache=loose", "cache=loose"),
         ("cache=immutable,rw", "needs a read-only mount"),
+        ("ro,writeback", "'writeback' needs a read-write mount"),
+        ("cache=immutable,writeback", "'writeback' needs a read-write mount"),
+        ("writeback=1", "takes no value"),
         ("ro,rw", "contradict"),
         ("noatime", "unknown mount option 'noatime'"),
     ],

@@ -1,0 +1,208 @@
+"""``-o writeback`` (fuse/writeback.py): a close of a written file returns
+before its bytes are on the storage daemons, and the mount finishes the
+close behind it.
+
+Checked with real mounts of the shared cluster: closes return while every
+storage daemon is stopped (SIGSTOP), and an fsync waits for them; the mount
+reads and stats what it just closed; another mount reads every file whole
+once the mount's closes are done; an unmount (`shufflefs umount`) waits for
+the mount process, which finishes the closes still owed first, also when
+the storage daemons were stopped as it began; `shufflefs status` shows the
+mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clusters import ProcessCluster, storage_stopped, wait_until
+from harness import read_whole as read
+from harness import shufflefs
+
+from shufflefs.cluster import procs
+from shufflefs.cluster.metrics_scrape import counter_samples
+from shufflefs.fuse.mount import mount_processes
+from shufflefs.fuse.writeback import closes_behind
+
+SIZE = 110 * 1024
+STOPPED_MAX = 2.0  # s the storage daemons stay stopped: well under the heartbeat timeout
+
+
+def mount_writeback(cluster: ProcessCluster, mountpoint: Path) -> None:
+    shufflefs("mount", "--config", str(cluster.client_config), "-o", "writeback", str(mountpoint))
+
+
+@pytest.fixture(scope="module")
+def wmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    mountpoint = tmp_path_factory.mktemp("writeback-mount")
+    mount_writeback(mounted, mountpoint)
+    try:
+        yield mountpoint
+    finally:
+        shufflefs("umount", str(mountpoint))
+
+
+def metrics_url(cluster: ProcessCluster, mountpoint: Path) -> str:
+    status = json.loads(
+        shufflefs("status", "--json", "--config", str(cluster.client_config)).stdout
+    )
+    [pid] = mount_processes(mountpoint)
+    urls = [c["metrics"] for c in status["clients"] if f":{pid}:" in c["name"]]
+    assert len(urls) == 1 and urls[0], status["clients"]
+    return str(urls[0])
+
+
+def closes(url: str) -> dict[str, int]:
+    """The mount's writeback counters: started, done, failed."""
+    samples = counter_samples(url, "shufflefs_client_writeback_total", "outcome")
+    return {k: int(v) for k, v in samples.items()}
+
+
+def settled(url: str) -> dict[str, int]:
+    """The counters once every close started is done (or failed)."""
+    wait_until("closes done", lambda: closes_behind(url) == 0)
+    return closes(url)
+
+
+WRITER = """
+import sys
+for i, p in enumerate(sys.argv[1:]):
+    with open(p, "wb") as f:
+        f.write(bytes([i % 251]) * SIZE)
+""".replace("SIZE", str(SIZE))
+
+
+def content(i: int) -> bytes:
+    return bytes([i % 251]) * SIZE
+
+
+def test_status_shows_the_mode(mounted: ProcessCluster, wmnt: Path) -> None:
+    out = shufflefs("status", "--json", "--config", str(mounted.client_config)).stdout
+    listed = {m["mountpoint"]: m for m in json.loads(out)["mounts"]}
+    assert listed[str(wmnt)]["mode"] == "writeback"
+
+
+def test_closes_return_while_storage_is_stopped_and_fsync_waits(
+    mounted: ProcessCluster, wmnt: Path, mnt: Path
+) -> None:
+    here = wmnt / mnt.name
+    url = metrics_url(mounted, wmnt)
+    before = settled(url)
+    paths = [str(here / f"f{i}") for i in range(5)]
+    synced = here / "synced"
+    fsync_done = threading.Event()
+
+    def write_and_fsync() -> None:
+        with open(synced, "wb") as f:
+            f.write(b"s" * SIZE)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_done.set()
+
+    with storage_stopped(mounted):
+        t0 = time.monotonic()
+        # every open, write and close returns with no storage daemon running
+        subprocess.run([sys.executable, "-c", WRITER, *paths], check=True, timeout=STOPPED_MAX)
+        now = closes(url)
+        assert now["started"] - before["started"] == 5 and now["done"] == before["done"]
+        syncer = threading.Thread(target=write_and_fsync)
+        syncer.start()
+        time.sleep(max(0.0, min(0.5, STOPPED_MAX - (time.monotonic() - t0))))
+        assert not fsync_done.is_set()  # an fsync waits for storage, as on every mount
+    syncer.join(60)
+    assert fsync_done.is_set()
+    after = settled(url)
+    assert after["failed"] == before["failed"]
+    there = mnt  # the same directory through the session's default mount
+    for i in range(5):
+        assert read(there / f"f{i}") == content(i)
+    assert read(there / "synced") == b"s" * SIZE
+
+
+def test_the_mount_reads_what_it_just_closed_and_others_read_it_once_done(
+    mounted: ProcessCluster, wmnt: Path, mnt: Path
+) -> None:
+    here = wmnt / mnt.name
+    for i in range(30):
+        p = here / f"g{i}"
+        with open(p, "wb") as f:
+            f.write(content(i)[: SIZE - i])
+        assert p.stat().st_size == SIZE - i
+        assert read(p) == content(i)[: SIZE - i]
+    settled(metrics_url(mounted, wmnt))
+    for i in range(30):
+        assert read(mnt / f"g{i}") == content(i)[: SIZE - i]
+
+
+def test_unmount_waits_for_the_closes_still_owed(
+    mounted: ProcessCluster, mnt: Path, tmp_path: Path
+) -> None:
+    mountpoint = tmp_path / "wb"
+    mountpoint.mkdir()
+    mount_writeback(mounted, mountpoint)
+    [pid] = mount_processes(mountpoint)
+    paths = [str(mountpoint / mnt.name / f"h{i}") for i in range(20)]
+    unmounted = threading.Event()
+
+    def umount() -> None:
+        shufflefs("umount", str(mountpoint))
+        unmounted.set()
+
+    with storage_stopped(mounted):
+        subprocess.run([sys.executable, "-c", WRITER, *paths], check=True, timeout=STOPPED_MAX)
+        unmounting = threading.Thread(target=umount)
+        unmounting.start()
+        time.sleep(0.5)
+        # the kernel let go of the mount, and the process still owes the closes
+        assert not unmounted.is_set() and procs.alive(pid)
+    unmounting.join(60)
+    assert unmounted.is_set() and not procs.alive(pid)
+    for i in range(20):
+        assert read(mnt / f"h{i}") == content(i)
+
+
+def test_a_truncating_reopen_comes_after_the_close_still_behind(
+    mounted: ProcessCluster, wmnt: Path, mnt: Path
+) -> None:
+    p = wmnt / mnt.name / "f"
+    rewritten = threading.Event()
+
+    def rewrite() -> None:
+        with open(p, "wb") as f:  # O_TRUNC
+            f.write(b"new")
+        rewritten.set()
+
+    with storage_stopped(mounted):
+        subprocess.run([sys.executable, "-c", WRITER, str(p)], check=True, timeout=STOPPED_MAX)
+        rewriting = threading.Thread(target=rewrite)
+        rewriting.start()
+        time.sleep(0.3)
+        assert not rewritten.is_set()  # it waits for the first close
+    rewriting.join(60)
+    assert rewritten.is_set()
+    settled(metrics_url(mounted, wmnt))
+    assert read(mnt / "f") == b"new" and read(p) == b"new"
+
+
+def test_times_set_after_the_close_are_kept(mounted: ProcessCluster, wmnt: Path, mnt: Path) -> None:
+    """tar x and cp -p set a file's times after closing it: the close still
+    behind must not overwrite them with the time of its writes."""
+    p = wmnt / mnt.name / "f"
+    stamp = 1_500_000_000
+    with storage_stopped(mounted):
+        subprocess.run([sys.executable, "-c", WRITER, str(p)], check=True, timeout=STOPPED_MAX)
+        setting = threading.Thread(target=os.utime, args=(p, (stamp, stamp)))
+        setting.start()
+        time.sleep(0.3)
+    setting.join(60)
+    settled(metrics_url(mounted, wmnt))
+    assert int((mnt / "f").stat().st_mtime) == stamp == int(p.stat().st_mtime)
+    assert read(mnt / "f") == content(0)
