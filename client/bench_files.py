@@ -64,7 +64,8 @@ from shufflefs.cluster.launcher import LocalCluster, free_ports
 from shufflefs.cluster.preflight import parse_size
 from shufflefs.fuse.writeback import closes_behind
 
-PATHS = ("local", "fuse", "fuse-writeback", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
+PATHS = ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
+CREATE_PATHS = ("local", "fuse", "fuse-writeback")  # (the rest read what these wrote)
 OPS = ("create", "stat", "scan", "read")
 READ_OPS = ("stat", "scan", "read")
 # the worker operation behind each (path, op); a missing pair is not measured
@@ -276,7 +277,7 @@ def create_rows(pool: WorkerPool, s: Settings, t: Targets, progress: bool) -> li
     rows: list[Row] = []
     names = [s.files.name(i) for i in range(s.files.files)]
     parts = split(names, len(s.proc_counts))
-    for path in ("local", "fuse", "fuse-writeback"):
+    for path in CREATE_PATHS:
         root = t.roots.get(path)
         if root is None:
             continue

@@ -662,6 +662,20 @@ def writeback_mount(
         shufflefs("umount", str(mountpoint))
 
 
+def mount_metrics_url(cluster: ProcessCluster, mountpoint: Path) -> str:
+    """The Prometheus URL of the mount process serving *mountpoint* (as
+    `shufflefs status --json` lists it: its client name holds its pid)."""
+    from shufflefs.fuse.mount import mount_processes
+
+    [pid] = mount_processes(mountpoint)
+    status = json.loads(
+        shufflefs("status", "--json", "--config", str(cluster.client_config)).stdout
+    )
+    urls = [c["metrics"] for c in status["clients"] if f":{pid}:" in c["name"]]
+    assert len(urls) == 1 and urls[0], status["clients"]
+    return str(urls[0])
+
+
 @pytest.fixture(params=["rw", "writeback"])
 def writable_mnt(request: pytest.FixtureRequest, mnt: Path) -> Path:
     """The test's directory (`mnt`) through each mount mode that writes:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster, storage_stopped, wait_until
+from clusters import ProcessCluster, mount_metrics_url, storage_stopped, wait_until
 from harness import read_whole as read
 from harness import shufflefs
 
@@ -48,16 +48,6 @@ def wmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> I
         yield mountpoint
     finally:
         shufflefs("umount", str(mountpoint))
-
-
-def metrics_url(cluster: ProcessCluster, mountpoint: Path) -> str:
-    status = json.loads(
-        shufflefs("status", "--json", "--config", str(cluster.client_config)).stdout
-    )
-    [pid] = mount_processes(mountpoint)
-    urls = [c["metrics"] for c in status["clients"] if f":{pid}:" in c["name"]]
-    assert len(urls) == 1 and urls[0], status["clients"]
-    return str(urls[0])
 
 
 def closes(url: str) -> dict[str, int]:
@@ -94,7 +84,7 @@ def test_closes_return_while_storage_is_stopped_and_fsync_waits(
     mounted: ProcessCluster, wmnt: Path, mnt: Path
 ) -> None:
     here = wmnt / mnt.name
-    url = metrics_url(mounted, wmnt)
+    url = mount_metrics_url(mounted, wmnt)
     before = settled(url)
     paths = [str(here / f"f{i}") for i in range(5)]
     synced = here / "synced"
@@ -137,7 +127,7 @@ def test_the_mount_reads_what_it_just_closed_and_others_read_it_once_done(
             f.write(content(i)[: SIZE - i])
         assert p.stat().st_size == SIZE - i
         assert read(p) == content(i)[: SIZE - i]
-    settled(metrics_url(mounted, wmnt))
+    settled(mount_metrics_url(mounted, wmnt))
     for i in range(30):
         assert read(mnt / f"g{i}") == content(i)[: SIZE - i]
 
@@ -188,7 +178,7 @@ def test_a_truncating_reopen_comes_after_the_close_still_behind(
         assert not rewritten.is_set()  # it waits for the first close
     rewriting.join(60)
     assert rewritten.is_set()
-    settled(metrics_url(mounted, wmnt))
+    settled(mount_metrics_url(mounted, wmnt))
     assert read(mnt / "f") == b"new" and read(p) == b"new"
 
 
@@ -203,6 +193,6 @@ def test_times_set_after_the_close_are_kept(mounted: ProcessCluster, wmnt: Path,
         setting.start()
         time.sleep(0.3)
     setting.join(60)
-    settled(metrics_url(mounted, wmnt))
+    settled(mount_metrics_url(mounted, wmnt))
     assert int((mnt / "f").stat().st_mtime) == stamp == int(p.stat().st_mtime)
     assert read(mnt / "f") == content(0)

@@ -22,11 +22,12 @@ from typing import Any
 
 import loadgen
 import pytest
-from clusters import ProcessCluster, assert_replicas_identical, wait_until
+from clusters import ProcessCluster, assert_replicas_identical, mount_metrics_url, wait_until
 from harness import flip, shufflefs
 from loadgen import content
 
 from shufflefs.cluster import procs
+from shufflefs.cluster.metrics_scrape import counter_samples
 from shufflefs.storage.protocol import chunk_id
 from shufflefs.storage.store import ChunkStore
 
@@ -161,6 +162,46 @@ def test_kill9_during_writes_then_resync(fault_cluster: ProcessCluster, tmp_path
     chunks = assert_replicas_identical(c)
     assert chunks > 0
     check_acked(acklog)
+
+
+def test_kill9_storage_under_writeback(fault_cluster: ProcessCluster, tmp_path: Path) -> None:
+    """A writer on a ``-o writeback`` mount (closes finish behind it) while a
+    storage node is killed: no close behind fails (the mount's counter), and
+    every file whose close returned, before or after the kill, is whole on
+    another mount once the mount's closes are done."""
+    from shufflefs.fuse.writeback import closes_behind
+
+    c = fault_cluster
+    wb = tmp_path / "wb"
+    wb.mkdir()
+    shufflefs("mount", "--config", str(c.client_config), "-o", "writeback", str(wb))
+    try:
+        url = mount_metrics_url(c, wb)
+        acklog = tmp_path / "acked.log"
+        writer = start_writer(wb / "w", LOAD_SECONDS, acklog)
+        under_way(acklog=acklog)
+        kill_time = time.time()
+        c.kill("storage3")
+        c.wait_for(
+            "storage3's target offline",
+            lambda s: any(t["state"] == "offline" for t in s["targets"]),
+        )
+        acks_after(acklog, max(time.time(), kill_time + 1))
+        loadgen.stop(writer)
+        finish(writer)
+        wait_until("the closes behind done", lambda: closes_behind(url) == 0)
+        failed = counter_samples(url, "shufflefs_client_writeback_total", "outcome")["failed"]
+        assert failed == 0
+        files = acked(acklog)
+        assert any(f[2] > kill_time + 1 for f in files), "no close returned after the failover"
+        for path, digest, _ in files:  # read through the cluster's own mount
+            theirs = c.mountpoint / Path(path).relative_to(wb)
+            assert hashlib.sha256(theirs.read_bytes()).hexdigest() == digest, path
+        print(f"WRITEBACK kill -9 of a storage daemon: {len(files)} files whole elsewhere")
+    finally:
+        shufflefs("umount", str(wb))
+    c.restart_missing()
+    c.all_serving()
 
 
 def test_kill9_every_storage_daemon_keeps_acknowledged_writes(
