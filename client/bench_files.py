@@ -66,6 +66,7 @@ from shufflefs.fuse.writeback import closes_behind
 
 PATHS = ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
 CREATE_PATHS = ("local", "fuse", "fuse-writeback")  # (the rest read what these wrote)
+ALL_PATHS = tuple(dict.fromkeys((*CREATE_PATHS, *PATHS)))  # in the order reported
 OPS = ("create", "stat", "scan", "read")
 READ_OPS = ("stat", "scan", "read")
 # the worker operation behind each (path, op); a missing pair is not measured
@@ -407,7 +408,7 @@ def cli_files(args: argparse.Namespace) -> int:
                 "loader_workers": s.loader_workers,
                 "seed": s.seed,
                 "mount": t.roots["fuse"],
-                "paths": sorted(t.roots, key=PATHS.index),
+                "paths": sorted(t.roots, key=ALL_PATHS.index),
             },
             "rows": [asdict(r) for r in rows],
             "loader": [asdict(r) for r in loader],
