@@ -214,7 +214,7 @@ class FileSystem:
             return {
                 **attr,
                 "size": max(attr["size"], st.size),
-                "mtime": st.mtime,
+                "mtime": attr["mtime"] if st.mtime_set else st.mtime,
                 "ctime": max(attr["ctime"], st.mtime),
             }
         st.size = attr["size"]
@@ -254,11 +254,19 @@ class FileSystem:
         mtime: int | None = None,
     ) -> Attr:
         st = self.inodes.get(ino)
-        await self.drain(ino)
-        if st is not None and st.dirty:
-            # report pending writes first, so their mtime cannot overwrite an
-            # explicit one later (cp -p sets times on the open file)
-            await self._report_length(ino, st)
+        if size is not None:
+            # the writes in flight land first, and their length, before the cut
+            await self.drain(ino)
+            if st is not None and st.dirty:
+                await self._report_length(ino, st)
+        elif st is not None and st.dirty and mtime is not None:
+            # an explicit mtime after writes not reported yet (cp -p sets
+            # times on the open file, tar x after its close): the reports to
+            # come leave it, and one already on its way lands first; the
+            # writes need not be waited for
+            st.mtime_set = True
+            while st.reporting:
+                await st.reported.wait()
         # every field is an absolute value, so applying it twice is harmless:
         # retried through any transient failure (a truncate whose reply was
         # late because a storage replica died meanwhile must not fail)
@@ -483,6 +491,7 @@ class FileSystem:
         st.size = max(st.size, offset + n)
         st.dirty = True
         st.mtime = time.time_ns()
+        st.mtime_set = False
         st.generation += 1
         return n
 
@@ -494,9 +503,17 @@ class FileSystem:
 
     async def _report_length(self, ino: int, st: InodeState) -> None:
         generation = st.generation
-        attr = await self.meta.call_idempotent(
-            "update_length", lambda m: m.update_length(ino, st.size, st.mtime)
-        )
+        mtime = None if st.mtime_set else st.mtime
+        st.reporting += 1
+        try:
+            attr = await self.meta.call_idempotent(
+                "update_length", lambda m: m.update_length(ino, st.size, mtime)
+            )
+        finally:
+            st.reporting -= 1
+            if not st.reporting:
+                st.reported.set()
+                st.reported = trio.Event()
         if st.generation == generation:
             st.dirty = False
             st.size = attr["size"]

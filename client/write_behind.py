@@ -49,6 +49,11 @@ class InodeState:
     opens: int = 0
     dirty: bool = False  # written since the length was last reported
     mtime: int = 0  # ns of the last local write
+    # an explicit mtime (utime: cp -p, tar x) came after the last local
+    # write: the length reports still to come leave the server's mtime
+    mtime_set: bool = False
+    reporting: int = 0  # length reports on their way
+    reported: trio.Event = field(default_factory=trio.Event)  # set when the last one is back
     generation: int = 0  # bumps with every local write
     # Writes acknowledged to the caller but still on their way to storage.
     pending_bytes: int = 0

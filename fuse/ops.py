@@ -267,8 +267,8 @@ class ShuffleOps(pyfuse3.Operations):
             and (await self.fs.read_only.fresh_attr(inode))["nlink"] == 0
         ):
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
-        if self.writeback is not None:
-            await self.writeback.done_with(inode)  # (tar x, cp -p: times set after the close)
+        if self.writeback is not None and fields.update_size:
+            await self.writeback.done_with(inode)  # the close behind lands before the cut
         new = await self.fs.setattr(
             inode,
             mode=stat.S_IMODE(attr.st_mode) if fields.update_mode else None,

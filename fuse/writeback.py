@@ -1,8 +1,8 @@
 """``-o writeback``: close(2) of a written file returns before its bytes are
 on the storage daemons (docs/operations.md, "Mount modes and caches").
 
-For ingestion by one process at a time (``cp -r``, ``tar x``, a Python loop
-writing samples), where each file's close would otherwise wait for its chain
+For ingestion by one process at a time (``cp -r``, a Python loop writing
+samples), where each file's close would otherwise wait for its chain
 write (every replica's flushes) and its length report before the next file
 starts. With the option, FLUSH answers at once and the RELEASE of a written
 handle is carried out here, in the background: the writes still in flight

@@ -640,11 +640,22 @@ def test_utime(dirs: tuple[Path, Path]) -> None:
         finally:
             os.close(fd)
         t.note("mtime after close", f.stat().st_mtime_ns > 4_000_000_000)
+        g = d / "g"
+        with open(g, "wb") as w:  # cp -p: times set on the open file after its writes
+            w.write(b"y" * 300_000)
+            os.utime(w.fileno(), ns=(5_000_000_000, 6_000_000_000))
+        t.val("cp -p times kept", lambda: (g.stat().st_mtime_ns, g.stat().st_size))
+        h = d / "h"
+        h.write_bytes(b"z" * 300_000)
+        os.utime(h, ns=(7_000_000_000, 8_000_000_000))  # tar x: after the close
+        t.val("tar x times kept", lambda: (h.stat().st_mtime_ns, h.stat().st_size))
 
     res = compare(dirs, scenario)
     assert res["times"] == (1_000_000_123, 2_000_000_456)
     assert res["mtime is now"] is True and res["atime is now"] is True
     assert res["write moves mtime"] is True
+    assert res["cp -p times kept"] == (6_000_000_000, 300_000)
+    assert res["tar x times kept"] == (8_000_000_000, 300_000)
 
 
 def test_directory_nlink_and_modes(dirs: tuple[Path, Path]) -> None:

@@ -5,7 +5,8 @@ close behind it.
 Checked with real mounts of the shared cluster: closes return while every
 storage daemon is stopped (SIGSTOP), and an fsync waits for them; the mount
 reads and stats what it just closed; another mount reads every file whole
-once the mount's closes are done; an unmount (`shufflefs umount`) waits for
+once the mount's closes are done; a truncating reopen waits for the close
+behind, times set after the writes do not and are kept; an unmount (`shufflefs umount`) waits for
 the mount process, which finishes the closes still owed first, also when
 the storage daemons were stopped as it began; `shufflefs status` shows the
 mode.
@@ -182,17 +183,30 @@ def test_a_truncating_reopen_comes_after_the_close_still_behind(
     assert read(mnt / "f") == b"new" and read(p) == b"new"
 
 
-def test_times_set_after_the_close_are_kept(mounted: ProcessCluster, wmnt: Path, mnt: Path) -> None:
-    """tar x and cp -p set a file's times after closing it: the close still
-    behind must not overwrite them with the time of its writes."""
+def test_times_set_after_the_writes_are_kept(
+    mounted: ProcessCluster, wmnt: Path, mnt: Path
+) -> None:
+    """tar x sets a file's times after its close, cp -p on the open file:
+    neither waits for the writes or the close behind, and the length report
+    that comes later does not overwrite them with the time of the writes."""
     p = wmnt / mnt.name / "f"
+    q = wmnt / mnt.name / "g"
     stamp = 1_500_000_000
     with storage_stopped(mounted):
         subprocess.run([sys.executable, "-c", WRITER, str(p)], check=True, timeout=STOPPED_MAX)
-        setting = threading.Thread(target=os.utime, args=(p, (stamp, stamp)))
+
+        def set_times() -> None:
+            os.utime(p, (stamp, stamp))  # tar x: after the close
+            with open(q, "wb") as f:  # cp -p: on the open file
+                f.write(content(1))
+                os.utime(f.fileno(), (stamp + 1, stamp + 1))
+
+        # with the closes behind, and their writes, not waited for
+        setting = threading.Thread(target=set_times)
         setting.start()
-        time.sleep(0.3)
-    setting.join(60)
+        setting.join(STOPPED_MAX / 2)
+        assert not setting.is_alive()
     settled(mount_metrics_url(mounted, wmnt))
     assert int((mnt / "f").stat().st_mtime) == stamp == int(p.stat().st_mtime)
-    assert read(mnt / "f") == content(0)
+    assert int((mnt / "g").stat().st_mtime) == stamp + 1 == int(q.stat().st_mtime)
+    assert read(mnt / "f") == content(0) and read(mnt / "g") == content(1)
