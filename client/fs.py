@@ -254,6 +254,7 @@ class FileSystem:
         mtime: int | None = None,
     ) -> Attr:
         st = self.inodes.get(ino)
+        marked = False
         if size is not None:
             # the writes in flight land first, and their length, before the cut
             await self.drain(ino)
@@ -264,18 +265,23 @@ class FileSystem:
             # times on the open file, tar x after its close): the reports to
             # come leave it, and one already on its way lands first; the
             # writes need not be waited for
-            st.mtime_set = True
+            st.mtime_set = marked = True
             while st.reporting:
                 await st.reported.wait()
         # every field is an absolute value, so applying it twice is harmless:
         # retried through any transient failure (a truncate whose reply was
         # late because a storage replica died meanwhile must not fail)
-        attr = await self.meta.call_idempotent(
-            "setattr",
-            lambda m: m.setattr(
-                ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime
-            ),
-        )
+        try:
+            attr = await self.meta.call_idempotent(
+                "setattr",
+                lambda m: m.setattr(
+                    ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime
+                ),
+            )
+        except FsError:
+            if marked and st is not None:
+                st.mtime_set = False  # refused (EPERM...): the writes' time is reported after all
+            raise
         if size is not None:
             self.storage.local.forget(ino)
         if st is not None and size is not None:

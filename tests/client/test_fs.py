@@ -146,3 +146,29 @@ async def test_write_failure_is_reported_at_flush(
     await fs.flush(f.fh)  # reported once; the length still reaches the metadata server
     assert (await fs.getattr(f.ino))["size"] == 100
     await fs.release(f.fh)
+
+
+async def test_an_explicit_mtime_after_writes_is_kept_and_a_refused_one_is_not(
+    fs: FileSystem, open_fs: OpenFs
+) -> None:
+    """cp -p sets times on the open file while its writes are still behind:
+    the mtime it set stands after the close's length report, with no wait
+    for the writes; a setattr the server refuses leaves the writes' time."""
+    other = await open_fs(ClientOptions(local_reads=False))
+    f = await create(fs, b"kept")
+    await fs.write(f.fh, 0, b"a" * 1000)
+    await fs.setattr(f.ino, mtime=5_000_000_000)  # explicit, writes unreported
+    assert (await fs.getattr(f.ino))["mtime"] == 5_000_000_000  # what this client shows
+    await fs.release(f.fh)  # reports the length, not the writes' time
+    attr = await other.lookup(ROOT_INODE, b"kept")
+    assert (attr["size"], attr["mtime"]) == (1000, 5_000_000_000)
+
+    g = await create(fs, b"refused")
+    before = (await fs.getattr(g.ino))["mtime"]
+    await fs.write(g.fh, 0, b"b" * 1000)
+    with pytest.raises(FsError):
+        await fs.setattr(g.ino, mtime=2**63)  # out of range: EINVAL
+    await fs.release(g.fh)
+    attr = await other.lookup(ROOT_INODE, b"refused")
+    assert attr["size"] == 1000 and attr["mtime"] > before  # the writes' time
+    assert attr["mtime"] != 2**63
