@@ -49,21 +49,19 @@ from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.listings import Listings
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.fuse.page_store import KernelPages
-from shufflefs.fuse.prefetch import PREFETCH_XATTR, Prefetcher
+from shufflefs.fuse.prefetch import Prefetcher
 from shufflefs.fuse.prefetch_hints import version_of
-from shufflefs.fuse.prefetch_xattr import hint_by_getxattr, hint_by_setxattr
 from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.fuse.watched_entries import WatchedEntries
 from shufflefs.fuse.writeback import WritebackCloses
+from shufflefs.fuse.xattr_ops import XattrOps
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse")
 
-CAPS_XATTR = b"security.capability"
 
-
-class ShuffleOps(pyfuse3.Operations):
+class ShuffleOps(XattrOps, pyfuse3.Operations):
     def __init__(self, fs: FileSystem, options: MountOptions | None = None) -> None:
         super().__init__()
         self.fs = fs
@@ -563,51 +561,3 @@ class ShuffleOps(pyfuse3.Operations):
     @fuse_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         return None
-
-    # ---- extended attributes -------------------------------------------------------
-
-    @fuse_errors
-    @stale_when_gone
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        # The kernel asks for security.capability before every write(2) (must
-        # the write drop file capabilities?), since a FUSE inode never gets
-        # S_NOSEC. Its absence is remembered for attr_timeout, as attributes
-        # are, so small writes do not each cost a metadata round trip.
-        if name.startswith(PREFETCH_XATTR):  # the prefetch hint interface
-            return await hint_by_getxattr(self, inode, name)
-        caps = name == CAPS_XATTR
-        if caps and self.no_caps.get(inode, 0.0) > trio.current_time():
-            raise FsError(errno.ENODATA, "no security.capability (cached)")
-        try:
-            return await self.fs.getxattr(inode, name)
-        except FsError as exc:
-            if caps and exc.code == errno.ENODATA:
-                self.no_caps[inode] = trio.current_time() + self.options.attr_timeout
-            raise
-
-    @fuse_errors
-    @stale_when_gone
-    @mutation
-    async def setxattr(
-        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
-    ) -> None:
-        # pyfuse3 checks XATTR_CREATE/XATTR_REPLACE itself (with getxattr)
-        # before calling us, so what is left is a plain set
-        if name == PREFETCH_XATTR:  # the prefetch hint interface
-            await hint_by_setxattr(self, inode, value)
-            return
-        self.no_caps.pop(inode, None)
-        await self.fs.setxattr(inode, name, value, 0)
-        self.no_caps.pop(inode, None)  # and any absence cached while we set it
-
-    @fuse_errors
-    @stale_when_gone
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return await self.fs.listxattr(inode)
-
-    @fuse_errors
-    @stale_when_gone
-    @mutation
-    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.fs.removexattr(inode, name)
-        self.no_caps.pop(inode, None)
