@@ -29,7 +29,7 @@ import posixpath
 import stat
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -50,6 +50,7 @@ from shufflefs.metadata.protocol import (
     Attr,
     FsStats,
     Layout,
+    MetaStub,
     MountInfo,
     OpenResult,
     ReaddirLayoutsPage,
@@ -237,7 +238,11 @@ class FileSystem:
         return await self.lookup(parent, name)
 
     async def getattr(self, ino: int) -> Attr:
-        return self.overlay(await self._server_getattr(ino))
+        st = self.inodes.get(ino)
+        if st is None or not st.dirty:
+            return self.overlay(await self._server_getattr(ino))
+        async with st.meta_lock:  # not answered from before a report that overtook it
+            return self.overlay(await self._server_getattr(ino))
 
     async def _server_getattr(self, ino: int) -> Attr:
         return await self.meta.call_read("getattr", lambda m: m.getattr(ino))
@@ -263,21 +268,22 @@ class FileSystem:
         elif st is not None and st.dirty and mtime is not None:
             # an explicit mtime after writes not reported yet (cp -p sets
             # times on the open file, tar x after its close): the reports to
-            # come leave it, and one already on its way lands first; the
-            # writes need not be waited for
+            # come leave it, and one already on its way lands first (the
+            # lock); the writes need not be waited for
             st.mtime_set = marked = True
-            while st.reporting:
-                await st.reported.wait()
+
+        def call(m: MetaStub) -> Awaitable[Attr]:
+            return m.setattr(ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime)
+
         # every field is an absolute value, so applying it twice is harmless:
         # retried through any transient failure (a truncate whose reply was
         # late because a storage replica died meanwhile must not fail)
         try:
-            attr = await self.meta.call_idempotent(
-                "setattr",
-                lambda m: m.setattr(
-                    ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime
-                ),
-            )
+            if st is None:
+                attr = await self.meta.call_idempotent("setattr", call)
+            else:
+                async with st.meta_lock:
+                    attr = await self.meta.call_idempotent("setattr", call)
         except FsError:
             if marked and st is not None:
                 st.mtime_set = False  # refused (EPERM...): the writes' time is reported after all
@@ -509,17 +515,11 @@ class FileSystem:
 
     async def _report_length(self, ino: int, st: InodeState) -> None:
         generation = st.generation
-        mtime = None if st.mtime_set else st.mtime
-        st.reporting += 1
-        try:
+        async with st.meta_lock:
+            mtime = None if st.mtime_set else st.mtime
             attr = await self.meta.call_idempotent(
                 "update_length", lambda m: m.update_length(ino, st.size, mtime)
             )
-        finally:
-            st.reporting -= 1
-            if not st.reporting:
-                st.reported.set()
-                st.reported = trio.Event()
         if st.generation == generation:
             st.dirty = False
             st.size = attr["size"]

@@ -52,8 +52,10 @@ class InodeState:
     # an explicit mtime (utime: cp -p, tar x) came after the last local
     # write: the length reports still to come leave the server's mtime
     mtime_set: bool = False
-    reporting: int = 0  # length reports on their way
-    reported: trio.Event = field(default_factory=trio.Event)  # set when the last one is back
+    # held by a length report or a setattr on its way: their replies come
+    # back in the order the server applied them (an older size never
+    # overwrites a newer one)
+    meta_lock: trio.Lock = field(default_factory=trio.Lock)
     generation: int = 0  # bumps with every local write
     # Writes acknowledged to the caller but still on their way to storage.
     pending_bytes: int = 0
