@@ -36,6 +36,7 @@ import trio
 
 from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.layout import Extent, plan
+from shufflefs.client.length_reports import report_length, setattr_in_order
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.open_cache import CachedOpen, OpenCache
 from shufflefs.client.paths import current_umask, normalize
@@ -259,35 +260,17 @@ class FileSystem:
         mtime: int | None = None,
     ) -> Attr:
         st = self.inodes.get(ino)
-        marked = False
         if size is not None:
             # the writes in flight land first, and their length, before the cut
             await self.drain(ino)
             if st is not None and st.dirty:
-                await self._report_length(ino, st)
-        elif st is not None and st.dirty and mtime is not None:
-            # an explicit mtime after writes not reported yet (cp -p sets
-            # times on the open file, tar x after its close): the reports to
-            # come leave it, and one already on its way lands first (the
-            # lock); the writes need not be waited for
-            st.mtime_set = marked = True
+                await report_length(self.meta, ino, st)
 
         def call(m: MetaStub) -> Awaitable[Attr]:
             return m.setattr(ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime)
 
-        # every field is an absolute value, so applying it twice is harmless:
-        # retried through any transient failure (a truncate whose reply was
-        # late because a storage replica died meanwhile must not fail)
-        try:
-            if st is None:
-                attr = await self.meta.call_idempotent("setattr", call)
-            else:
-                async with st.meta_lock:
-                    attr = await self.meta.call_idempotent("setattr", call)
-        except FsError:
-            if marked and st is not None:
-                st.mtime_set = False  # refused (EPERM...): the writes' time is reported after all
-            raise
+        sets_mtime = size is None and mtime is not None
+        attr = await setattr_in_order(self.meta, st, call, sets_mtime)
         if size is not None:
             self.storage.local.forget(ino)
         if st is not None and size is not None:
@@ -513,24 +496,13 @@ class FileSystem:
         if st is not None:
             await drain(st)
 
-    async def _report_length(self, ino: int, st: InodeState) -> None:
-        generation = st.generation
-        async with st.meta_lock:
-            mtime = None if st.mtime_set else st.mtime
-            attr = await self.meta.call_idempotent(
-                "update_length", lambda m: m.update_length(ino, st.size, mtime)
-            )
-        if st.generation == generation:
-            st.dirty = False
-            st.size = attr["size"]
-
     async def flush(self, fh: int) -> None:
         """close(2) on a descriptor: make our writes visible to other clients."""
         f = self.file(fh)
         await self.drain(f.ino)
         st = self.inodes.get(f.ino)
         if st is not None and st.dirty:
-            await self._report_length(f.ino, st)
+            await report_length(self.meta, f.ino, st)
 
     async def fsync(self, fh: int) -> None:
         # data is durable once a write is acknowledged; what remains is the length

@@ -64,6 +64,7 @@ class WritebackCounts:
     started: int = 0
     done: int = 0
     failed: int = 0  # logged with the inode: the writer was not told
+    waited: int = 0  # opens and truncates that waited for their file's close behind
 
     def collect(self) -> Iterable[Metric]:
         yield counts_family(
@@ -128,8 +129,10 @@ class WritebackCloses:
         """Wait until no close of *ino* is behind (an open that writes or
         truncates comes after the close, as on the default mount: else the
         earlier close's writes and length could land on the new content)."""
-        while ino in self.pending.values():
-            await self._changed.wait()
+        if ino in self.pending.values():
+            self.counts.waited += 1
+            while ino in self.pending.values():
+                await self._changed.wait()
 
     async def drain(self, seconds: float = DRAIN_SECONDS) -> bool:
         """Wait (at most *seconds*) until every close is done; whether they are."""

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from harness import shufflefs
 
 from shufflefs.cluster import procs
 from shufflefs.cluster.metrics_scrape import counter_samples
+from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.fuse.mount import mount_processes
 from shufflefs.fuse.writeback import closes_behind
 
@@ -63,6 +65,37 @@ def settled(url: str) -> dict[str, int]:
     return closes(url)
 
 
+class Call(threading.Thread):
+    """*fn* in a thread, with the time it returned (None: not yet)."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        super().__init__(target=self._run, args=(fn,))
+        self.returned: float | None = None
+        self.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        fn()
+        self.returned = time.monotonic()
+
+    def waiting_on_a_mount(self) -> bool:
+        """Blocked in the kernel, waiting for a FUSE answer."""
+        try:
+            wchan = Path(f"/proc/self/task/{self.native_id}/wchan").read_text()
+        except OSError:
+            return False
+        return wchan == "request_wait_answer"
+
+
+def resumed_after(call: Call, blocked: Callable[[], bool], stopped: Callable[[], object]) -> float:
+    """Once *call* is *blocked* (or returned), leave *stopped* (resume
+    storage); the time storage resumed."""
+    wait_until(
+        "the call to block", lambda: call.returned is not None or blocked(), timeout=STOPPED_MAX
+    )
+    stopped()
+    return time.monotonic()
+
+
 WRITER = """
 import sys
 for i, p in enumerate(sys.argv[1:]):
@@ -89,27 +122,27 @@ def test_closes_return_while_storage_is_stopped_and_fsync_waits(
     before = settled(url)
     paths = [str(here / f"f{i}") for i in range(5)]
     synced = here / "synced"
-    fsync_done = threading.Event()
+    syncing = threading.Event()
 
     def write_and_fsync() -> None:
         with open(synced, "wb") as f:
             f.write(b"s" * SIZE)
             f.flush()
+            syncing.set()
             os.fsync(f.fileno())
-        fsync_done.set()
 
-    with storage_stopped(mounted):
-        t0 = time.monotonic()
+    with ExitStack() as stopped:
+        stopped.enter_context(storage_stopped(mounted))
         # every open, write and close returns with no storage daemon running
         subprocess.run([sys.executable, "-c", WRITER, *paths], check=True, timeout=STOPPED_MAX)
         now = closes(url)
         assert now["started"] - before["started"] == 5 and now["done"] == before["done"]
-        syncer = threading.Thread(target=write_and_fsync)
-        syncer.start()
-        time.sleep(max(0.0, min(0.5, STOPPED_MAX - (time.monotonic() - t0))))
-        assert not fsync_done.is_set()  # an fsync waits for storage, as on every mount
+        syncer = Call(write_and_fsync)
+        in_fsync = lambda: syncing.is_set() and syncer.waiting_on_a_mount()  # noqa: E731
+        resumed = resumed_after(syncer, in_fsync, stopped.close)
     syncer.join(60)
-    assert fsync_done.is_set()
+    # an fsync waits for storage, as on every mount
+    assert syncer.returned is not None and syncer.returned > resumed
     after = settled(url)
     assert after["failed"] == before["failed"]
     there = mnt  # the same directory through the session's default mount
@@ -141,21 +174,20 @@ def test_unmount_waits_for_the_closes_still_owed(
     mount_writeback(mounted, mountpoint)
     [pid] = mount_processes(mountpoint)
     paths = [str(mountpoint / mnt.name / f"h{i}") for i in range(20)]
-    unmounted = threading.Event()
-
-    def umount() -> None:
-        shufflefs("umount", str(mountpoint))
-        unmounted.set()
-
     with storage_stopped(mounted):
         subprocess.run([sys.executable, "-c", WRITER, *paths], check=True, timeout=STOPPED_MAX)
-        unmounting = threading.Thread(target=umount)
-        unmounting.start()
-        time.sleep(0.5)
-        # the kernel let go of the mount, and the process still owes the closes
-        assert not unmounted.is_set() and procs.alive(pid)
+        unmounting = Call(lambda: shufflefs("umount", str(mountpoint)))
+        wait_until(
+            "the kernel to let go of the mount",
+            lambda: mounted_fstype(mountpoint) is None,
+            timeout=STOPPED_MAX,
+        )
+        # the process still owes the closes: it and the command wait
+        assert unmounting.returned is None and procs.alive(pid)
+        resumed = time.monotonic()
     unmounting.join(60)
-    assert unmounted.is_set() and not procs.alive(pid)
+    assert unmounting.returned is not None and unmounting.returned > resumed
+    assert not procs.alive(pid)
     for i in range(20):
         assert read(mnt / f"h{i}") == content(i)
 
@@ -164,22 +196,23 @@ def test_a_truncating_reopen_comes_after_the_close_still_behind(
     mounted: ProcessCluster, wmnt: Path, mnt: Path
 ) -> None:
     p = wmnt / mnt.name / "f"
-    rewritten = threading.Event()
+    url = mount_metrics_url(mounted, wmnt)
 
     def rewrite() -> None:
         with open(p, "wb") as f:  # O_TRUNC
             f.write(b"new")
-        rewritten.set()
 
-    with storage_stopped(mounted):
+    with ExitStack() as stopped:
+        stopped.enter_context(storage_stopped(mounted))
         subprocess.run([sys.executable, "-c", WRITER, str(p)], check=True, timeout=STOPPED_MAX)
-        rewriting = threading.Thread(target=rewrite)
-        rewriting.start()
-        time.sleep(0.3)
-        assert not rewritten.is_set()  # it waits for the first close
+        waited = closes(url)["waited"]
+        rewriting = Call(rewrite)
+        # the open waits for the first close (the mount counts it)
+        resumed = resumed_after(rewriting, lambda: closes(url)["waited"] > waited, stopped.close)
     rewriting.join(60)
-    assert rewritten.is_set()
-    settled(mount_metrics_url(mounted, wmnt))
+    # it waited for the first close, which needed storage
+    assert rewriting.returned is not None and rewriting.returned > resumed
+    settled(url)
     assert read(mnt / "f") == b"new" and read(p) == b"new"
 
 
