@@ -8,7 +8,9 @@ clients, and owns this client's open files:
   storage daemons without asking the metadata server again;
 * the attribute overlay: a file's length and mtime after local writes are
   reported to the metadata server on flush/fsync/close (close-to-open, as
-  in 3FS), and until then overlaid on the attributes this client hands out.
+  in 3FS), and until then overlaid on the attributes this client hands out;
+  a reply older than attributes already seen of an open file (by their
+  `change` counter) gives way to those (`InodeState.newest`).
 
 Its parts, one module each: the metadata session (client/session.py),
 write-behind (client/write_behind.py), and the storage side
@@ -212,6 +214,7 @@ class FileSystem:
         st = self.inodes.get(attr["ino"])
         if st is None:
             return attr
+        attr = st.newest(attr)
         if st.dirty:
             return {
                 **attr,

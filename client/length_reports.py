@@ -2,10 +2,14 @@
 reported (with the time of its writes) once its writes have landed, and in
 order with the file's setattrs, so that no reply older than a report hands
 the kernel a size from before it (`InodeState.meta_lock`; `FileSystem.getattr`
-takes it too). An explicit mtime set after writes not reported yet (``cp -p``
-on the open file, ``tar x`` after its close) is kept: the reports still to
-come leave the mtime (`InodeState.mtime_set`), and the setattr need not wait
-for the writes."""
+takes it too). Any other reply (a lookup, a listing) that was answered before
+a report but is handled after it gives way to the report's attributes
+(`InodeState.newest`, by the `change` counter).
+
+An explicit mtime set after writes not reported yet (``cp -p`` on the open
+file, ``tar x`` after its close) is kept: the reports still to come leave the
+mtime (`InodeState.mtime_set`), and the setattr need not wait for the
+writes."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ async def report_length(meta: MetaClient, ino: int, st: InodeState) -> None:
         attr = await meta.call_idempotent(
             "update_length", lambda m: m.update_length(ino, st.size, mtime)
         )
+    attr = st.newest(attr)
     if st.generation == generation:
         st.dirty = False
         st.size = attr["size"]

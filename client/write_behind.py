@@ -25,7 +25,7 @@ import trio
 
 from shufflefs.client.layout import Piece, plan
 from shufflefs.client.storage_client import StorageClient
-from shufflefs.metadata.protocol import Layout
+from shufflefs.metadata.protocol import Attr, Layout
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer
 
@@ -56,6 +56,11 @@ class InodeState:
     # back in the order the server applied them (an older size never
     # overwrites a newer one)
     meta_lock: trio.Lock = field(default_factory=trio.Lock)
+    # the newest attributes the metadata server sent of this file (by their
+    # `change` counter): a reply that comes in after a newer one was
+    # answered before it (trio runs the tasks of replies that arrive
+    # together in any order) and must not hand anyone an older size
+    attr: Attr | None = None
     generation: int = 0  # bumps with every local write
     # Writes acknowledged to the caller but still on their way to storage.
     pending_bytes: int = 0
@@ -65,6 +70,14 @@ class InodeState:
     # write that continues it joins it
     queued: dict[bytes, Queued] = field(default_factory=dict)
     error: FsError | None = None  # the first failure of a write: reported by the next call
+
+    def newest(self, attr: Attr) -> Attr:
+        """*attr* if it is at least as new as any attributes seen before
+        (and from now on the newest), else the newest seen."""
+        if self.attr is not None and attr["change"] < self.attr["change"]:
+            return self.attr
+        self.attr = attr
+        return attr
 
     @property
     def behind(self) -> bool:

@@ -172,3 +172,23 @@ async def test_an_explicit_mtime_after_writes_is_kept_and_a_refused_one_is_not(
     attr = await other.lookup(ROOT_INODE, b"refused")
     assert attr["size"] == 1000 and attr["mtime"] > before  # the writes' time
     assert attr["mtime"] != 2**63
+
+
+async def test_a_reply_answered_before_a_length_report_never_shrinks_the_file(
+    fs: FileSystem,
+) -> None:
+    """A lookup answered before the close's length report landed, whose reply
+    is handled after the report's (trio runs the tasks of replies that come
+    in together in any order): this client keeps the newer size (by the
+    attributes' change counter), for what it reports and for its reads."""
+    f = await create(fs, b"late")
+    stale = await fs.meta.call_read("lookup", lambda m: m.lookup(ROOT_INODE, b"late"))
+    assert stale["size"] == 0
+    await fs.write(f.fh, 0, b"c" * 1000)
+    await fs.flush(f.fh)  # the length report lands: size 1000
+    assert fs.overlay(stale)["size"] == 1000  # the late reply of the lookup
+    assert fs.known_size(f.ino) == 1000
+    assert bytes(await fs.read(f.fh, 0, 4096)) == b"c" * 1000
+    fresh = await fs.lookup(ROOT_INODE, b"late")
+    assert fresh["size"] == 1000 and fresh["change"] > stale["change"]
+    await fs.release(f.fh)
