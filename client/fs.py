@@ -38,7 +38,7 @@ import trio
 
 from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.layout import Extent, plan
-from shufflefs.client.length_reports import report_length, setattr_in_order
+from shufflefs.client.length_reports import Closes, report_length, setattr_in_order
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.open_cache import CachedOpen, OpenCache
 from shufflefs.client.paths import current_umask, normalize
@@ -142,6 +142,7 @@ class FileSystem:
         )
         # the metadata calls of read-only opens (batched) and of giving handles back
         self.read_only = calls = ReadOnlyCalls(self.meta, self.session)
+        self.closes = Closes(self.meta, self.session)
         self.open_cache = OpenCache(
             calls.fresh_attr,
             calls.open,
@@ -515,13 +516,21 @@ class FileSystem:
         f = self.files.get(fh)
         if f is None:
             return
+        closed = False
         try:
-            await self.flush(fh)
+            if f.cached is None and f.writable:
+                await self.drain(f.ino)
+                # the length report owed and the release in one call, with
+                # the closes that overlap it (`Closes`)
+                closed = True
+                await self.closes.close(f.ino, f.handle, self.inodes.get(f.ino))
+            else:
+                await self.flush(fh)
         finally:
             self._untrack(f)
             if f.cached is not None:
                 await self.open_cache.close(f.cached)  # no round trip
-            else:
+            elif not closed:
                 await self.read_only.release(f.ino, f.handle)
 
     def release_now(self, fh: int) -> bool:

@@ -13,11 +13,14 @@ writes."""
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Awaitable, Callable
 
 from shufflefs.client.meta_client import MetaClient
+from shufflefs.client.open_batch import Batcher
+from shufflefs.client.session import Session
 from shufflefs.client.write_behind import InodeState
-from shufflefs.metadata.protocol import Attr, MetaStub
+from shufflefs.metadata.protocol import Attr, ClosedFile, MetaStub, WrittenClose
 from shufflefs.rpc.errors import FsError
 
 
@@ -30,10 +33,80 @@ async def report_length(meta: MetaClient, ino: int, st: InodeState) -> None:
         attr = await meta.call_idempotent(
             "update_length", lambda m: m.update_length(ino, st.size, mtime)
         )
+    _reported(st, generation, attr)
+
+
+def _reported(st: InodeState, generation: int, attr: Attr) -> None:
     attr = st.newest(attr)
-    if st.generation == generation:
+    if st.generation == generation:  # (no write since the report left)
         st.dirty = False
         st.size = attr["size"]
+
+
+class Closes:
+    """The closes of this client's handles open for writing: a file's length
+    report (if it has writes unreported) and its handle given back in one
+    metadata call, and closes that overlap (a writeback mount's closes
+    behind, several writers' releases) in one call together (`close_files`,
+    batched as client/open_batch.py batches opens): one round trip and one
+    share of a group commit for many files. A metadata server of before
+    `close_files` gets `update_length` and `release` (ENOSYS)."""
+
+    def __init__(self, meta: MetaClient, session: Session) -> None:
+        self.meta = meta
+        self.session = session
+        self.batch: Batcher[WrittenClose, ClosedFile] = Batcher(self._one, self._many, "close")
+        self._close_files = True  # until a metadata server answers ENOSYS
+
+    async def close(self, ino: int, handle: int, st: InodeState | None) -> None:
+        """Report *ino*'s length if *st* has writes unreported, and give
+        *handle* back (also if the report failed); raise that file's error."""
+        if st is None or not st.dirty:
+            closed = await self.batch.get(
+                {"ino": ino, "handle": handle, "length": None, "mtime": None}
+            )
+        else:
+            generation = st.generation
+            async with st.meta_lock:  # in order with the file's setattrs
+                mtime = None if st.mtime_set else st.mtime
+                closed = await self.batch.get(
+                    {"ino": ino, "handle": handle, "length": st.size, "mtime": mtime}
+                )
+            if closed["attr"] is not None:
+                _reported(st, generation, closed["attr"])
+        if closed["error"] is not None:
+            raise FsError.from_wire(closed["error"])
+
+    async def _many(self, files: list[WrittenClose]) -> list[ClosedFile | None]:
+        closed: list[ClosedFile] = await self.meta.call_at_most_once(
+            "close_files", lambda m: m.close_files(files, self.session.id)
+        )
+        return list(closed)
+
+    async def _one(self, f: WrittenClose) -> ClosedFile:
+        """One close alone (nothing else in flight), or one whose batch failed."""
+        if self._close_files:
+            try:
+                closed = await self._many([f])
+                if len(closed) == 1 and closed[0] is not None:
+                    return closed[0]
+                raise FsError(errno.EPROTO, f"close_files: {len(closed)} answers for 1")
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                self._close_files = False
+        attr: Attr | None = None
+        try:
+            if f["length"] is not None:
+                length = f["length"]
+                attr = await self.meta.call_idempotent(
+                    "update_length", lambda m: m.update_length(f["ino"], length, f["mtime"])
+                )
+        finally:
+            await self.meta.call_at_most_once(
+                "release", lambda m: m.release(f["ino"], f["handle"], self.session.id)
+            )
+        return {"attr": attr, "error": None}
 
 
 async def setattr_in_order(

@@ -15,6 +15,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable
+from typing import TypedDict
 
 from shufflefs.metadata.checks import (
     DOTS,
@@ -29,7 +30,13 @@ from shufflefs.metadata.checks import (
 from shufflefs.metadata.jobs import record_truncate
 from shufflefs.metadata.lifetime import free_if_orphan, remove_handle
 from shufflefs.metadata.namespace import LayoutSource, make_inode
-from shufflefs.metadata.protocol import Attr, OpenResult, is_read_only_handle
+from shufflefs.metadata.protocol import (
+    Attr,
+    ClosedFile,
+    OpenResult,
+    WrittenClose,
+    is_read_only_handle,
+)
 from shufflefs.metadata.records import (
     Rec,
     attr_of,
@@ -83,6 +90,11 @@ def open_inode(tx: Tx, ino: int, flags: int, session: int) -> OpenResult:
         rec["mtime"] = rec["ctime"] = tx.now
     handle = tx.read_only.hold(tx, session, ino)
     return {"attr": attr_of(ino, rec), "layout": layout_of(rec), "handle": handle}
+
+
+class CloseOutcome(TypedDict):
+    closed: list[ClosedFile]  # one per file, in order
+    freed: bool  # a close freed an unlinked file (its storage jobs are due)
 
 
 class FileOps:
@@ -175,6 +187,29 @@ class FileOps:
             return remove_handle(tx, ino, handle, session) and free_if_orphan(tx, ino)
 
         return self.txns.write(body)
+
+    def close_files(self, files: list[WrittenClose], session: int) -> CloseOutcome:
+        """`close_files`: per file its length report (`update_length`, if
+        asked) then its `release` (also if the report failed, as a client's
+        close gives its handle back whatever happened), each in its own
+        nested transaction: a file that fails is answered its error, the
+        others stand."""
+        closed: list[ClosedFile] = []
+        freed = False
+        for f in files:
+            attr: Attr | None = None
+            error: FsError | None = None
+            try:
+                if f["length"] is not None:
+                    attr = self.update_length(f["ino"], f["length"], f["mtime"])
+            except FsError as exc:
+                error = exc  # the handle is given back all the same
+            try:
+                freed = self.release(f["ino"], f["handle"], session) or freed
+            except FsError as exc:
+                error = error or exc
+            closed.append({"attr": attr, "error": None if error is None else error.to_wire()})
+        return {"closed": closed, "freed": freed}
 
     def release_read_only(self, handle: int, session: int) -> int | None:
         """Give an in-memory handle back, with no write transaction. Returns

@@ -16,11 +16,13 @@ from shufflefs.metadata.files import opens_for_writing
 from shufflefs.metadata.protocol import (
     READDIR_MAX,
     CacheWatchReply,
+    ClosedFile,
     MountInfo,
     OpenResult,
     Session,
     SessionInfo,
     WatchedDirPage,
+    WrittenClose,
     is_read_only_handle,
 )
 from shufflefs.metadata.readonly import FreeInProgress
@@ -232,6 +234,24 @@ class SessionsAndHandles(ServiceBase):
         if freed:
             log.debug("last handle closed ino=%d: freed", ino)
             self.jobs.wake()
+
+    @rpc_method
+    async def close_files(
+        self, files: list[WrittenClose], session: int, request: list[int] | None = None
+    ) -> list[ClosedFile]:
+        """Many written files' closes in one call and one group commit
+        (what a client's overlapping closes send together,
+        client/length_reports.py): per file its length report, if asked,
+        then its handle given back; each answered on its own."""
+        if len(files) > READDIR_MAX:
+            raise FsError(errno.E2BIG, f"close_files: {len(files)} files, at most {READDIR_MAX}")
+        outcome = await self._mutate(
+            "close_files", self.store.close_files, request=request, files=files, session=session
+        )
+        if outcome["freed"]:
+            log.debug("close_files freed unlinked files")
+            self.jobs.wake()
+        return outcome["closed"]
 
     @rpc_method
     async def release_read_only(

@@ -132,6 +132,22 @@ class SessionInfo(TypedDict):
     open_ro: int  # read-only handles it holds now (in the server's memory)
 
 
+class WrittenClose(TypedDict):
+    """One close of a handle open for writing, in `close_files`."""
+
+    ino: int
+    handle: int
+    length: int | None  # reported first, as `update_length` does (None: no report)
+    mtime: int | None  # with the length: the time of the writes (ns), or None to keep it
+
+
+class ClosedFile(TypedDict):
+    """How one close of `close_files` went (each on its own)."""
+
+    attr: Attr | None  # after the length report (None: no report was asked, or it failed)
+    error: list[Any] | None  # [errno, message] if this close failed
+
+
 class FsStats(TypedDict):
     files: int  # inodes in use
     max_files: int
@@ -152,6 +168,7 @@ MUTATIONS = frozenset(
         "open",
         "release",
         "release_read_only",
+        "close_files",
         "unlink",
         "rmdir",
         "rename",
@@ -390,6 +407,14 @@ class MetaStub:
         Releasing a handle that is already gone (its session expired) is not
         an error; one held by another session is EBADF."""
         await self._call("release", ino=ino, handle=handle, session=session)
+
+    async def close_files(self, files: list[WrittenClose], session: int) -> list[ClosedFile]:
+        """The closes of many handles open for writing (at most READDIR_MAX):
+        each file's length reported (if asked) and its handle given back,
+        each file on its own, all in one group commit. ENOSYS from a server
+        of before it."""
+        result: list[ClosedFile] = await self._call("close_files", files=files, session=session)
+        return result
 
     async def release_read_only(self, handles: list[list[int]], session: int) -> None:
         """`release` of many read-only handles ([ino, handle] each) in one
