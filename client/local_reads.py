@@ -11,6 +11,7 @@ caller, which reads it through the daemon.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Sequence
@@ -18,9 +19,12 @@ from collections.abc import Sequence
 from shufflefs.client.layout import Piece
 from shufflefs.client.replicas import Placed, Replicas
 from shufflefs.cluster.routing import Routing
-from shufflefs.storage.local_read import LocalTarget
+from shufflefs.storage.local_read import LocalPlan, LocalTarget
 
 log = logging.getLogger("shufflefs.client.local_reads")
+
+# a piece planned for a read elsewhere: its reader, and its plan or its answer already
+Planned = tuple[Piece, LocalTarget, LocalPlan | memoryview]
 
 
 def place(out: memoryview, piece: Piece, data: memoryview) -> None:
@@ -98,6 +102,60 @@ class LocalReads:
             else:
                 place(out, p, data)
         return rest
+
+    def plan_pieces(self, pieces: list[Piece]) -> list[Planned] | None:
+        """What `read_pieces` with *wait* reads from the disk, planned to be
+        read elsewhere (the mount's io_uring, fuse/fast_reads.py): per piece
+        its reader and plan (or its answer already); None, and nothing
+        held, if any piece cannot be read here."""
+        routing = self.replicas.routing.current
+        local = self.replicas.local_targets(routing)
+        planned: list[Planned] = []
+        for p in pieces:
+            reader = None
+            for t in routing.serving_targets(p[0]):
+                if t["id"] in local:
+                    reader = self.target(routing, t["id"])
+                    break
+            plan = None if reader is None else reader.plan(p[1], p[2], p[3], nowait=False)
+            if reader is None or plan is None:
+                self.discard(planned)
+                return None
+            planned.append((p, reader, plan))
+        return planned
+
+    @staticmethod
+    def disk_reads(planned: list[Planned]) -> list[tuple[int, bytearray, int]]:
+        """The reads the plans make: (fd, buffer, offset) each, in order."""
+        reads = []
+        for _, _, plan in planned:
+            if isinstance(plan, LocalPlan):
+                assert isinstance(plan.buf, bytearray)  # (planned with no *into*)
+                reads.append((plan.handle.fd, plan.buf, plan.start))
+        return reads
+
+    @staticmethod
+    def discard(planned: list[Planned]) -> None:
+        """Give back the chunk files of plans that will not be read."""
+        for _, reader, plan in planned:
+            if isinstance(plan, LocalPlan):
+                reader.finish(plan, OSError(errno.ECANCELED, "not read"))
+
+    @staticmethod
+    def finish_pieces(
+        out: memoryview, planned: list[Planned], results: list[int | OSError]
+    ) -> bool:
+        """The planned pieces, read (*results*: per plan, in order, bytes read
+        or the error), checked and put in place; False if any failed."""
+        ok = True
+        got = iter(results)
+        for p, reader, plan in planned:
+            data = reader.finish(plan, next(got)) if isinstance(plan, LocalPlan) else plan
+            if data is None:
+                ok = False
+            elif ok:
+                place(out, p, data)
+        return ok
 
     def read_placed(
         self, routing: Routing, items: list[Placed], out: memoryview, nowait: bool

@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -64,6 +65,21 @@ def fd_budget(targets: int = 4) -> int:
     targets and the rest of the process."""
     soft = raise_fd_limit(MAX_FDS * targets + 1024)
     return max(16, min(MAX_FDS, (soft - 512) // (2 * targets)))
+
+
+@dataclass(eq=False)
+class LocalPlan:
+    """A chunk read planned by `LocalTarget.plan`: the file to read and where
+    its blocks land; `LocalTarget.finish` checks them."""
+
+    cid: bytes
+    rec: ChunkRecord
+    handle: FdHandle
+    buf: bytearray | memoryview  # the whole blocks of the range
+    first: int  # the first block's index
+    start: int  # the first block's offset in the chunk file
+    lo: int  # where the asked range starts in *buf*
+    hi: int  # and ends
 
 
 class LocalTarget:
@@ -167,6 +183,29 @@ class LocalTarget:
         whole chunk or file: most reads of samples) is read straight into it,
         and the result is a view of it (one copy of the bytes less; *into* may
         hold anything after a None)."""
+        plan = self.plan(cid, offset, length, nowait, into)
+        if not isinstance(plan, LocalPlan):
+            return plan
+        try:
+            got: int | OSError = os.preadv(
+                plan.handle.fd, [plan.buf], plan.start, os.RWF_NOWAIT if nowait else 0
+            )
+        except BlockingIOError:
+            self._fds.release(plan.handle)
+            return None
+        except OSError as exc:
+            got = exc
+        if isinstance(got, int) and got != len(plan.buf) and nowait:
+            self._fds.release(plan.handle)  # partly in the page cache: a thread reads it all
+            return None
+        return self.finish(plan, got)
+
+    def plan(
+        self, cid: bytes, offset: int, length: int, nowait: bool, into: memoryview | None = None
+    ) -> LocalPlan | memoryview | None:
+        """What `read` reads, before it reads: the chunk file (opened here
+        unless *nowait*; released by `finish`) and the blocks to read; or the
+        answer already (empty, or None: the daemon's to answer)."""
         try:
             rec = self._record(cid)
         except (lmdb.Error, FsError) as exc:
@@ -185,22 +224,21 @@ class LocalTarget:
             buf = into[:n]
         else:
             buf = bytearray(n)
-        key = (cid, rec.generation)
         handle = self._open(cid, rec.generation, nowait)
         if handle is None:
             return None
-        try:
-            got = os.preadv(handle.fd, [buf], start, os.RWF_NOWAIT if nowait else 0)
-        except BlockingIOError:
+        return LocalPlan(cid, rec, handle, buf, first, start, offset - start, end - start)
+
+    def finish(self, plan: LocalPlan, got: int | OSError) -> memoryview | None:
+        """`plan`'s bytes once read (*got*: how many, or the read's error):
+        verified, or None (changed under us, damaged: the daemon decides)."""
+        self._fds.release(plan.handle)
+        key = (plan.cid, plan.rec.generation)
+        if isinstance(got, OSError):
+            self._drop_chunk(plan.cid, key)
             return None
-        except OSError:
-            self._drop_chunk(cid, key)
+        buf = plan.buf
+        if got != len(buf) or first_bad_block(buf, plan.first, plan.rec.crcs, self.block_size) >= 0:
+            self._drop_chunk(plan.cid, key)
             return None
-        finally:
-            self._fds.release(handle)
-        if got != n and nowait:  # partly in the page cache: a thread reads it all
-            return None
-        if got != n or first_bad_block(buf, first, rec.crcs, bs) >= 0:
-            self._drop_chunk(cid, key)  # changed under us (or damaged): the daemon decides
-            return None
-        return memoryview(buf)[offset - start : end - start]  # (in place: all of *into*'s view)
+        return memoryview(buf)[plan.lo : plan.hi]  # (in place: all of *into*'s view)

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,12 +59,14 @@ def _outcomes(bufs: list[bytearray], results: list[int | OSError]) -> list[bytea
 
 @dataclass(eq=False)
 class _Batch:
-    """Reads submitted together; their waiter wakes once all are done."""
+    """Reads submitted together; their waiter wakes once all are done (or,
+    submitted by `submit`, their callback is called)."""
 
     bufs: list[bytearray]  # referenced until the completions: the kernel writes into them
     results: list[int | OSError]
     remaining: int
     done: trio.Event = field(default_factory=trio.Event)
+    then: Callable[[list[int | OSError]], None] | None = None
 
 
 class UringReads:
@@ -138,6 +141,30 @@ class UringReads:
                 await batch.done.wait()
         return _outcomes(batch.bufs, batch.results)
 
+    def submit(
+        self,
+        requests: list[tuple[int, bytearray, int]],
+        then: Callable[[list[int | OSError]], None],
+    ) -> bool:
+        """Without waiting (code on the loop that cannot await: the mount's
+        READ callbacks): read each (fd, buffer, offset) into its buffer, and
+        call *then* with each read's byte count or error, on the loop, once
+        all are done. False (nothing submitted) if the ring has no room for
+        them all now. The buffers must stay untouched until then."""
+        if not requests or self._room.value < len(requests):
+            return False
+        batch = _Batch([buf for _, buf, _ in requests], [0] * len(requests), 0, then=then)
+        for k, (fd, buf, offset) in enumerate(requests):
+            self._room.acquire_nowait()
+            sqe = _uring.io_uring_get_sqe(self._ring)
+            _uring.io_uring_prep_read(sqe, fd, buf, offset)
+            sqe.user_data = ident = self._next_id
+            self._next_id += 1
+            self._in_flight[ident] = (batch, k)
+            batch.remaining += 1
+        _uring.io_uring_submit(self._ring)
+        return True
+
     async def _reap(self) -> None:
         """Wake for completions, hand each to its batch; at the end of the
         run (trio cancels its system tasks once every other task is done,
@@ -166,11 +193,21 @@ class UringReads:
                     batch.remaining -= 1
                     if batch.remaining == 0:
                         batch.done.set()
+                        if batch.then is not None:
+                            _call(batch.then, batch.results)
                 if seen:
                     _uring.io_uring_cq_advance(self._ring, seen)
         finally:
             _uring.io_uring_queue_exit(self._ring)
             os.close(self._eventfd)
+
+
+def _call(then: Callable[[list[int | OSError]], None], results: list[int | OSError]) -> None:
+    """A `submit` callback: its failure is its caller's bug, never the reaper's end."""
+    try:
+        then(results)
+    except Exception:
+        log.exception("a callback of reads through io_uring failed")
 
 
 class BlockingUringReads:

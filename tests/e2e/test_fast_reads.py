@@ -24,6 +24,7 @@ from harness import evict, flip
 from opsworld import MeteredMount, metered_mount, total
 
 from shufflefs.fuse.fast_reads import INLINE_PAUSE
+from shufflefs.storage import uring
 
 # they drop the kernel's caches, or count what those spare: one at a time on the machine
 pytestmark = pytest.mark.usefixtures("kernel_caches")
@@ -169,8 +170,9 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
 ) -> None:
     """On a one-host cluster every chain has a replica here: the fast path
     answers READs from the chunk files, the page cache's bytes in the
-    callback and the disk's in its threads, exact at every edge from many
-    readers; a damaged block is never served (the loop reads another replica)."""
+    callback and the disk's through the loop's io_uring (in threads where
+    there is none), exact at every edge from many readers; a damaged block
+    is never served (the loop reads another replica)."""
     (tmp_path / "local-mount").mkdir()
     for local in mount(mounted, tmp_path / "local-mount", "rw"):
         data = os.urandom(SIZE)
@@ -196,6 +198,8 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
         assert local.count("local") - taken >= reads * 0.9
         assert local.count("declined") == declined
         assert local.count("fell_back") == 0
+        ring = local.count("ring")
+        assert ring > 0 or not uring.available()  # cold READs of many readers at once
         read_alone_until_inline(local, path, lambda f=files: f, EDGES, data)
         assert local.count("fell_back") == 0
 
@@ -208,9 +212,12 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
                     flip(f, 70_000)
         evict(files)
         ranges = [(off + 69_632, 8192) for off in range(0, 5 * CHUNK, CHUNK)] * 3
+        fell_back = local.count("fell_back")
         for got in read_concurrently(path, [ranges] * 3):
             for (off, n), b in zip(ranges, got, strict=True):
                 assert b == data[off : off + n], (off, n)
+        if uring.available():  # damaged blocks read through the ring went to the loop
+            assert local.count("fell_back") > fell_back
         # the same alone (the damaged replicas are being repaired into new
         # chunk files meanwhile)
         ino = path.stat().st_ino
