@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from shufflefs.client.layout import Piece
 from shufflefs.client.replicas import Placed, Replicas
@@ -88,20 +88,25 @@ class LocalReads:
         rest: list[Piece] = []
         for p in pieces:
             data = None
-            for t in routing.serving_targets(p[0]):
-                if t["id"] in local:
-                    reader = self.target(routing, t["id"])
-                    if reader is not None:
-                        into = destination(out, p)
-                        data = reader.read(p[1], p[2], p[3], nowait=True, into=into)
-                        if data is None and wait:
-                            data = reader.read(p[1], p[2], p[3], nowait=False, into=into)
-                    break
+            reader = self._reader(routing, local, p)
+            if reader is not None:
+                into = destination(out, p)
+                data = reader.read(p[1], p[2], p[3], nowait=True, into=into)
+                if data is None and wait:
+                    data = reader.read(p[1], p[2], p[3], nowait=False, into=into)
             if data is None:
                 rest.append(p)
             else:
                 place(out, p, data)
         return rest
+
+    def _reader(self, routing: Routing, local: Collection[int], p: Piece) -> LocalTarget | None:
+        """The reader of the first serving replica of *p*'s chain on this
+        host (None: there is none, or it cannot be read here)."""
+        for t in routing.serving_targets(p[0]):
+            if t["id"] in local:
+                return self.target(routing, t["id"])
+        return None
 
     def plan_pieces(self, pieces: list[Piece]) -> list[Planned] | None:
         """What `read_pieces` with *wait* reads from the disk, planned to be
@@ -112,11 +117,7 @@ class LocalReads:
         local = self.replicas.local_targets(routing)
         planned: list[Planned] = []
         for p in pieces:
-            reader = None
-            for t in routing.serving_targets(p[0]):
-                if t["id"] in local:
-                    reader = self.target(routing, t["id"])
-                    break
+            reader = self._reader(routing, local, p)
             plan = None if reader is None else reader.plan(p[1], p[2], p[3], nowait=False)
             if reader is None or plan is None:
                 self.discard(planned)

@@ -116,6 +116,19 @@ class FastReadCounts:
         )
 
 
+@dataclass(slots=True)
+class ColdRead:
+    """A short-circuit READ waiting for the disk: what answers it needs."""
+
+    req: int
+    fh: int
+    off: int
+    size: int
+    pieces: list[Piece]  # those not in the page cache
+    out: bytearray  # the READ's bytes (the others are in place already)
+    started: float
+
+
 class FastReads:
     """The fast READ path of one mount (see the module docstring)."""
 
@@ -281,7 +294,8 @@ class FastReads:
         if not rest:
             self._reply(req, out, started)
             return True
-        job = functools.partial(self._wait_local, req, fh, off, size, rest, out, started)
+        cold = ColdRead(req, fh, off, size, rest, out, started)
+        job = functools.partial(self._wait_local, cold)
         self._handing(1)
         if self._wait_here():
             waited = time.perf_counter()
@@ -290,7 +304,7 @@ class FastReads:
             if now - waited > INLINE_WAIT_MAX:
                 self._inline_after = now + INLINE_PAUSE
             return True
-        if self._read_ring(req, fh, off, size, rest, out, started):
+        if self._read_ring(cold):
             return True
         try:
             self._disk_waits.submit(job)
@@ -314,16 +328,7 @@ class FastReads:
         self.counts.inline += 1
         return True
 
-    def _read_ring(
-        self,
-        req: int,
-        fh: int,
-        off: int,
-        size: int,
-        pieces: list[Piece],
-        out: bytearray,
-        started: float,
-    ) -> bool:
+    def _read_ring(self, cold: ColdRead) -> bool:
         """Read what was not in the page cache through this loop's io_uring
         (False: not possible now; the caller hands it to a disk-wait thread).
         The ring's reaper, a task of this loop, answers once the disk did:
@@ -332,18 +337,18 @@ class FastReads:
         READ stays counted as handed (`_handing`) until then."""
         ring = self._ring()
         local = self.fs.storage.local
-        planned = local.plan_pieces(pieces) if ring is not None else None
+        planned = local.plan_pieces(cold.pieces) if ring is not None else None
         if ring is None or planned is None:
             return False
         reads = local.disk_reads(planned)
 
         def then(results: list[int | OSError]) -> None:
             self._handing(-1)
-            if local.finish_pieces(memoryview(out), planned, results):
+            if local.finish_pieces(memoryview(cold.out), planned, results):
                 self.counts.ring += 1
-                self._reply(req, out, started)
+                self._reply(cold.req, cold.out, cold.started)
             else:  # changed, damaged: the daemons decide
-                self._fall_back(req, fh, off, size, ())
+                self._fall_back(cold.req, cold.fh, cold.off, cold.size, ())
 
         if not ring.submit(reads, then):
             local.discard(planned)
@@ -356,32 +361,23 @@ class FastReads:
             self._uring = for_this_run()
         return self._uring
 
-    def _wait_local(
-        self,
-        req: int,
-        fh: int,
-        off: int,
-        size: int,
-        pieces: list[Piece],
-        out: bytearray,
-        started: float,
-    ) -> None:
+    def _wait_local(self, cold: ColdRead) -> None:
         """(a disk-wait thread, or the loop's: `_wait_here`) Read what was not
         in the page cache and answer."""
         try:
-            rest = self.fs.storage.local.read_pieces(pieces, memoryview(out), wait=True)
+            rest = self.fs.storage.local.read_pieces(cold.pieces, memoryview(cold.out), wait=True)
         except Exception:
-            log.exception("short-circuit READ at %d of handle %d", off, fh)
-            rest = pieces
+            log.exception("short-circuit READ at %d of handle %d", cold.off, cold.fh)
+            rest = cold.pieces
         finally:
             self._handing(-1)
         if not rest:
-            self._reply(req, out, started)
+            self._reply(cold.req, cold.out, cold.started)
             return
         # a chunk file that cannot serve (changed, damaged, gone): the loop's
         # read goes through the daemons, which decide
         with contextlib.suppress(trio.RunFinishedError):
-            self.token.run_sync_soon(self._fall_back, req, fh, off, size, ())
+            self.token.run_sync_soon(self._fall_back, cold.req, cold.fh, cold.off, cold.size, ())
 
     async def _open_then_read(self, req: int, ino: int, size: int, off: int) -> None:
         """(the loop) A cache=immutable file's first READ: its handle (one
