@@ -27,8 +27,6 @@ import errno
 import itertools
 import logging
 import os
-import posixpath
-import stat
 import time
 import uuid
 from collections.abc import Awaitable, Sequence
@@ -41,7 +39,7 @@ from shufflefs.client.layout import Extent, plan
 from shufflefs.client.length_reports import Closes, report_length, setattr_in_order
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.open_cache import CachedOpen, OpenCache
-from shufflefs.client.paths import current_umask, normalize
+from shufflefs.client.path_ops import ACCESS_MODE, PathOps
 from shufflefs.client.read_only_calls import ReadOnlyCalls
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
@@ -49,7 +47,6 @@ from shufflefs.client.write_behind import InodeState, WriteBehind, drain
 from shufflefs.cluster.protocol import Capacity
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import (
-    ROOT_INODE,
     Attr,
     FsStats,
     Layout,
@@ -66,8 +63,6 @@ from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer
 
 log = logging.getLogger("shufflefs.client")
-
-ACCESS_MODE = os.O_RDONLY | os.O_WRONLY | os.O_RDWR
 
 
 @dataclass
@@ -108,7 +103,7 @@ class OpenFile:
         return self.flags & ACCESS_MODE != os.O_RDONLY
 
 
-class FileSystem:
+class FileSystem(PathOps):
     def __init__(
         self,
         rpc: RpcClient,
@@ -142,7 +137,7 @@ class FileSystem:
         )
         # the metadata calls of read-only opens (batched) and of giving handles back
         self.read_only = calls = ReadOnlyCalls(self.meta, self.session)
-        self.closes = Closes(self.meta, self.session)
+        self.closes = Closes(self.meta, self.session, calls.release)
         self.open_cache = OpenCache(
             calls.fresh_attr,
             calls.open,
@@ -557,51 +552,3 @@ class FileSystem:
                 # no chunk file of it stays open here: a removed chunk's
                 # space must come back once the daemons delete it
                 self.storage.local.forget(f.ino)
-
-    # ---- paths (the native API) ---------------------------------------------------
-
-    async def resolve(self, path: str | bytes, follow: bool = True) -> Attr:
-        p = normalize(path)
-        if p == b"/":
-            return await self.getattr(ROOT_INODE)
-        return self.overlay(await self.meta.call_read("resolve", lambda m: m.resolve(p, follow)))
-
-    async def parent_of(self, path: str | bytes) -> tuple[int, bytes]:
-        """(parent inode, name) of a path that need not exist."""
-        p = normalize(path)
-        head, name = posixpath.split(p)
-        if not name:
-            raise FsError(errno.EINVAL, "the root has no parent")
-        parent = await self.resolve(head)
-        if not stat.S_ISDIR(parent["mode"]):
-            raise FsError(errno.ENOTDIR, f"{os.fsdecode(head)} is not a directory")
-        return parent["ino"], name
-
-    async def open_path(
-        self, path: str | bytes, flags: int, mode: int = 0o666
-    ) -> tuple[OpenFile, Attr]:
-        uid, gid = os.getuid(), os.getgid()
-        if flags & os.O_CREAT:
-            parent, name = await self.parent_of(path)
-            f, attr = await self.create(parent, name, mode & ~current_umask(), flags, uid, gid)
-        else:
-            attr = await self.resolve(path)
-            if stat.S_ISDIR(attr["mode"]) and flags & ACCESS_MODE != os.O_RDONLY:
-                raise FsError(errno.EISDIR, f"{os.fsdecode(normalize(path))} is a directory")
-            f, attr = await self.open(attr["ino"], flags)
-            if flags & os.O_TRUNC and f.writable and attr["size"]:
-                attr = await self.setattr(f.ino, size=0)
-        return f, attr
-
-    async def listdir(self, path: str | bytes) -> list[bytes]:
-        attr = await self.resolve(path)
-        if not stat.S_ISDIR(attr["mode"]):
-            raise FsError(errno.ENOTDIR, f"{os.fsdecode(normalize(path))} is not a directory")
-        names: list[bytes] = []
-        after: bytes | None = None
-        while True:
-            page = await self.readdir(attr["ino"], after, 1024)
-            names.extend(name for name, _ in page["entries"])
-            if not page["more"] or not page["entries"]:
-                return names
-            after = page["entries"][-1][0]

@@ -52,9 +52,12 @@ class Closes:
     share of a group commit for many files. A metadata server of before
     `close_files` gets `update_length` and `release` (ENOSYS)."""
 
-    def __init__(self, meta: MetaClient, session: Session) -> None:
+    def __init__(
+        self, meta: MetaClient, session: Session, release: Callable[[int, int], Awaitable[None]]
+    ) -> None:
         self.meta = meta
         self.session = session
+        self.release = release  # one handle given back (`ReadOnlyCalls.release`)
         self.batch: Batcher[WrittenClose, ClosedFile] = Batcher(self._one, self._many, "close")
         self._close_files = True  # until a metadata server answers ENOSYS
 
@@ -103,9 +106,7 @@ class Closes:
                     "update_length", lambda m: m.update_length(f["ino"], length, f["mtime"])
                 )
         finally:
-            await self.meta.call_at_most_once(
-                "release", lambda m: m.release(f["ino"], f["handle"], self.session.id)
-            )
+            await self.release(f["ino"], f["handle"])
         return {"attr": attr, "error": None}
 
 

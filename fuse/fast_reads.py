@@ -70,7 +70,7 @@ from shufflefs.cluster.routing import Routing
 from shufflefs.fuse.libfuse import KernelQueue
 from shufflefs.fuse.read_inode import FH_OFFSET, READ_INODES
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.uring import UringReads, for_this_run
+from shufflefs.storage.uring import for_this_run
 
 if TYPE_CHECKING:
     from shufflefs.fuse.ops import ShuffleOps
@@ -162,8 +162,6 @@ class FastReads:
         # short-circuit READs that must wait for the disk (`_read_local`)
         self._disk_waits = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="fuse-local")
         self._inline_after = 0.0  # perf_counter time before which no disk wait is inline
-        self._uring: UringReads | None = None  # this loop's ring (None: none here)
-        self._uring_opened = False
         self.on_read = on_read  # (started, bytes) of every read answered here: metrics
         self._replying = threading.Lock()  # held while answering; `close` takes it last
         self.closed = False
@@ -335,7 +333,7 @@ class FastReads:
         no thread and no GIL handed back and forth (with four readers of
         cold samples, 31 futex calls per sample went to that, measured). The
         READ stays counted as handed (`_handing`) until then."""
-        ring = self._ring()
+        ring = for_this_run()  # (opened on first use, then kept by the run)
         local = self.fs.storage.local
         planned = local.plan_pieces(cold.pieces) if ring is not None else None
         if ring is None or planned is None:
@@ -354,12 +352,6 @@ class FastReads:
             local.discard(planned)
             return False
         return True
-
-    def _ring(self) -> UringReads | None:
-        if not self._uring_opened:
-            self._uring_opened = True
-            self._uring = for_this_run()
-        return self._uring
 
     def _wait_local(self, cold: ColdRead) -> None:
         """(a disk-wait thread, or the loop's: `_wait_here`) Read what was not
