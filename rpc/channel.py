@@ -269,7 +269,7 @@ class ChannelServer:
             record_call(metrics, payload, started, None)
             return
         channel.send(body, parts)
-        record_call(metrics, payload, started, parts)
+        record_call(metrics, payload, started, size)
 
     def _reply_error(
         self,

@@ -105,10 +105,15 @@ class FrameSocket:
     # ---- receive ---------------------------------------------------------
 
     def _recv(self, view: memoryview, idle: bool = False) -> int:
+        return self._received(self.sock.recv_into, view, idle)
+
+    def _received(self, receive: Callable[[Any], int], into: Any, idle: bool = False) -> int:
+        """``receive(into)``, waited for within the timeout (*idle*: for ever,
+        calling `on_idle` every tick): the bytes received, never 0."""
         waited = 0.0
         while True:
             try:
-                got = self.sock.recv_into(view)
+                got = receive(into)
             except (TimeoutError, BlockingIOError):
                 if idle:
                     if self.on_idle is not None:
@@ -123,6 +128,10 @@ class FrameSocket:
             if not got:
                 raise ConnectionClosed(f"{self.peer} closed the connection")
             return got
+
+    def _recvmsg_into(self, bufs: list[memoryview]) -> int:
+        got: int = self.sock.recvmsg_into(bufs)[0]
+        return got
 
     def _fill(self, n: int, idle: bool = False) -> None:
         """At least *n* bytes in the buffer (n <= its size)."""
@@ -151,6 +160,21 @@ class FrameSocket:
         pos = have
         while pos < len(dest):
             pos += self._recv(dest[pos:])
+
+    def recv_into_all(self, views: Sequence[memoryview]) -> None:
+        """Fill *views* in order: first from the buffer, then straight from
+        the socket, many views per receive (``recvmsg_into``)."""
+        bufs = [v for v in views if v.nbytes]
+        first = 0
+        while first < len(bufs) and self._start < self._end:
+            head = bufs[first]
+            have = min(self._end - self._start, head.nbytes)
+            head[:have] = self._view[self._start : self._start + have]
+            self._start += have
+            first = trim_sent(bufs, first, have)
+        while first < len(bufs):
+            got = self._received(self._recvmsg_into, bufs[first : first + MAX_IOV])
+            first = trim_sent(bufs, first, got)
 
     def recv_exactly(self, n: int) -> bytes:
         if n > len(self._buf):
@@ -193,8 +217,7 @@ class FrameSocket:
             payload = bytearray(payload_len)
             self.recv_into(memoryview(payload))
             return body, payload, False
-        for view in views:
-            self.recv_into(view)
+        self.recv_into_all(views)
         return body, None, True
 
     def _skip(self, n: int) -> None:

@@ -105,14 +105,17 @@ def record_call(
     started: float,
     sent: Any,
 ) -> None:
-    """One answered call: its count, latency and bulk bytes each way."""
+    """One answered call: its count, latency and bulk bytes each way
+    (*sent*: the reply's payload, its parts, or its size in bytes)."""
     metrics.requests.inc()
     metrics.latency.observe(time.perf_counter() - started)
     if payload:
         metrics.received.inc(len(payload))
     if sent is not None:
         size = (
-            len(sent)
+            sent  # already counted by the caller
+            if isinstance(sent, int)
+            else len(sent)
             if isinstance(sent, (bytes, bytearray))
             else memoryview(sent).nbytes
             if isinstance(sent, memoryview)

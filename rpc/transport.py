@@ -45,7 +45,7 @@ def as_parts(payload: Buffer | Sequence[Buffer] | None) -> list[memoryview]:
         return []
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return [memoryview(payload)] if len(payload) else []
-    return [memoryview(p) for p in payload if len(p)]
+    return [p if p.__class__ is memoryview else memoryview(p) for p in payload if len(p)]
 
 
 def trim_sent(bufs: list[memoryview], first: int, sent: int) -> int:

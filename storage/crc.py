@@ -58,8 +58,10 @@ def zero_block_crc(block_size: int) -> int:
 
 
 def _block(data: Buf, lo: int, hi: int) -> bytes:
+    if lo == 0 and hi == len(data):
+        return data if isinstance(data, bytes) else bytes(data)
     if isinstance(data, bytes):
-        return data if lo == 0 and hi == len(data) else data[lo:hi]
+        return data[lo:hi]
     return bytes(memoryview(data)[lo:hi])
 
 

@@ -74,13 +74,12 @@ class ReadHandlers:
         """`read` inline in the connection's reader task when every item is in
         the page cache (no thread, no task); None to run `read` itself."""
         self._check_read_size(items)
-        by_id = self.node.by_id
+        stores = self._serving(items)
         data: list[memoryview] = []
         lengths: list[int] = []
-        readable = self.node.readable
         for target, chunk, offset, length in items:
-            store = by_id.get(target)
-            if store is None or not readable(target):
+            store = stores[target]
+            if isinstance(store, int):
                 return None
             try:
                 got = store.read_nowait(chunk, offset, length)
@@ -92,6 +91,27 @@ class ReadHandlers:
             if len(got):
                 data.append(got)
         return Reply({"lengths": lengths}, data)
+
+    def _serving(self, items: list[ReadItem]) -> dict[int, ChunkStore | int]:
+        """Each target *items* name: its store if it may answer reads
+        (`NodeContext.readable`), else the negative errno its items fail with.
+        Asked once per target, not per item: a frame has many items and few
+        targets."""
+        node = self.node
+        by_id = node.by_id
+        out: dict[int, ChunkStore | int] = {}
+        for item in items:
+            target = item[0]
+            if target in out:
+                continue
+            store = by_id.get(target)
+            if store is None:
+                out[target] = -errno.ENOENT
+            elif not node.readable(target):
+                out[target] = -errno.ESTALE  # not serving (in our map): try another replica
+            else:
+                out[target] = store
+        return out
 
     @rpc_method(fast="read_fast", threaded="read_sync")
     async def read(self, items: list[ReadItem]) -> Reply:
@@ -134,17 +154,13 @@ class ReadHandlers:
         """Each item's bytes if in the page cache, else its errno (negative);
         and the indices of the items that must wait for the disk."""
         self._check_read_size(items)
-        by_id = self.node.by_id
+        stores = self._serving(items)
         results: list[memoryview | int] = [0] * len(items)
         slow: list[int] = []
-        readable = self.node.readable
         for i, (target, chunk, offset, length) in enumerate(items):
-            store = by_id.get(target)
-            if store is None:
-                results[i] = -errno.ENOENT
-                continue
-            if not readable(target):
-                results[i] = -errno.ESTALE  # not serving (in our map): try another replica
+            store = stores[target]
+            if isinstance(store, int):
+                results[i] = store
                 continue
             try:
                 data = store.read_nowait(chunk, offset, length)

@@ -18,6 +18,7 @@ from shufflefs.rpc.errors import FsError
 from shufflefs.storage.cache import FdHandle, Missing
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
+    CHUNK_ID_LEN,
     MAX_CHUNK_SIZE,
     ChunkRecord,
     block_span,
@@ -113,25 +114,32 @@ class ChunkStore(WritableTarget):
     def read_nowait(self, cid: bytes, offset: int, length: int) -> memoryview | None:
         """`read` if it can be done without blocking (record and fd cached,
         data in the page cache: preadv2 with RWF_NOWAIT); None otherwise,
-        and for anything unusual, which `read` then handles in a thread."""
+        and for anything unusual, which `read` then handles in a thread.
+        The hottest call of a daemon (every page-cache read): no plan object."""
         if not self._nowait:
             check_chunk_id(cid)
             _check_range(offset, length)
             return None
-        plan = self.read_plan(cid, offset, length, NOWAIT_MAX)
-        if plan is None or isinstance(plan, memoryview):
-            return plan
-        buf = bytearray(plan.stop - plan.start)
+        span = self._cached_span(cid, offset, length, NOWAIT_MAX)
+        if span is None or isinstance(span, memoryview):
+            return span
+        rec, handle, first, start, stop, end = span
+        n = stop - start
+        buf = bytearray(n)
         got = -1
         try:
-            got = os.preadv(plan.handle.fd, [buf], plan.start, os.RWF_NOWAIT)
+            got = os.preadv(handle.fd, [buf], start, os.RWF_NOWAIT)
         except BlockingIOError:
             pass
         except OSError as exc:
             if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 self._nowait = False
                 log.info("target=%s: RWF_NOWAIT unsupported, reads use threads", self.label)
-        return self.finish_read(plan, buf if got == len(buf) else None)
+        finally:
+            self._fds.release(handle)
+        if got != n or first_bad_block(buf, first, rec.crcs, self.block_size) >= 0:
+            return None
+        return memoryview(buf)[offset - start : end - start]
 
     def read_plan(
         self, cid: bytes, offset: int, length: int, limit: int = MAX_CHUNK_SIZE
@@ -141,14 +149,26 @@ class ChunkStore(WritableTarget):
         the fd, held until `finish_read`; or the answer itself (empty); or
         None when `read` must do it in a thread (not cached, more than
         *limit* bytes)."""
-        check_chunk_id(cid)
-        _check_range(offset, length)
-        cached = self._records.get(cid)
-        if cached is None:
+        span = self._cached_span(cid, offset, length, limit)
+        if span is None or isinstance(span, memoryview):
+            return span
+        rec, handle, first, start, stop, end = span
+        return ReadPlan(rec, handle, first, start, stop, offset - start, end - start)
+
+    def _cached_span(
+        self, cid: bytes, offset: int, length: int, limit: int
+    ) -> tuple[ChunkRecord, FdHandle, int, int, int, int] | memoryview | None:
+        """`read_plan` as a plain tuple (record, referenced fd handle, first
+        block, aligned start, aligned stop, end of the bytes asked for)."""
+        if cid.__class__ is not bytes or len(cid) != CHUNK_ID_LEN:
+            check_chunk_id(cid)
+        if offset < 0 or length < 0 or offset + length > MAX_CHUNK_SIZE:
+            _check_range(offset, length)
+        rec = self._records.get(cid)
+        if rec is None:
             return None
-        if isinstance(cached, Missing):
+        if isinstance(rec, Missing):
             return EMPTY
-        rec = cached
         if offset + length > rec.chunk_size:
             raise FsError(
                 errno.EINVAL, f"range {offset}+{length} passes the chunk size {rec.chunk_size}"
@@ -162,7 +182,7 @@ class ChunkStore(WritableTarget):
         handle = self._fds.get((cid, rec.generation))
         if handle is None:
             return None
-        return ReadPlan(rec, handle, first, start, stop, offset - start, end - start)
+        return rec, handle, first, start, stop, end
 
     def finish_read(self, plan: ReadPlan, data: bytearray | None) -> memoryview | None:
         """Give back the plan's fd; the bytes asked for if *data* (the aligned

@@ -257,3 +257,44 @@ def test_stopping_the_server_ends_its_channels() -> None:
     assert server.channels.count() == 0
     with pytest.raises(FsError):
         call(conn, "add", {"a": 1})
+
+
+def test_a_payload_lands_in_many_buffers_whatever_the_receives() -> None:
+    """`receive_frame` with a placer: the payload fills the given views in
+    order (empty ones skipped, more than one sendmsg's worth of them), part
+    from what the header's receive buffered, the rest straight from the
+    socket, however the sender cut it."""
+    a, b = socket.socketpair()
+    try:
+        receiver = FrameSocket(b, "pair", framing.DEFAULT_LIMITS, 5.0)
+        payload = bytes(range(256)) * 40  # 10,240 bytes
+        sizes = [0, 1, 7, 0, 4096, *([3] * 600), 13]
+        sizes.append(len(payload) - sum(sizes))
+        body = framing.pack_body({"k": 1, "i": 9, "r": sizes})
+        frame = framing.pack_header(len(body), len(payload)) + body + payload
+
+        def send_in_pieces() -> None:
+            for cut in range(0, len(frame), 997):
+                a.sendall(frame[cut : cut + 997])
+                time.sleep(0.001)
+
+        sender = threading.Thread(target=send_in_pieces)
+        sender.start()
+        out = bytearray(len(payload))
+        view = memoryview(out)
+
+        def place(got: dict[Any, Any], size: int) -> list[memoryview]:
+            assert size == len(payload)
+            views, pos = [], 0
+            for n in got["r"]:
+                views.append(view[pos : pos + n])
+                pos += n
+            return views
+
+        got, data, placed = receiver.receive_frame(place)
+        sender.join()
+        assert placed and data is None and got["i"] == 9
+        assert bytes(out) == payload
+    finally:
+        a.close()
+        b.close()
