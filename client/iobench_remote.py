@@ -11,6 +11,11 @@ of ``shufflefs bench`` (local file baseline beside them, same run), then fio
 4 KiB O_DIRECT random reads at 1 and 8 jobs through the mount on the reader
 host, beside the same fio jobs on the local copy (O_DIRECT: the disk) and,
 with ``--compare DIR``, on a copy in another filesystem (a MooseFS mount).
+With ``--rounds N`` the fio jobs run N times, the places taking turns, and
+each row gives its median with the spread: a ratio is taken within each
+round (the peer measured minutes, not hours, from us), and the median and
+range of those ratios are reported, since one round on a shared VM can be
+off by a third.
 Everything it started is stopped and removed at the end, on error and on
 Ctrl-C or SIGTERM too.
 """
@@ -22,11 +27,13 @@ import contextlib
 import json
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -60,6 +67,12 @@ class FioRow:
     p99_us: float
     ratio_to_local: float | None = None
     ratio_to_compare: float | None = None
+    # with --rounds N > 1: the row is the round of median IOPS; the ratios
+    # are the medians of each round's ratio; these give the spread
+    rounds: int = 1
+    iops_range: tuple[float, float] | None = None
+    ratio_to_local_range: tuple[float, float] | None = None
+    ratio_to_compare_range: tuple[float, float] | None = None
 
 
 def fio_randread(path: str, size: int, jobs: int, seconds: float, netns: str | None) -> FioRow:
@@ -118,10 +131,11 @@ def fio_rows(
     reader_netns: str,
     compare: Path | None,
     cluster_dir: Path | None = None,
+    rounds: int = 1,
 ) -> list[FioRow]:
     """The fio jobs through the mount (storage side warm: every replica of
     the file's chunks), on the local copy and on the --compare copy, with
-    their ratios."""
+    their ratios; *rounds* times, the places taking turns."""
     assert target.fuse_file is not None
     read_whole(target.fuse_file)  # warms the storage daemons' page cache
     if cluster_dir is not None:
@@ -132,18 +146,48 @@ def fio_rows(
     ]
     if compare is not None:
         places.append((compare_label(compare), str(compare / Path(target.local_file).name), None))
-    rows = []
-    for where, path, netns in places:
-        for jobs in FIO_JOBS:
-            row = fio_randread(path, size, jobs, seconds, netns)
-            row.where = where
-            rows.append(row)
-    by = {(r.where, r.jobs): r.iops for r in rows}
-    for r in rows:
-        r.ratio_to_local = r.iops / by[("local", r.jobs)]
-        if compare is not None:
-            r.ratio_to_compare = r.iops / by[(places[2][0], r.jobs)]
-    return rows
+    runs: dict[tuple[str, int], list[FioRow]] = defaultdict(list)
+    for _ in range(max(1, rounds)):
+        for where, path, netns in places:
+            for jobs in FIO_JOBS:
+                row = fio_randread(path, size, jobs, seconds, netns)
+                row.where = where
+                runs[(where, jobs)].append(row)
+    return summarize(runs, places[2][0] if compare is not None else None)
+
+
+def summarize(runs: dict[tuple[str, int], list[FioRow]], compared: str | None) -> list[FioRow]:
+    """One row per (place, jobs) from its rounds: the round of median IOPS,
+    each ratio the median of the ratios within each round (with their range
+    when there were several rounds); of an even count, the lower median,
+    so that every figure is one a round measured."""
+
+    def ratios(key: tuple[str, int], base: str) -> list[float]:
+        return [
+            mine.iops / theirs.iops if theirs.iops else 0.0
+            for mine, theirs in zip(runs[key], runs[(base, key[1])], strict=True)
+        ]
+
+    def spread(values: list[float]) -> tuple[float, float] | None:
+        return (min(values), max(values)) if len(values) > 1 else None
+
+    out = []
+    for key, rows in runs.items():
+        middle = sorted(rows, key=lambda r: r.iops)[(len(rows) - 1) // 2]
+        to_local = ratios(key, "local")
+        row = replace(
+            middle,
+            rounds=len(rows),
+            iops_range=spread([r.iops for r in rows]),
+            ratio_to_local=statistics.median_low(to_local),
+            ratio_to_local_range=spread(to_local),
+        )
+        if compared is not None:
+            to_compare = ratios(key, compared)
+            row.ratio_to_compare = statistics.median_low(to_compare)
+            row.ratio_to_compare_range = spread(to_compare)
+        out.append(row)
+    return out
 
 
 def compare_label(directory: Path) -> str:
@@ -236,7 +280,13 @@ def cli_remote(args: argparse.Namespace) -> int:
         if run_fio:
             stack.enter_context(compare_copy(target.local_file, compare))
             fio = fio_rows(
-                target, file_size, seconds, cluster.reader_netns(1), compare, workdir / "cluster"
+                target,
+                file_size,
+                seconds,
+                cluster.reader_netns(1),
+                compare,
+                workdir / "cluster",
+                args.rounds,
             )
     settings = {
         "file_mb": file_size // MiB,
@@ -248,6 +298,7 @@ def cli_remote(args: argparse.Namespace) -> int:
         "replicas": replicas,
         "link_mbps": args.link_mbps,
         "readers": args.readers,
+        "fio_rounds": args.rounds,
     }
     if args.json:
         out = {"settings": settings, "rows": [asdict(r) for r in rows]}
@@ -267,17 +318,27 @@ def cli_remote(args: argparse.Namespace) -> int:
 
 
 def render_fio(rows: list[FioRow], out: Any = sys.stdout) -> None:
-    print("\nfio 4 KiB random reads, O_DIRECT (server side warm; local: the disk)", file=out)
+    rounds = max((r.rounds for r in rows), default=1)
+    how = f"; median of {rounds} rounds, [min-max]" if rounds > 1 else ""
+    print(f"\nfio 4 KiB random reads, O_DIRECT (server side warm; local: the disk{how})", file=out)
+    wide, rw = (18, 10) if rounds > 1 else (0, 0)
     print(
-        f"{'where':<28} {'jobs':>4} {'IOPS':>10} {'p50 us':>9} {'p99 us':>9} "
-        f"{'x local':>8} {'x compare':>9}",
+        f"{'where':<28} {'jobs':>4} {'IOPS':>10} {'':>{wide}}{'p50 us':>9} {'p99 us':>9} "
+        f"{'x local':>{8 + rw}} {'x compare':>{9 + rw}}",
         file=out,
     )
     for r in rows:
-        local = f"{r.ratio_to_local:.2f}" if r.ratio_to_local is not None else "-"
-        comp = f"{r.ratio_to_compare:.2f}" if r.ratio_to_compare is not None else "-"
+        spread = f" [{r.iops_range[0]:,.0f}-{r.iops_range[1]:,.0f}]" if r.iops_range else ""
+        local = _ratio(r.ratio_to_local, r.ratio_to_local_range)
+        comp = _ratio(r.ratio_to_compare, r.ratio_to_compare_range)
         print(
-            f"{r.where[:28]:<28} {r.jobs:>4} {r.iops:>10,.0f} {r.p50_us:>9,.1f} "
-            f"{r.p99_us:>9,.1f} {local:>8} {comp:>9}",
+            f"{r.where[:28]:<28} {r.jobs:>4} {r.iops:>10,.0f} {spread:>{wide}}{r.p50_us:>9,.1f} "
+            f"{r.p99_us:>9,.1f} {local:>{8 + rw}} {comp:>{9 + rw}}",
             file=out,
         )
+
+
+def _ratio(value: float | None, spread: tuple[float, float] | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")

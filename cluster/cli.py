@@ -436,6 +436,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="cap each storage host's link, MB/s each way (default: uncapped)",
     )
     r.add_argument("--no-fio", action="store_true", help="skip the fio O_DIRECT rows")
+    r.add_argument("--rounds", type=positive_int, default=1, help="fio rows: N rounds, medians")
     r.add_argument(
         "--compare",
         metavar="DIR",

@@ -275,10 +275,13 @@ BENCH = [
 
 
 def test_bench_remote_runs_and_leaves_nothing(tmp_path: Path) -> None:
-    """A tiny `bench --remote` run (capped links, fio on the mount) prints
-    its rows and leaves no namespace, link, process or file behind."""
+    """A tiny `bench --remote` run (capped links, fio on the mount, two
+    rounds) prints its rows and leaves no namespace, link, process or file
+    behind."""
     done = subprocess.Popen(
-        [*BENCH, "--json", "--local-dir", str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [*BENCH, "--json", "--rounds", "2", "--local-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     out, _ = done.communicate(timeout=240)
     assert done.returncode == 0
@@ -291,6 +294,10 @@ def test_bench_remote_runs_and_leaves_nothing(tmp_path: Path) -> None:
         ("local", 1),
         ("local", 8),
     }
+    for f in result["fio"]:
+        low, high = f["iops_range"]
+        assert f["rounds"] == 2 and 0 < low <= f["iops"] <= high
+        assert f["ratio_to_local"] > 0 and len(f["ratio_to_local_range"]) == 2
     assert leftovers(str(done.pid % 100000), tmp_path) == []
 
 
