@@ -361,6 +361,7 @@ CLUSTER_DOWN: list[Case] = [
     case("bench", "--replicas", "--remote", "--storage-hosts", "2", "--replicas", "3"),
     case("bench", "--link-mbps", "--remote", "--link-mbps", "fast"),
     case("bench", "--no-fio", "--no-fio=1"),
+    case("bench", "--rounds", "--remote", "--rounds", "0"),
     case("bench", "--compare", "--remote", "--compare", "{W}/afile"),
     *bench_cases("bench loader"),
     case("bench loader", "--remote-dir", "--embedded", "--remote-dir", "relative/dir"),
