@@ -11,6 +11,7 @@ answered from the chunk files (the short circuit) by the same path."""
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import os
 import random
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from clusters import ProcessCluster, chunk_files, wait_until
-from harness import evict, flip
+from harness import evict, flip, shufflefs
 from opsworld import MeteredMount, metered_mount, total
 
 from shufflefs.fuse.fast_reads import INLINE_PAUSE
@@ -165,6 +166,21 @@ def test_no_fast_reads_reads_the_same_bytes_the_usual_way(
         assert slow.count("taken") == 0
 
 
+def chain_places(cluster: ProcessCluster, path: str, files: list[Path]) -> dict[Path, int]:
+    """Each of *files* (chunk files of *path*) with its target's place in
+    its chunk's chain (0: the head, which the fast path reads here)."""
+    info = json.loads(
+        shufflefs("info", "--json", "--config", str(cluster.client_config), path).stdout
+    )
+    place = {
+        (c["chunk"], r["target"]): k for c in info["chunks"] for k, r in enumerate(c["replicas"])
+    }
+    return {
+        f: place[(f.name[:24], json.loads((f.parents[2] / "target.json").read_text())["target_id"])]
+        for f in files
+    }
+
+
 def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
     mounted: ProcessCluster, tmp_path: Path
 ) -> None:
@@ -203,13 +219,12 @@ def test_beside_every_replica_the_fast_path_reads_the_chunk_files(
         read_alone_until_inline(local, path, lambda f=files: f, EDGES, data)
         assert local.count("fell_back") == 0
 
-        by_chunk: dict[str, list[Path]] = {}
-        for f in files:
-            by_chunk.setdefault(f.name[:24], []).append(f)
-        for replicas in by_chunk.values():
-            for f in sorted(replicas)[:2]:  # two of the three replicas of every whole chunk
-                if f.stat().st_size == CHUNK:
-                    flip(f, 70_000)
+        # two of the three replicas of every whole chunk: the one the fast
+        # path reads (the first of its chain here) and the next; the last
+        # stays whole for the loop
+        for f, place in chain_places(mounted, "/local.bin", files).items():
+            if place < 2 and f.stat().st_size == CHUNK:
+                flip(f, 70_000)
         evict(files)
         ranges = [(off + 69_632, 8192) for off in range(0, 5 * CHUNK, CHUNK)] * 3
         fell_back = local.count("fell_back")
