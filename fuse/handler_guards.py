@@ -9,7 +9,7 @@ import errno
 import functools
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 import pyfuse3
 
@@ -23,12 +23,78 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+# The handler arguments (after self) naming the directories an operation may
+# change. Any other mutation (rename, rmdir: a directory's own attributes
+# change too, and it is not named) may change every directory.
+CHANGED_DIRS: dict[str, tuple[int, ...]] = {
+    "create": (0,),
+    "mkdir": (0,),
+    "mknod": (0,),
+    "symlink": (0,),
+    "unlink": (0,),  # (never a directory's own entry: rmdir)
+    "link": (0, 1),  # (a file's attributes, and its new parent's)
+    "setattr": (0,),
+    "setxattr": (0,),
+    "removexattr": (0,),
+}
+
+
+class DirChanges:
+    """Directory attributes a create's reply carried (`created_in`: they
+    answer the one getattr of the directory that the create causes), and the
+    mutations begun or ended per directory while any of it is in flight, so
+    that a create overlapped by another mutation of *its* directory leaves
+    none (its reply may predate that mutation), while creates in other
+    directories do not spoil it. Counters live only while a directory has a
+    mutation in flight."""
+
+    def __init__(self) -> None:
+        # directory inode -> (its attributes from our last create in it,
+        # trio time until which they answer the one getattr that create causes)
+        self.created_in: dict[int, tuple[Attr, float]] = {}
+        self._changes: dict[int, int] = {}  # directory -> mutations begun or ended
+        self._busy: dict[int, int] = {}  # directory -> mutations in flight
+        self._everywhere = 0  # mutations of any directory begun or ended
+
+    def begin(self, dirs: tuple[int, ...] | None) -> None:
+        """A mutation of *dirs* (None: of any directory) begins: what
+        creates left for them is dropped (a create whose reply comes later
+        and records again was overlapped by this one, and `alone` says so)."""
+        if dirs is None:
+            self.created_in.clear()
+            self._everywhere += 1
+            return
+        for d in dirs:
+            self.created_in.pop(d, None)
+            self._changes[d] = self._changes.get(d, 0) + 1
+            self._busy[d] = self._busy.get(d, 0) + 1
+
+    def end(self, dirs: tuple[int, ...] | None) -> None:
+        if dirs is None:
+            self._everywhere += 1
+            return
+        for d in dirs:
+            self._changes[d] += 1
+            left = self._busy[d] - 1
+            if left:
+                self._busy[d] = left
+            else:
+                del self._busy[d], self._changes[d]
+
+    def stamp(self, directory: int) -> tuple[int, int]:
+        """Taken by a mutation of *directory* (begun, not ended)."""
+        return self._changes[directory], self._everywhere
+
+    def alone(self, directory: int, stamp: tuple[int, int]) -> bool:
+        """No other mutation of *directory* began or ended since *stamp*."""
+        return self.stamp(directory) == stamp
+
+
 class Mutable(Protocol):
     """What `mutation` needs of the operations object."""
 
     options: MountOptions
-    created_in: dict[int, tuple[Attr, float]]
-    dir_changes: int
+    dir_changes: DirChanges
 
 
 OpsT = TypeVar("OpsT", bound=Mutable)
@@ -61,11 +127,12 @@ def mutation(
     """EROFS on a read-only mount. (The kernel refuses most mutations of an
     ``ro`` mount itself; this is the daemon's own guard. Apply under
     `fuse_errors`.) Any mutation but a file's write may change a
-    directory: the attributes a create left for its directory's next
-    getattr (`ShuffleOps.created_in`) are dropped as it starts and ends, and
-    `dir_changes` counts both, so a create that overlapped another mutation
-    leaves none."""
+    directory (`CHANGED_DIRS` says which): the attributes a create left for
+    such a directory's next getattr are dropped as it begins and ends, and
+    `DirChanges` counts both, so a create that overlapped another mutation
+    of its directory leaves none."""
     keeps_directories = fn.__name__ == "write"
+    changed = CHANGED_DIRS.get(fn.__name__)
 
     @functools.wraps(fn)
     async def wrapper(self: OpsT, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -73,12 +140,15 @@ def mutation(
             raise FsError(errno.EROFS, "read-only mount (-o ro)")
         if keeps_directories:
             return await fn(self, *args, **kwargs)
-        self.created_in.clear()
-        self.dir_changes += 1
+        # (pyfuse3 passes them by position; named, they count as every directory)
+        dirs = None
+        if changed is not None and len(args) > max(changed):
+            dirs = tuple(cast("int", args[k]) for k in changed)
+        self.dir_changes.begin(dirs)
         try:
             return await fn(self, *args, **kwargs)
         finally:
-            self.dir_changes += 1
+            self.dir_changes.end(dirs)
 
     return wrapper
 

@@ -44,7 +44,7 @@ import trio
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
 from shufflefs.fuse.dir_ahead import DirAhead
 from shufflefs.fuse.entry_attrs import BLOCK_SIZE, entry_attributes, no_longer_than
-from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
+from shufflefs.fuse.handler_guards import DirChanges, fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.listings import Listings
 from shufflefs.fuse.mount_options import MountOptions
@@ -73,10 +73,8 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
         self.reported: dict[int, tuple[int, int, int]] = {}
         # inode -> trio time until which it is taken to have no security.capability
         self.no_caps: dict[int, float] = {}
-        # directory inode -> (its attributes from our last create in it, trio
-        # time until which they answer the one getattr that create causes)
-        self.created_in: dict[int, tuple[Attr, float]] = {}
-        self.dir_changes = 0  # mutations begun or ended (see `mutation`)
+        self.dir_changes = DirChanges()  # mutations of directories in flight (see `mutation`)
+        self.created_in = self.dir_changes.created_in
         self.append_direct: set[int] = set()  # O_APPEND handles that write at the real end
         self.kernel_size: dict[int, int] = {}  # inode -> i_size as the kernel has it
         self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
@@ -441,11 +439,12 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        changes = self.dir_changes
+        stamp = self.dir_changes.stamp(parent_inode)
         f, attr = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         if f.created:  # a new file has no security.capability: spare the write's getxattr
             self.no_caps[attr["ino"]] = trio.current_time() + self.options.attr_timeout
-        alone = changes == self.dir_changes  # no other mutation overlapped it
+        # no other mutation of the directory overlapped it
+        alone = self.dir_changes.alone(parent_inode, stamp)
         if f.parent_attr is not None and self.options.attr_timeout > 0 and alone:
             until = trio.current_time() + self.options.attr_timeout
             self.created_in[parent_inode] = (f.parent_attr, until)

@@ -12,11 +12,10 @@ import pyfuse3
 import trio
 
 from shufflefs.client.fs import FileSystem
-from shufflefs.fuse.handler_guards import fuse_errors, mutation, stale_when_gone
+from shufflefs.fuse.handler_guards import DirChanges, fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.fuse.prefetch import PREFETCH_XATTR
 from shufflefs.fuse.prefetch_xattr import hint_by_getxattr, hint_by_setxattr
-from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:
@@ -31,8 +30,7 @@ class XattrOps:
     options: MountOptions
     # inode -> trio time until which it is taken to have no security.capability
     no_caps: dict[int, float]
-    created_in: dict[int, tuple[Attr, float]]  # (what `mutation` needs)
-    dir_changes: int
+    dir_changes: DirChanges  # (what `mutation` needs)
 
     @fuse_errors
     @stale_when_gone
