@@ -73,8 +73,8 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
         self.reported: dict[int, tuple[int, int, int]] = {}
         # inode -> trio time until which it is taken to have no security.capability
         self.no_caps: dict[int, float] = {}
-        self.dir_changes = DirChanges()  # mutations of directories in flight (see `mutation`)
-        self.created_in = self.dir_changes.created_in
+        # directory attributes creates left, mutations of directories in flight (`mutation`)
+        self.dir_changes = DirChanges()
         self.append_direct: set[int] = set()  # O_APPEND handles that write at the real end
         self.kernel_size: dict[int, int] = {}  # inode -> i_size as the kernel has it
         self.parents: dict[int, int] = {}  # directory inode -> its parent, as last told
@@ -213,7 +213,7 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
                 self.no_caps.pop(ino, None)
                 self.parents.pop(ino, None)
                 self.regular.discard(ino)
-                self.created_in.pop(ino, None)
+                self.dir_changes.created_in.pop(ino, None)
 
     def getattr_now(self, inode: int) -> pyfuse3.EntryAttributes | None:
         """GETATTR answered with no round trip (also in libfuse's callback,
@@ -223,7 +223,7 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
         # them again: one metadata round trip per file written into a
         # directory. The create's reply carried them, as fresh as any the
         # kernel caches for attr_timeout; they answer that one getattr.
-        fresh = self.created_in.pop(inode, None)
+        fresh = self.dir_changes.created_in.pop(inode, None)
         if fresh is not None and fresh[1] > trio.current_time():
             return self.entry(fresh[0])
         if self.watched is not None and (known := self.watched.attributes(inode)) is not None:
@@ -447,7 +447,7 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
         alone = self.dir_changes.alone(parent_inode, stamp)
         if f.parent_attr is not None and self.options.attr_timeout > 0 and alone:
             until = trio.current_time() + self.options.attr_timeout
-            self.created_in[parent_inode] = (f.parent_attr, until)
+            self.dir_changes.created_in[parent_inode] = (f.parent_attr, until)
         entry = self.remember(attr)  # first, so file_info sees the kernel is told these
         return self.file_info(f.fh, attr, flags), entry
 

@@ -18,7 +18,6 @@ from shufflefs.rpc.errors import FsError
 from shufflefs.storage.cache import FdHandle, Missing
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
-    CHUNK_ID_LEN,
     MAX_CHUNK_SIZE,
     ChunkRecord,
     block_span,
@@ -137,9 +136,7 @@ class ChunkStore(WritableTarget):
                 log.info("target=%s: RWF_NOWAIT unsupported, reads use threads", self.label)
         finally:
             self._fds.release(handle)
-        if got != n or first_bad_block(buf, first, rec.crcs, self.block_size) >= 0:
-            return None
-        return memoryview(buf)[offset - start : end - start]
+        return self._verified(buf, rec, first, n, offset - start, end - start) if got == n else None
 
     def read_plan(
         self, cid: bytes, offset: int, length: int, limit: int = MAX_CHUNK_SIZE
@@ -160,10 +157,8 @@ class ChunkStore(WritableTarget):
     ) -> tuple[ChunkRecord, FdHandle, int, int, int, int] | memoryview | None:
         """`read_plan` as a plain tuple (record, referenced fd handle, first
         block, aligned start, aligned stop, end of the bytes asked for)."""
-        if cid.__class__ is not bytes or len(cid) != CHUNK_ID_LEN:
-            check_chunk_id(cid)
-        if offset < 0 or length < 0 or offset + length > MAX_CHUNK_SIZE:
-            _check_range(offset, length)
+        check_chunk_id(cid)
+        _check_range(offset, length)
         rec = self._records.get(cid)
         if rec is None:
             return None
@@ -189,11 +184,18 @@ class ChunkStore(WritableTarget):
         range read) is whole and every block checks, else None: `read` then
         reads again in a thread (and reports a damaged block as EIO)."""
         self._fds.release(plan.handle)
-        if data is None or len(data) != plan.stop - plan.start:
+        if data is None:
             return None
-        if first_bad_block(data, plan.first, plan.rec.crcs, self.block_size) >= 0:
+        return self._verified(data, plan.rec, plan.first, plan.stop - plan.start, plan.lo, plan.hi)
+
+    def _verified(
+        self, data: bytearray, rec: ChunkRecord, first: int, n: int, lo: int, hi: int
+    ) -> memoryview | None:
+        """Bytes [lo, hi) of *data*, the aligned range read from block *first*
+        on, if it is whole (*n* bytes) and every block checks; else None."""
+        if len(data) != n or first_bad_block(data, first, rec.crcs, self.block_size) >= 0:
             return None
-        return memoryview(data)[plan.lo : plan.hi]
+        return memoryview(data)[lo:hi]
 
     # ---- inspection ------------------------------------------------------
 

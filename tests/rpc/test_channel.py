@@ -263,9 +263,12 @@ def test_a_payload_lands_in_many_buffers_whatever_the_receives() -> None:
     """`receive_frame` with a placer: the payload fills the given views in
     order (empty ones skipped, more than one sendmsg's worth of them), part
     from what the header's receive buffered, the rest straight from the
-    socket, however the sender cut it."""
+    socket, a receive buffer's worth at a time."""
     a, b = socket.socketpair()
     try:
+        # a small send buffer: the frame arrives in pieces (the first with the
+        # header, the body and part of the payload), whatever the timing
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2048)
         receiver = FrameSocket(b, "pair", framing.DEFAULT_LIMITS, 5.0)
         payload = bytes(range(256)) * 40  # 10,240 bytes
         sizes = [0, 1, 7, 0, 4096, *([3] * 600), 13]
@@ -273,12 +276,7 @@ def test_a_payload_lands_in_many_buffers_whatever_the_receives() -> None:
         body = framing.pack_body({"k": 1, "i": 9, "r": sizes})
         frame = framing.pack_header(len(body), len(payload)) + body + payload
 
-        def send_in_pieces() -> None:
-            for cut in range(0, len(frame), 997):
-                a.sendall(frame[cut : cut + 997])
-                time.sleep(0.001)
-
-        sender = threading.Thread(target=send_in_pieces)
+        sender = threading.Thread(target=a.sendall, args=(frame,))
         sender.start()
         out = bytearray(len(payload))
         view = memoryview(out)
