@@ -339,6 +339,8 @@ class SessionReaper:
         self.writer = writer
         self.jobs = jobs
         self.interval = interval
+        # a session's renewal and the reaping loop may both find the sweep due
+        self._sweeping = trio.Lock()
 
     async def run(self) -> None:
         while True:
@@ -370,7 +372,10 @@ class SessionReaper:
         renewed or expired), free the unnamed inodes nothing holds."""
         if not self.store.read_only.sweep_due:
             return
-        freed = await self.writer(self.store.sweep_orphans)
+        async with self._sweeping:  # once: the second caller finds it done
+            if not self.store.read_only.sweep_due:
+                return
+            freed = await self.writer(self.store.sweep_orphans)
         log.info("restart grace over: every session re-reported or expired; freed=%d", freed)
         if freed:
             self.jobs.wake()
