@@ -10,7 +10,8 @@ clients, and owns this client's open files:
   reported to the metadata server on flush/fsync/close (close-to-open, as
   in 3FS), and until then overlaid on the attributes this client hands out;
   a reply older than attributes already seen of an open file (by their
-  `change` counter) gives way to those (`InodeState.newest`).
+  `change` counter) gives way to those (`InodeState.newest`), and so does
+  one of a file closed less than half a minute ago (`LastAttrs`).
 
 Its parts, one module each: the metadata session (client/session.py),
 write-behind (client/write_behind.py), and the storage side
@@ -43,7 +44,7 @@ from shufflefs.client.path_ops import ACCESS_MODE, PathOps
 from shufflefs.client.read_only_calls import ReadOnlyCalls
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
-from shufflefs.client.write_behind import InodeState, WriteBehind, drain
+from shufflefs.client.write_behind import InodeState, LastAttrs, WriteBehind, drain
 from shufflefs.cluster.protocol import Capacity
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import (
@@ -156,6 +157,7 @@ class FileSystem(PathOps):
             )
         self.files: dict[int, OpenFile] = {}
         self.inodes: dict[int, InodeState] = {}
+        self.last_attrs = LastAttrs()  # of files whose InodeState is gone
         self._fh = itertools.count(1)
 
     # ---- lifecycle ------------------------------------------------------------
@@ -209,7 +211,7 @@ class FileSystem(PathOps):
         self.open_cache.observe(attr)
         st = self.inodes.get(attr["ino"])
         if st is None:
-            return attr
+            return self.last_attrs.newest(attr)
         attr = st.newest(attr)
         if st.dirty:
             return {
@@ -372,7 +374,8 @@ class FileSystem(PathOps):
             self.storage.local.forget(ino)
         st = self.inodes.get(ino)
         if st is None:
-            st = self.inodes[ino] = InodeState(size=attr["size"])
+            attr = self.last_attrs.newest(attr)  # not older than its last close
+            st = self.inodes[ino] = InodeState(size=attr["size"], attr=attr)
         st.opens += 1
         f = OpenFile(next(self._fh), ino, flags, res["handle"], res["layout"])
         f.created = res.get("created", False)
@@ -549,6 +552,8 @@ class FileSystem(PathOps):
             st.opens -= 1
             if st.opens <= 0:
                 del self.inodes[f.ino]
+                if st.attr is not None:
+                    self.last_attrs.keep(st.attr)
                 # no chunk file of it stays open here: a removed chunk's
                 # space must come back once the daemons delete it
                 self.storage.local.forget(f.ino)

@@ -4,7 +4,8 @@ order with the file's setattrs, so that no reply older than a report hands
 the kernel a size from before it (`InodeState.meta_lock`; `FileSystem.getattr`
 takes it too). Any other reply (a lookup, a listing) that was answered before
 a report but is handled after it gives way to the report's attributes
-(`InodeState.newest`, by the `change` counter).
+(`InodeState.newest`, by the `change` counter), also when it is handled
+after the file's last close (`LastAttrs`).
 
 An explicit mtime set after writes not reported yet (``cp -p`` on the open
 file, ``tar x`` after its close) is kept: the reports still to come leave the

@@ -19,6 +19,8 @@ arrives meanwhile goes together next.
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import trio
@@ -83,6 +85,51 @@ class InodeState:
     def behind(self) -> bool:
         """Writes in flight or a failure not yet reported: a read must `drain` first."""
         return self.pending_bytes > 0 or self.error is not None
+
+
+class LastAttrs:
+    """The newest attributes of files whose `InodeState` this client has
+    dropped (their last handle closed), for REPLY_SECONDS: a lookup or
+    listing answered before a file's last length report but handled after
+    its close (a writeback mount's closes finish in the background while the
+    writer lists the directory) must not hand the kernel the size from
+    before the report, by the same `change` counter rule as
+    `InodeState.newest`. A reply newer than the one kept is taken as is."""
+
+    REPLY_SECONDS = 30.0  # > a metadata call's timeout: no reply is older
+    LIMIT = 32768  # files remembered at most (the oldest dropped first)
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[int, tuple[float, Attr]] = OrderedDict()
+
+    def keep(self, attr: Attr) -> None:
+        now = time.monotonic()
+        kept = self._kept
+        kept.pop(attr["ino"], None)
+        kept[attr["ino"]] = (now, attr)
+        while kept:
+            ino, (since, _) = next(iter(kept.items()))
+            if len(kept) <= self.LIMIT and now - since < self.REPLY_SECONDS:
+                break
+            del kept[ino]
+
+    def newest(self, attr: Attr) -> Attr:
+        """*attr*, unless the one kept of its file is newer (by `change`)."""
+        ino = attr["ino"]
+        kept = self._kept.get(ino)
+        if kept is None:
+            return attr
+        since, newest = kept
+        if time.monotonic() - since >= self.REPLY_SECONDS:
+            del self._kept[ino]
+            return attr
+        if attr["change"] < newest["change"]:
+            return newest
+        self._kept[ino] = (since, attr)
+        return attr
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 def raise_write_error(st: InodeState) -> None:

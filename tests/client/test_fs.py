@@ -192,3 +192,12 @@ async def test_a_reply_answered_before_a_length_report_never_shrinks_the_file(
     fresh = await fs.lookup(ROOT_INODE, b"late")
     assert fresh["size"] == 1000 and fresh["change"] > stale["change"]
     await fs.release(f.fh)
+    # handled after the close too (a writeback mount closes in the
+    # background while the writer lists the directory), and after a reopen
+    assert fs.overlay(stale)["size"] == 1000
+    g, attr = await fs.open(f.ino, os.O_RDONLY)
+    assert attr["size"] == 1000 and fs.overlay(stale)["size"] == 1000
+    await fs.release(g.fh)
+    # a newer reply (another client's truncate) is taken as it is
+    other = await fs.meta.call_idempotent("setattr", lambda m: m.setattr(f.ino, size=10))
+    assert fs.overlay(other)["size"] == 10 and fs.overlay(stale)["size"] == 10
