@@ -453,12 +453,17 @@ class FileSystem(PathOps):
             await self.read_into(extents, memoryview(out))
         return out
 
-    async def read_into(self, extents: Sequence[Extent], out: memoryview) -> None:
+    async def read_into(
+        self, extents: Sequence[Extent], out: memoryview, cold: bool = False
+    ) -> None:
         """THE read: *extents* into *out*, laid end to end in the order given
         (the caller clamps each to its file; bytes past a chunk's end read as
         zeros, as a hole does). Our own writes first; then local chunk files
         inline (no task, no message: most reads on a storage host end here);
-        the rest through the read engine, which fails over and retries."""
+        the rest through the read engine, which fails over and retries.
+        *cold*: the caller expects bytes the page cache does not hold (a
+        prefetch along the shuffle): no inline attempt, whose readahead of
+        a cold file would start on the event loop (`ReadEngine.read`)."""
         total = sum(e[3] for e in extents)
         if len(out) < total:
             raise FsError(errno.EINVAL, f"output buffer of {len(out)} bytes for {total} bytes")
@@ -467,9 +472,9 @@ class FileSystem(PathOps):
                 await self.drain(ino)
         out = out.cast("B") if out.format != "B" else out
         reads = self.storage.reads
-        pieces = reads.read_local_now(plan(extents), out)
+        pieces = plan(extents) if cold else reads.read_local_now(plan(extents), out)
         if pieces:
-            await reads.read(pieces, out)
+            await reads.read(pieces, out, cold)
 
     async def write(self, fh: int, offset: int, data: Buffer) -> int:
         """Write-behind (see client/write_behind.py): returns once the bytes

@@ -159,10 +159,22 @@ class LocalReads:
         return ok
 
     def read_placed(
-        self, routing: Routing, items: list[Placed], out: memoryview, nowait: bool
+        self,
+        routing: Routing,
+        items: list[Placed],
+        out: memoryview,
+        nowait: bool,
+        ahead: bool = False,
     ) -> list[Placed]:
         """Serve what can be served from the chosen targets' local chunk
-        files; returns the rest (for the daemons)."""
+        files; returns the rest (for the daemons). With *ahead* (a thread's
+        cold read of many) every item's readahead starts first, so that the
+        disk works on all of them while the first is waited for."""
+        if ahead and len(items) > 1:
+            for p, tid in items:
+                reader = self.target(routing, tid)
+                if reader is not None:
+                    reader.read_ahead(p[1], p[2], p[3])
         rest: list[Placed] = []
         for item in items:
             p, tid = item

@@ -94,10 +94,10 @@ def _counted_async(
     op = _Op(name)
 
     @functools.wraps(fn)
-    async def wrapper(*args: Any) -> T:
+    async def wrapper(*args: Any, **kwargs: Any) -> T:
         started = time.perf_counter()
         try:
-            result = await fn(*args)
+            result = await fn(*args, **kwargs)
         except BaseException:
             op.errors.inc()
             raise

@@ -382,7 +382,7 @@ class Prefetcher:
             data = bytearray(length)
             view = memoryview(data)
             if length:
-                await self.fs.read_into(extents, view)
+                await self.fs.read_into(extents, view, cold=True)
             pos = 0
             for ino, hints, version, _, ranges in files:
                 chunks = []

@@ -200,6 +200,27 @@ class LocalTarget:
             return None
         return self.finish(plan, got)
 
+    def read_ahead(self, cid: bytes, offset: int, length: int) -> None:
+        """Start reading the blocks `read` of the same range would read into
+        the page cache, without waiting for them (POSIX_FADV_WILLNEED);
+        nothing if the chunk is not readable here (`read` will say)."""
+        try:
+            rec = self._record(cid)
+        except (lmdb.Error, FsError):
+            return
+        span = None if rec is None else block_span(offset, length, rec.length, self.block_size)
+        if rec is None or span is None:
+            return
+        handle = self._open(cid, rec.generation, nowait=False)
+        if handle is None:
+            return
+        try:
+            os.posix_fadvise(handle.fd, span[1], span[2] - span[1], os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # advice only
+        finally:
+            self._fds.release(handle)
+
     def plan(
         self, cid: bytes, offset: int, length: int, nowait: bool, into: memoryview | None = None
     ) -> LocalPlan | memoryview | None:

@@ -87,6 +87,30 @@ def chunk_files(data_dir: Path, ino: int) -> list[Path]:
     return sorted(data_dir.glob(f"storage*/target*/chunks/*/{ino:016x}*"))
 
 
+def mount_pid(cluster: ProcessCluster, mountpoint: Path) -> int:
+    """The pid of the process serving *mountpoint* (``shufflefs status``)."""
+    out = shufflefs("status", "--json", "--config", str(cluster.client_config)).stdout
+    return int(
+        next(m["pid"] for m in json.loads(out)["mounts"] if m["mountpoint"] == str(mountpoint))
+    )
+
+
+def chain_places(cluster: ProcessCluster, path: str, files: list[Path]) -> dict[Path, int]:
+    """Each of *files* (chunk files of *path*, a path in the cluster's
+    namespace) with its target's place in its chunk's chain (0: the head,
+    which a reader on this host reads from its chunk files)."""
+    info = json.loads(
+        shufflefs("info", "--json", "--config", str(cluster.client_config), path).stdout
+    )
+    place = {
+        (c["chunk"], r["target"]): k for c in info["chunks"] for k, r in enumerate(c["replicas"])
+    }
+    return {
+        f: place[(f.name[:24], json.loads((f.parents[2] / "target.json").read_text())["target_id"])]
+        for f in files
+    }
+
+
 class Node:
     def __init__(self, index: int, config: StorageConfig) -> None:
         self.index = index

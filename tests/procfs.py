@@ -6,15 +6,18 @@ import os
 from pathlib import Path
 
 
-def deleted_open_files(pid: int | str, under: Path) -> list[str]:
-    """Files under *under* that *pid* holds open although they were removed:
-    their space is not freed while it does."""
+def open_files(pid: int | str) -> list[str]:
+    """What each of *pid*'s file descriptors names."""
     found = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            found.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
             continue
-        if target.startswith(str(under)) and target.endswith(" (deleted)"):
-            found.append(target)
     return found
+
+
+def deleted_open_files(pid: int | str, under: Path) -> list[str]:
+    """Files under *under* that *pid* holds open although they were removed:
+    their space is not freed while it does."""
+    return [t for t in open_files(pid) if t.startswith(str(under)) and t.endswith(" (deleted)")]

@@ -26,6 +26,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 log = logging.getLogger("shufflefs.client.data")
@@ -37,6 +38,7 @@ MAX_OUTSTANDING = 64  # hint batches queued on the sender thread (the reads neve
 # for them to be sent: only a loader that hints this many batches ahead of one send)
 DEFAULT_AHEAD = 512  # samples hinted ahead of the reads
 LIST_MAX = 100_000  # entries of a hinted file's directory listed (`_list_directories`)
+NAMED_IN_FLIGHT = 8  # getxattrs of named hints sent at once (`_get_named`)
 
 T = TypeVar("T")
 Job = tuple[str, list[tuple[int, int, int]]]  # ("files" | "ranges", [(file, offset, length)])
@@ -79,6 +81,8 @@ class MountHints:
         self._pid = -1
         self._jobs: queue.Queue[Job | None] | None = None
         self._listed: set[str] = set()  # directories this process listed
+        self._pool: ThreadPoolExecutor | None = None  # named getxattrs (`_get_all`)
+        self._pool_pid = -1
 
     @classmethod
     def find(
@@ -199,10 +203,9 @@ class MountHints:
         prefix = os.fsencode(XATTR) + b"/"
         alone = [i for i, line in zip(items, lines, strict=True) if not self._nameable(line)]
         fitting = [line for line in lines if self._nameable(line)]
-        if self.named:
+        if self.named and fitting:
             try:
-                for name in pack(fitting, b"\n", prefix, b"", NAME_MAX):
-                    os.getxattr(self.root, os.fsdecode(name))
+                self._get_all([os.fsdecode(n) for n in pack(fitting, b"\n", prefix, b"", NAME_MAX)])
             except OSError as exc:
                 if exc.errno not in (errno.ENODATA, errno.EOPNOTSUPP, errno.ERANGE):
                     raise
@@ -211,6 +214,23 @@ class MountHints:
             alone = items
         for i in alone:
             os.getxattr(self.paths[i], XATTR)
+
+    def _get_all(self, names: list[str]) -> None:
+        """getxattr of the root for each of *names*, NAMED_IN_FLIGHT at once;
+        the first error once all are done. At ~12 paths per name, one at a
+        time paced a cold epoch's prefetch: each waits for the mount's event
+        loop, busy with the fetches, to come round to it (measured: 2,000
+        files hinted in 0.5-0.8 s, as long as their fetch took)."""
+        if len(names) == 1:
+            os.getxattr(self.root, names[0])
+            return
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(NAMED_IN_FLIGHT, thread_name_prefix="shufflefs-hint")
+            self._pool_pid = os.getpid()
+        futures = [self._pool.submit(os.getxattr, self.root, name) for name in names]
+        errors = [exc for exc in (f.exception() for f in futures) if exc is not None]
+        if errors:
+            raise errors[0]
 
     @staticmethod
     def _nameable(line: bytes) -> bool:
@@ -237,6 +257,8 @@ class MountHints:
         state["_jobs"] = None
         state["_pid"] = -1
         state["_listed"] = set()
+        state["_pool"] = None
+        state["_pool_pid"] = -1
         return state
 
 

@@ -9,6 +9,7 @@ import re
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -161,3 +162,27 @@ def test_every_instrument_is_documented_and_the_dashboard_uses_only_those() -> N
     for name in used:
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         assert base in names or name in names, f"dashboard uses undocumented {name}"
+
+
+async def test_counted_calls_pass_keyword_arguments_through() -> None:
+    """`instrument` wraps a client's read_into: the prefetcher's keyword
+    (``cold=True``) reaches the read and the read is counted."""
+    from shufflefs.cluster.metrics_client import instrument
+
+    class Fs:
+        async def write(self, fh: int, offset: int, data: bytes) -> int:
+            return len(data)
+
+        async def read_into(self, extents: list[Any], out: memoryview, cold: bool = False) -> str:
+            return f"cold={cold}"
+
+    def reads_counted() -> float:
+        return REGISTRY.get_sample_value("shufflefs_client_ops_total", {"op": "read"}) or 0.0
+
+    fs = Fs()
+    instrument(fs)
+    before = reads_counted()
+    assert await fs.read_into([(1, None, 0, 4096)], memoryview(bytearray(4096)), cold=True) == (
+        "cold=True"
+    )
+    assert reads_counted() == before + 1

@@ -11,7 +11,6 @@ answered from the chunk files (the short circuit) by the same path."""
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import random
@@ -20,8 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster, chunk_files, wait_until
-from harness import evict, flip, shufflefs
+from clusters import ProcessCluster, chain_places, chunk_files, wait_until
+from harness import evict, flip
 from opsworld import MeteredMount, metered_mount, total
 
 from shufflefs.fuse.fast_reads import INLINE_PAUSE
@@ -164,21 +163,6 @@ def test_no_fast_reads_reads_the_same_bytes_the_usual_way(
         path.write_bytes(data)
         assert direct_reads(path, [(0, len(data)), (MiB - 1, 2)]) == [data, data[MiB - 1 : MiB + 1]]
         assert slow.count("taken") == 0
-
-
-def chain_places(cluster: ProcessCluster, path: str, files: list[Path]) -> dict[Path, int]:
-    """Each of *files* (chunk files of *path*) with its target's place in
-    its chunk's chain (0: the head, which the fast path reads here)."""
-    info = json.loads(
-        shufflefs("info", "--json", "--config", str(cluster.client_config), path).stdout
-    )
-    place = {
-        (c["chunk"], r["target"]): k for c in info["chunks"] for k, r in enumerate(c["replicas"])
-    }
-    return {
-        f: place[(f.name[:24], json.loads((f.parents[2] / "target.json").read_text())["target_id"])]
-        for f in files
-    }
 
 
 def test_beside_every_replica_the_fast_path_reads_the_chunk_files(

@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clusters import ProcessCluster, storage_stopped
-from harness import shufflefs
+from clusters import ProcessCluster, chain_places, chunk_files, mount_pid, storage_stopped
+from harness import flip, shufflefs
+from procfs import open_files
 
 # they drop the kernel's caches, or count what those spare: one at a time on the machine
 pytestmark = pytest.mark.usefixtures("kernel_caches")
@@ -46,21 +47,23 @@ BUDGET = 4 << 20
 SIZE = 110_000
 
 
-@pytest.fixture(scope="module")
-def pmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    mountpoint = tmp_path_factory.mktemp("prefetch-mount")
-    shufflefs(
-        "mount",
-        "--config",
-        str(mounted.client_config),
-        "-o",
-        f"no_local_reads,prefetch_memory={BUDGET}",
-        str(mountpoint),
-    )
+def extra_mount(
+    cluster: ProcessCluster, factory: pytest.TempPathFactory, name: str, options: str
+) -> Iterator[Path]:
+    """Another mount of the shared cluster with *options*, for a module."""
+    mountpoint = factory.mktemp(name)
+    shufflefs("mount", "--config", str(cluster.client_config), "-o", options, str(mountpoint))
     try:
         yield mountpoint
     finally:
         shufflefs("umount", str(mountpoint))
+
+
+@pytest.fixture(scope="module")
+def pmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield from extra_mount(
+        mounted, tmp_path_factory, "prefetch-mount", f"no_local_reads,prefetch_memory={BUDGET}"
+    )
 
 
 def status(root: Path) -> dict[str, Any]:
@@ -173,13 +176,8 @@ def drop_pages(path: Path, length: int) -> None:
 @pytest.fixture(scope="module")
 def dmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The dataset mode: read-only, cache=immutable, reads through the daemons."""
-    mountpoint = tmp_path_factory.mktemp("dataset-mount")
     options = f"cache=immutable,no_local_reads,prefetch_memory={BUDGET}"
-    shufflefs("mount", "--config", str(mounted.client_config), "-o", options, str(mountpoint))
-    try:
-        yield mountpoint
-    finally:
-        shufflefs("umount", str(mountpoint))
+    yield from extra_mount(mounted, tmp_path_factory, "dataset-mount", options)
 
 
 def test_hinted_files_are_read_without_reaching_storage(
@@ -504,3 +502,52 @@ def test_stored_pages_of_a_changed_file_are_not_read(mnt: Path, pmnt: Path) -> N
         f.write(b"W")
     assert (here / "f1").read_bytes()[:1] == b"W"
     assert (d / "f1").read_bytes()[:1] == b"W"
+
+
+@pytest.fixture(scope="module")
+def lmnt(mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The dataset mode on a host with a replica of every chain (this
+    one-host cluster): the mount reads the chunk files itself."""
+    options = f"cache=immutable,prefetch_memory={BUDGET}"
+    yield from extra_mount(mounted, tmp_path_factory, "local-dataset-mount", options)
+
+
+def test_a_cold_prefetch_reads_the_chunk_files_here_and_never_a_damaged_block(
+    mounted: ProcessCluster, mnt: Path, lmnt: Path
+) -> None:
+    """A prefetch expects cold bytes (`FileSystem.read_into(cold=True)`):
+    the chunk files on this host are read in a worker thread that starts
+    every file's readahead before it waits for the first, not tried on the
+    event loop first. The bytes are exact, read from the chunk files here
+    (the mount holds them open), and a damaged block of the replica read
+    here is never what a reader gets: another replica's bytes are."""
+    from shufflefs.client.data.mount_hints import MountHints
+
+    d = mnt / "coldlocal"
+    d.mkdir()
+    data = write_files(d, 8)
+    damaged = set()
+    for i in range(4):  # the head replica of f0..f3, which a reader here reads
+        chunks = chunk_files(mounted.data_dir, (d / f"f{i}").stat().st_ino)
+        for f, place in chain_places(mounted, f"/{mnt.name}/coldlocal/f{i}", chunks).items():
+            if place == 0:
+                flip(f, 70_000)
+                damaged.add(f.name)
+    assert len(damaged) == 4
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    here = lmnt / mnt.name / "coldlocal"
+    paths = [str(here / f"f{i}") for i in range(8)]
+    before = status(lmnt)
+    hints = MountHints.find(paths, whole_files=True)
+    assert hints is not None
+    hints.files(range(8))
+    hints.flush()
+    s = wait_fetched(lmnt, taken(before) + 8)
+    assert s["failed"] == before["failed"], s
+    hints.close()
+    held = {os.path.basename(t) for t in open_files(mount_pid(mounted, lmnt)) if "/chunks/" in t}
+    for i in range(8):
+        assert (here / f"f{i}").read_bytes() == data[i], i
+    inos = {f"{(d / f'f{i}').stat().st_ino:016x}" for i in range(8)}
+    assert inos <= {name[:16] for name in held}  # every file read from its chunk files here

@@ -10,7 +10,6 @@ kill -9."""
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import signal
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster, chunk_files, wait_until
+from clusters import ProcessCluster, chunk_files, mount_pid, wait_until
 from harness import read_whole as read
 from harness import rewrite_in_place, shufflefs
 
@@ -124,13 +123,6 @@ def test_immutable_mount_reads_through_a_meta_kill9(
     assert read_direct(b / "read-before", len(read_before)) == read_before
     assert read_direct(b / "first-after", len(first_after)) == first_after
     assert (b / "first-after").read_bytes() == first_after
-
-
-def mount_pid(c: ProcessCluster, mountpoint: Path) -> int:
-    out = shufflefs("status", "--json", "--config", str(c.client_config)).stdout
-    return int(
-        next(m["pid"] for m in json.loads(out)["mounts"] if m["mountpoint"] == str(mountpoint))
-    )
 
 
 def test_watched_cache_stays_close_to_open_with_a_stopped_reader_and_a_meta_kill9(

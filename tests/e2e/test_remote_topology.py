@@ -25,6 +25,7 @@ from clusters import HEARTBEAT_FAST, ProcessCluster, wait_until
 from harness import interruptible
 from loadgen import content
 from opsworld import total
+from procfs import open_files
 
 from shufflefs.cluster.netns import NETNS_DIR, enter_command, ip, namespaces_available
 from shufflefs.cluster.netns_cluster import RemoteCluster
@@ -58,16 +59,6 @@ class Remote:
 
     def chunk_files_open(self, paths: list[str]) -> list[str]:
         return [p for p in paths if any(p.startswith(d) for d in self.storage_dirs)]
-
-
-def open_files(pid: int) -> list[str]:
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")
