@@ -490,11 +490,21 @@ class FileSystem(PathOps):
             return 0
         st = self.inodes[f.ino]
         await self.write_behind.write(f.ino, f.layout, st, offset, data)
-        st.size = max(st.size, offset + n)
-        st.dirty = True
-        st.mtime = time.time_ns()
-        st.mtime_set = False
-        st.generation += 1
+        _wrote(st, offset + n)
+        return n
+
+    def write_now(self, fh: int, offset: int, data: Buffer) -> int | None:
+        """`write` when it goes behind with no wait (`WriteBehind.room`);
+        None, and nothing done, when it would wait or fail."""
+        f = self.files.get(fh)
+        st = None if f is None else self.inodes.get(f.ino)
+        n = len(data)
+        if f is None or f.layout is None or not f.writable or st is None or not n:
+            return None
+        if not self.write_behind.room(st, n):
+            return None
+        self.write_behind.queue(f.ino, f.layout, st, offset, data)
+        _wrote(st, offset + n)
         return n
 
     async def drain(self, ino: int) -> None:
@@ -562,3 +572,13 @@ class FileSystem(PathOps):
                 # no chunk file of it stays open here: a removed chunk's
                 # space must come back once the daemons delete it
                 self.storage.local.forget(f.ino)
+
+
+def _wrote(st: InodeState, end: int) -> None:
+    """A local write up to *end* went behind: the length and time this
+    client owes the metadata server."""
+    st.size = max(st.size, end)
+    st.dirty = True
+    st.mtime = time.time_ns()
+    st.mtime_set = False
+    st.generation += 1

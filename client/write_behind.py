@@ -164,6 +164,23 @@ class WriteBehind:
         while st.pending_bytes and st.pending_bytes + n > self.limit:
             await st.progress.wait()
             raise_write_error(st)
+        self.queue(ino, layout, st, offset, data)
+
+    def room(self, st: InodeState, n: int) -> bool:
+        """Would `write` of *n* bytes go behind at once (no wait for room,
+        no earlier failure to report)?"""
+        return (
+            self.storage.background is not None
+            and self.limit > 0
+            and st.error is None
+            and not (st.pending_bytes and st.pending_bytes + n > self.limit)
+        )
+
+    def queue(self, ino: int, layout: Layout, st: InodeState, offset: int, data: Buffer) -> None:
+        """Hand *data* to writes in the background (there is room: `room`)."""
+        nursery = self.storage.background
+        assert nursery is not None
+        n = len(memoryview(data))
         view = memoryview(data).cast("B")
         for p in plan([(ino, layout, offset, n)]):
             piece = view[p[4] : p[4] + p[3]]

@@ -1,5 +1,6 @@
 """Requests the mount's caches answer, answered in libfuse's callback before
-pyfuse3 sees them: OPEN, RELEASE, LOOKUP and GETATTR.
+pyfuse3 sees them: OPEN, RELEASE, LOOKUP and GETATTR; and WRITE when it goes
+behind with no wait, FLUSH and a written file's RELEASE on ``-o writeback``.
 
 A warm sample read through a read-write or ``-o ro`` mount costs the mount
 its OPEN and its RELEASE (the kernel answers the READs from its page cache),
@@ -47,7 +48,7 @@ import trio
 from prometheus_client.metrics_core import Metric
 
 from shufflefs.cluster.metrics_client import counts_family
-from shufflefs.fuse.libfuse import KernelQueue
+from shufflefs.fuse.libfuse import FUSE_BUF_IS_FD, FuseBufvec, KernelQueue
 from shufflefs.fuse.read_inode import BITS_OFFSET, DIRECT_IO_BIT, FH_OFFSET, KEEP_CACHE_BIT
 
 if TYPE_CHECKING:
@@ -98,6 +99,8 @@ class FastAnswerCounts:
     release: int = 0
     lookup: int = 0
     getattr: int = 0
+    write: int = 0  # gone behind (client/write_behind.py)
+    flush: int = 0  # -o writeback: the release does the work, behind
     ioctl: int = 0  # taken while draining the queue: libfuse answers them (ENOSYS)
 
     def collect(self) -> Iterable[Metric]:
@@ -129,6 +132,8 @@ class FastAnswers:
     def install(self) -> None:
         self.hooks.fast_open = self.open
         self.hooks.fast_release = self.release
+        self.hooks.fast_write = self.write
+        self.hooks.fast_flush = self.flush
         self.queue.on_inline = self._answered_by_libfuse
         if entry_layout_ok():
             self.hooks.fast_lookup = self.lookup
@@ -142,6 +147,7 @@ class FastAnswers:
     def close(self) -> None:
         """Take no more requests (before the FUSE session closes)."""
         self.hooks.fast_open = self.hooks.fast_release = None
+        self.hooks.fast_write = self.hooks.fast_flush = None
         self.hooks.fast_lookup = self.hooks.fast_getattr = None
 
     def open(self, req: int, ino: int, fi: int) -> bool:
@@ -171,6 +177,29 @@ class FastAnswers:
             return self._declined()
         self.libfuse.reply_err(req, 0)
         return self._answered("release")
+
+    def write(self, req: int, ino: int, bufv: int, off: int, fi: int) -> bool:
+        """Answer a WRITE (True) or decline it (nothing done)."""
+        vec = FuseBufvec.from_address(bufv)
+        buf = vec.buf
+        if vec.count != 1 or vec.idx or buf.flags & FUSE_BUF_IS_FD or not buf.mem:
+            return self._declined()
+        fh = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
+        data = ctypes.string_at(buf.mem + vec.off, buf.size - vec.off)  # (pyfuse3 copies too)
+        n = self._try("WRITE", ino, self.ops.write_now, fh, off, data)
+        if n is None:
+            return self._declined()
+        vec.off += n  # consumed (what libfuse asks of write_buf)
+        self.libfuse.reply_write(req, n)
+        return self._answered("write")
+
+    def flush(self, req: int, ino: int, fi: int) -> bool:
+        """Answer a FLUSH (True) or decline it (nothing done)."""
+        fh = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
+        if not self._try("FLUSH", ino, self.ops.flush_now, fh):
+            return self._declined()
+        self.libfuse.reply_err(req, 0)
+        return self._answered("flush")
 
     def lookup(self, req: int, parent: int, name: int) -> bool:
         """Answer a LOOKUP (True) or decline it (nothing done)."""

@@ -80,6 +80,7 @@ class LibFuse:
         self.reply_entry = _bind(free.fuse_reply_entry, c_int, void, ptr)
         self.reply_attr = _bind(free.fuse_reply_attr, c_int, void, ptr, ctypes.c_double)
         self.reply_err = _bind(free.fuse_reply_err, c_int, void, c_int)
+        self.reply_write = _bind(free.fuse_reply_write, c_int, void, ctypes.c_size_t)
         self.session_fd = _bind(held.fuse_session_fd, c_int, void)
         self.receive_buf = _bind(held.fuse_session_receive_buf, c_int, void, buf)
         self.process_buf = _bind(held.fuse_session_process_buf, None, void, buf)
@@ -102,6 +103,21 @@ class FuseBuf(ctypes.Structure):
         ("fd", ctypes.c_int),
         ("pos", ctypes.c_int64),
     )
+
+
+class FuseBufvec(ctypes.Structure):
+    """libfuse's ``struct fuse_bufvec`` with its one buffer (what a WRITE
+    hands ``write_buf``: count 1, idx 0)."""
+
+    _fields_ = (
+        ("count", ctypes.c_size_t),
+        ("idx", ctypes.c_size_t),
+        ("off", ctypes.c_size_t),
+        ("buf", FuseBuf),
+    )
+
+
+FUSE_BUF_IS_FD = 1 << 1  # the bytes are in a pipe (splice), not in memory
 
 
 @dataclass

@@ -497,10 +497,25 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
             # writes one at a time, so each lands after the previous.
             at = self.fs.known_size(f.ino)
         n = await self.fs.write(fh, at, buf)
-        self.prefetch.changed(f.ino)
-        # the kernel grows its i_size to the end of the write as it placed it
-        self.kernel_size[f.ino] = max(self.kernel_size.get(f.ino, 0), off + n)
+        self._written(f.ino, off + n)
         return n
+
+    def write_now(self, fh: int, off: int, buf: bytes) -> int | None:
+        """WRITE answered in libfuse's callback (fuse/fast_answers.py) when
+        it goes behind with no wait (`FileSystem.write_now`); None leaves it
+        to `write`."""
+        f = self.fs.files.get(fh)
+        if f is None or fh in self.append_direct or self.options.read_only:
+            return None
+        n = self.fs.write_now(fh, off, buf)
+        if n is not None:
+            self._written(f.ino, off + n)
+        return n
+
+    def _written(self, ino: int, end: int) -> None:
+        self.prefetch.changed(ino)
+        # the kernel grows its i_size to the end of the write as it placed it
+        self.kernel_size[ino] = max(self.kernel_size.get(ino, 0), end)
 
     @fuse_errors
     async def flush(self, fh: int) -> None:
@@ -517,12 +532,26 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh)
 
+    def flush_now(self, fh: int) -> bool:
+        """FLUSH answered in libfuse's callback: a -o writeback mount's,
+        whose release does the work behind (`flush`)."""
+        return self.writeback is not None and not self.options.read_only
+
     def release_now(self, fh: int) -> bool:
         """RELEASE answered in libfuse's callback (fuse/fast_answers.py) when
-        it needs no round trip and no wait (`FileSystem.release_now`);
-        False leaves it to `release`."""
+        it needs no round trip and no wait (`FileSystem.release_now`; on a
+        -o writeback mount a written handle's, when its close can go
+        behind at once); False leaves it to `release`."""
         f = self.fs.files.get(fh)
-        if f is None or f.writable or not self.fs.release_now(fh):
+        if f is None:
+            return False
+        if f.writable:
+            if self.writeback is None or not self.writeback.room():
+                return False
+            self._released(fh, f.ino, True)
+            self.writeback.begin(fh, f.ino)
+            return True
+        if not self.fs.release_now(fh):
             return False
         self.prefetch.released(f.ino)
         return True
@@ -530,17 +559,21 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
     @fuse_errors
     async def release(self, fh: int) -> None:
         READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_answers.py)
-        self.append_direct.discard(fh)
         f = self.fs.files.get(fh)
-        if f is not None and f.writable:
-            self.cached.pop(f.ino, None)
-            self.read_through.pop(f.ino, None)
         if f is not None:
-            self.prefetch.released(f.ino)
+            self._released(fh, f.ino, f.writable)
             if f.writable and self.writeback is not None:
                 await self.writeback.close(fh, f.ino)
                 return
+        self.append_direct.discard(fh)
         await self.fs.release(fh)
+
+    def _released(self, fh: int, ino: int, writable: bool) -> None:
+        self.append_direct.discard(fh)
+        if writable:
+            self.cached.pop(ino, None)
+            self.read_through.pop(ino, None)
+        self.prefetch.released(ino)
 
     # ---- directories ------------------------------------------------------------------
 

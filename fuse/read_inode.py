@@ -72,7 +72,9 @@ SLOTS = ("open", "read", "write", "flush", "release")
 OPENDIR = "opendir"  # (req, ino, fi), as open
 GETATTR = "getattr"  # (req, ino, fi), as open
 LOOKUP = "lookup"  # (req, parent, name)
-FOUND = (OPENDIR, GETATTR, LOOKUP)  # slots found by their callback's address
+# (req, ino, struct fuse_bufvec *, off, fi): how libfuse hands pyfuse3 a WRITE
+WRITE_BUF = "write_buf"
+FOUND = (OPENDIR, GETATTR, LOOKUP, WRITE_BUF)  # slots found by their callback's address
 PATCHED = ("read", "readdirplus")  # same signature: (req, ino, size, off, fi)
 SCAN_WORDS = 128  # the table starts within the first few words of the session
 TABLE_WORDS = 64  # fuse_lowlevel_ops has fewer slots than this
@@ -87,6 +89,12 @@ PYFUSE3_READ = ctypes.PYFUNCTYPE(
 )
 OPEN_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
 PYFUSE3_OPEN = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p)
+WRITE_CALLBACK = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+)
+PYFUSE3_WRITE = ctypes.PYFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+)
 # (the name as a pointer: handed on to pyfuse3 untouched, read only when needed)
 LOOKUP_CALLBACK = OPEN_CALLBACK
 PYFUSE3_LOOKUP = PYFUSE3_OPEN
@@ -142,6 +150,7 @@ def _symbols(path: str, names: set[str]) -> dict[str, int]:
 FastRead = Callable[[int, int, int, int, int], bool]  # (req, ino, size, off, fi) -> taken?
 # (req, ino, fi) -> answered? (OPEN, RELEASE, GETATTR); (req, parent, name) for LOOKUP
 FastAnswer = Callable[[int, int, int], bool]
+FastWrite = Callable[[int, int, int, int, int], bool]  # (req, ino, bufv, off, fi) -> answered?
 # offsetof(struct fuse_file_info, fh) in libfuse 3 (an int of flags, two
 # 32-bit words of bit fields, then the 64-bit handle). Not trusted blindly:
 # `ReadInodes.confirm` checks it against pyfuse3's own reading first.
@@ -174,6 +183,8 @@ class ReadInodes:
     fast_release: FastAnswer | None = None
     fast_lookup: FastAnswer | None = None
     fast_getattr: FastAnswer | None = None
+    fast_write: FastWrite | None = None  # ... and WRITE and FLUSH, as OPEN and RELEASE
+    fast_flush: FastAnswer | None = None
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
@@ -293,6 +304,12 @@ class ReadInodes:
             patches[at + SLOTS.index("release")] = OPEN_CALLBACK(
                 self._release(PYFUSE3_OPEN(address["release"]))
             )
+            patches[slots[WRITE_BUF]] = WRITE_CALLBACK(
+                self._write(PYFUSE3_WRITE(address[WRITE_BUF]))
+            )
+            patches[at + SLOTS.index("flush")] = OPEN_CALLBACK(
+                self._handled(PYFUSE3_OPEN(address["flush"]), "fast_flush")
+            )
             patches[slots[GETATTR]] = OPEN_CALLBACK(
                 self._offered(PYFUSE3_OPEN(address[GETATTR]), "fast_getattr")
             )
@@ -336,6 +353,28 @@ class ReadInodes:
                 fast = self.fast_release
                 if fast is not None and self.fh_confirmed and fast(req, ino, fi):
                     return
+            original(req, ino, fi)
+
+        return trampoline
+
+    def _write(self, original: Callable[..., None]) -> Callable[..., None]:
+        def trampoline(req: int, ino: int, bufv: int, off: int, fi: int) -> None:
+            fast = self.fast_write
+            if fi and fast is not None and self.fh_confirmed and fast(req, ino, bufv, off, fi):
+                return
+            original(req, ino, bufv, off, fi)
+
+        return trampoline
+
+    def _handled(self, original: Callable[..., None], hook: str) -> Callable[..., None]:
+        """A trampoline for a (req, ino, fi) request that names its handle,
+        offered to the hook named *hook* first once the handle's offset is
+        confirmed."""
+
+        def trampoline(req: int, ino: int, fi: int) -> None:
+            fast = getattr(self, hook)
+            if fi and fast is not None and self.fh_confirmed and fast(req, ino, fi):
+                return
             original(req, ino, fi)
 
         return trampoline

@@ -97,8 +97,16 @@ class WritebackCloses:
     async def close(self, fh: int, ino: int) -> None:
         """Carry out the release of written handle *fh* in the background,
         once there is room."""
-        while self.pending and (len(self.pending) >= MAX_CLOSES or self._bytes() >= MAX_BYTES):
+        while not self.room():
             await self._changed.wait()
+        self.begin(fh, ino)
+
+    def room(self) -> bool:
+        """May a close go behind now?"""
+        return not self.pending or (len(self.pending) < MAX_CLOSES and self._bytes() < MAX_BYTES)
+
+    def begin(self, fh: int, ino: int) -> None:
+        """Carry out the release of *fh* in the background (there is room)."""
         assert self.nursery is not None, "start() first"
         self.pending[fh] = ino
         self.counts.started += 1

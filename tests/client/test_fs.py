@@ -5,6 +5,7 @@ server, mgmtd and storage daemons, all in this process."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Awaitable, Callable
 
@@ -201,3 +202,29 @@ async def test_a_reply_answered_before_a_length_report_never_shrinks_the_file(
     # a newer reply (another client's truncate) is taken as it is
     other = await fs.meta.call_idempotent("setattr", lambda m: m.setattr(f.ino, size=10))
     assert fs.overlay(other)["size"] == 10 and fs.overlay(stale)["size"] == 10
+
+
+async def test_a_write_goes_behind_at_once_only_with_room_and_nothing_to_report(
+    fs: FileSystem,
+) -> None:
+    """`write_now` (a mount's WRITE answered in libfuse's callback) queues a
+    write exactly as `write` does when that needs no wait; with an earlier
+    failure to report, or no room behind, it does nothing and `write` decides."""
+    f = await create(fs, b"now")
+    st = fs.inodes[f.ino]
+    assert fs.write_now(f.fh, 0, b"a" * 1000) == 1000
+    assert st.dirty and st.size == 1000
+    st.pending_bytes += fs.write_behind.limit  # (as if that much were still in flight)
+    assert fs.write_now(f.fh, 1000, b"b" * 10) is None
+    st.pending_bytes -= fs.write_behind.limit
+    st.error = FsError(errno.EIO, "an earlier write failed")
+    assert fs.write_now(f.fh, 1000, b"b" * 10) is None
+    with pytest.raises(FsError):
+        await fs.write(f.fh, 1000, b"b" * 10)  # reported by the usual way, once
+    assert fs.write_now(f.fh, 1000, b"b" * 10) == 10
+    assert fs.write_now(f.fh, 0, b"") is None  # (nothing to queue)
+    await fs.release(f.fh)
+    g, attr = await fs.open(f.ino, os.O_RDONLY)
+    assert attr["size"] == 1010
+    assert bytes(await fs.read(g.fh, 0, 2000)) == b"a" * 1000 + b"b" * 10
+    await fs.release(g.fh)
