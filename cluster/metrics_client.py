@@ -107,10 +107,28 @@ def _counted_async(
     return wrapper
 
 
+def _counted_now(name: str, fn: Callable[..., int | None]) -> Callable[..., int | None]:
+    """*fn* (sync: bytes written, or None when it did nothing) counted when it did."""
+    op = _Op(name)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> int | None:
+        started = time.perf_counter()
+        n = fn(*args)
+        if n is not None:
+            op.done(started, n)
+        return n
+
+    return wrapper
+
+
 def instrument(fs: Any, *, reads: bool = True) -> None:
-    """Count *fs*'s writes and (with *reads*) its `read_into` calls."""
+    """Count *fs*'s writes (also those a mount answers in libfuse's
+    callback: `write_now`) and (with *reads*) its `read_into` calls."""
     attrs = vars(fs)  # an instance attribute shadows the class's method
     attrs["write"] = _counted_async("write", fs.write, lambda args, n: int(n))
+    if hasattr(fs, "write_now"):
+        attrs["write_now"] = _counted_now("write", fs.write_now)
     if reads:
         attrs["read_into"] = _counted_async(
             "read", fs.read_into, lambda args, _: _extent_bytes(args[0])

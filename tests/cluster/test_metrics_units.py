@@ -166,7 +166,8 @@ def test_every_instrument_is_documented_and_the_dashboard_uses_only_those() -> N
 
 async def test_counted_calls_pass_keyword_arguments_through() -> None:
     """`instrument` wraps a client's read_into: the prefetcher's keyword
-    (``cold=True``) reaches the read and the read is counted."""
+    (``cold=True``) reaches the read and the read is counted; and its
+    write_now, counted when it wrote."""
     from shufflefs.cluster.metrics_client import instrument
 
     class Fs:
@@ -175,6 +176,9 @@ async def test_counted_calls_pass_keyword_arguments_through() -> None:
 
         async def read_into(self, extents: list[Any], out: memoryview, cold: bool = False) -> str:
             return f"cold={cold}"
+
+        def write_now(self, fh: int, offset: int, data: bytes) -> int | None:
+            return len(data) if data else None
 
     def reads_counted() -> float:
         return REGISTRY.get_sample_value("shufflefs_client_ops_total", {"op": "read"}) or 0.0
@@ -186,3 +190,12 @@ async def test_counted_calls_pass_keyword_arguments_through() -> None:
         "cold=True"
     )
     assert reads_counted() == before + 1
+
+    def writes_counted() -> float:
+        return REGISTRY.get_sample_value("shufflefs_client_ops_total", {"op": "write"}) or 0.0
+
+    # a mount's WRITE answered in libfuse's callback counts as a write; one it
+    # declined (None: the usual way then counts it) does not
+    before = writes_counted()
+    assert fs.write_now(1, 0, b"abc") == 3 and fs.write_now(1, 0, b"") is None
+    assert writes_counted() == before + 1
