@@ -195,8 +195,7 @@ class FastAnswers:
 
     def flush(self, req: int, ino: int, fi: int) -> bool:
         """Answer a FLUSH (True) or decline it (nothing done)."""
-        fh = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
-        if not self._try("FLUSH", ino, self.ops.flush_now, fh):
+        if not self._try("FLUSH", ino, self.ops.flush_now):
             return self._declined()
         self.libfuse.reply_err(req, 0)
         return self._answered("flush")

@@ -532,7 +532,7 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh)
 
-    def flush_now(self, fh: int) -> bool:
+    def flush_now(self) -> bool:
         """FLUSH answered in libfuse's callback: a -o writeback mount's,
         whose release does the work behind (`flush`)."""
         return self.writeback is not None and not self.options.read_only
@@ -560,12 +560,13 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_answers.py)
         f = self.fs.files.get(fh)
-        if f is not None:
+        if f is None:
+            self.append_direct.discard(fh)
+        else:
             self._released(fh, f.ino, f.writable)
             if f.writable and self.writeback is not None:
                 await self.writeback.close(fh, f.ino)
                 return
-        self.append_direct.discard(fh)
         await self.fs.release(fh)
 
     def _released(self, fh: int, ino: int, writable: bool) -> None:

@@ -21,6 +21,7 @@ the daemon that knows the on-disk format.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -204,20 +205,16 @@ class LocalTarget:
         """Start reading the blocks `read` of the same range would read into
         the page cache, without waiting for them (POSIX_FADV_WILLNEED);
         nothing if the chunk is not readable here (`read` will say)."""
-        try:
-            rec = self._record(cid)
-        except (lmdb.Error, FsError):
+        located = self._located(cid, offset, length)
+        if not isinstance(located, tuple):
             return
-        span = None if rec is None else block_span(offset, length, rec.length, self.block_size)
-        if rec is None or span is None:
-            return
+        rec, (_, start, stop, _) = located
         handle = self._open(cid, rec.generation, nowait=False)
         if handle is None:
             return
         try:
-            os.posix_fadvise(handle.fd, span[1], span[2] - span[1], os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # advice only
+            with contextlib.suppress(OSError):  # advice: `read` reports what fails
+                os.posix_fadvise(handle.fd, start, stop - start, os.POSIX_FADV_WILLNEED)
         finally:
             self._fds.release(handle)
 
@@ -227,18 +224,10 @@ class LocalTarget:
         """What `read` reads, before it reads: the chunk file (opened here
         unless *nowait*; released by `finish`) and the blocks to read; or the
         answer already (empty, or None: the daemon's to answer)."""
-        try:
-            rec = self._record(cid)
-        except (lmdb.Error, FsError) as exc:
-            log.debug("target=%d: chunk table unreadable here: %s", self.target_id, exc)
-            return None
-        if rec is None:
-            return EMPTY
-        bs = self.block_size
-        span = block_span(offset, length, rec.length, bs)
-        if span is None:
-            return EMPTY
-        first, start, stop, end = span
+        located = self._located(cid, offset, length)
+        if not isinstance(located, tuple):
+            return located
+        rec, (first, start, stop, end) = located
         n = stop - start
         buf: bytearray | memoryview
         if into is not None and start == offset and stop == end and len(into) >= n:
@@ -249,6 +238,22 @@ class LocalTarget:
         if handle is None:
             return None
         return LocalPlan(cid, rec, handle, buf, first, start, offset - start, end - start)
+
+    def _located(
+        self, cid: bytes, offset: int, length: int
+    ) -> tuple[ChunkRecord, tuple[int, int, int, int]] | memoryview | None:
+        """The chunk's committed record and the blocks a read of the range
+        takes (`block_span`); or the answer already: EMPTY (nothing there),
+        None (the chunk table is unreadable here: the daemon's to answer)."""
+        try:
+            rec = self._record(cid)
+        except (lmdb.Error, FsError) as exc:
+            log.debug("target=%d: chunk table unreadable here: %s", self.target_id, exc)
+            return None
+        if rec is None:
+            return EMPTY
+        span = block_span(offset, length, rec.length, self.block_size)
+        return EMPTY if span is None else (rec, span)
 
     def finish(self, plan: LocalPlan, got: int | OSError) -> memoryview | None:
         """`plan`'s bytes once read (*got*: how many, or the read's error):

@@ -82,7 +82,6 @@ class MountHints:
         self._jobs: queue.Queue[Job | None] | None = None
         self._listed: set[str] = set()  # directories this process listed
         self._pool: ThreadPoolExecutor | None = None  # named getxattrs (`_get_all`)
-        self._pool_pid = -1
 
     @classmethod
     def find(
@@ -125,6 +124,7 @@ class MountHints:
         if self._jobs is None or self._pid != os.getpid():  # a forked child: our own thread
             self._pid = os.getpid()
             self._listed = set()
+            self._pool = None  # (a forked child's is its parent's, without threads)
             self._jobs = queue.Queue(MAX_OUTSTANDING)
             threading.Thread(
                 target=self._run, args=(self._jobs,), name="shufflefs-hints", daemon=True
@@ -224,9 +224,8 @@ class MountHints:
         if len(names) == 1:
             os.getxattr(self.root, names[0])
             return
-        if self._pool is None or self._pool_pid != os.getpid():
+        if self._pool is None:
             self._pool = ThreadPoolExecutor(NAMED_IN_FLIGHT, thread_name_prefix="shufflefs-hint")
-            self._pool_pid = os.getpid()
         futures = [self._pool.submit(os.getxattr, self.root, name) for name in names]
         errors = [exc for exc in (f.exception() for f in futures) if exc is not None]
         if errors:
@@ -250,6 +249,8 @@ class MountHints:
         if self._jobs is not None and self._pid == os.getpid():
             self._jobs.put(None)
             self._jobs.join()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
         self._jobs = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -258,7 +259,6 @@ class MountHints:
         state["_pid"] = -1
         state["_listed"] = set()
         state["_pool"] = None
-        state["_pool_pid"] = -1
         return state
 
 
