@@ -37,8 +37,17 @@ import trio
 
 from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.layout import Extent, plan
-from shufflefs.client.length_reports import Closes, report_length, setattr_in_order
+from shufflefs.client.length_reports import (
+    Closes,
+    lay_owed,
+    owe_attrs,
+    owed_now,
+    report_length,
+    sent_owed,
+    setattr_in_order,
+)
 from shufflefs.client.meta_client import MetaClient
+from shufflefs.client.namespace_calls import NamespaceCalls
 from shufflefs.client.open_cache import CachedOpen, OpenCache
 from shufflefs.client.path_ops import ACCESS_MODE, PathOps
 from shufflefs.client.read_only_calls import ReadOnlyCalls
@@ -54,8 +63,7 @@ from shufflefs.metadata.protocol import (
     MetaStub,
     MountInfo,
     OpenResult,
-    ReaddirLayoutsPage,
-    ReaddirPage,
+    OwedAttrs,
     is_read_only_handle,
 )
 from shufflefs.rpc.addresses import hostname
@@ -104,7 +112,7 @@ class OpenFile:
         return self.flags & ACCESS_MODE != os.O_RDONLY
 
 
-class FileSystem(PathOps):
+class FileSystem(NamespaceCalls, PathOps):
     def __init__(
         self,
         rpc: RpcClient,
@@ -214,14 +222,15 @@ class FileSystem(PathOps):
             return self.last_attrs.newest(attr)
         attr = st.newest(attr)
         if st.dirty:
-            return {
+            attr = {
                 **attr,
                 "size": max(attr["size"], st.size),
                 "mtime": attr["mtime"] if st.mtime_set else st.mtime,
                 "ctime": max(attr["ctime"], st.mtime),
             }
-        st.size = attr["size"]
-        return attr
+        else:
+            st.size = attr["size"]
+        return lay_owed(st, attr) if st.owed else attr
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
         return self.overlay(await self.meta.call_read("lookup", lambda m: m.lookup(parent, name)))
@@ -267,101 +276,51 @@ class FileSystem(PathOps):
             if st is not None and st.dirty:
                 await report_length(self.meta, ino, st)
 
+        owed = owed_now(st)  # set behind before: sent now, this call's values over them
+        mode = owed.get("mode") if mode is None else mode
+        uid = owed.get("uid") if uid is None else uid
+        gid = owed.get("gid") if gid is None else gid
+        atime = owed.get("atime") if atime is None else atime
+        mtime = owed.get("mtime") if mtime is None else mtime
+
         def call(m: MetaStub) -> Awaitable[Attr]:
             return m.setattr(ino, mode=mode, uid=uid, gid=gid, size=size, atime=atime, mtime=mtime)
 
         sets_mtime = size is None and mtime is not None
         attr = await setattr_in_order(self.meta, st, call, sets_mtime)
+        sent_owed(st, owed)  # (if refused, still owed: for the close)
         if size is not None:
             self.storage.local.forget(ino)
         if st is not None and size is not None:
             st.size = size
         return self.overlay(attr)
 
+    def setattr_behind(self, ino: int, attrs: OwedAttrs) -> Attr | None:
+        """*attrs* set with the close of a file this client has open for
+        writing (`owe_attrs`), answered now; None if it has none open (the
+        caller sends them now)."""
+        st = self.inodes.get(ino)
+        if st is None or st.writers <= 0 or st.attr is None:
+            return None
+        owe_attrs(st, attrs)
+        return self.overlay(st.attr)
+
+    def written_attr(self, ino: int, within: float) -> Attr | None:
+        """The attributes of a file this client has open for writing, if the
+        server's part of them came within *within* seconds (what the kernel
+        would still answer from its cache, had this client's writes not
+        dropped it), else None."""
+        st = self.inodes.get(ino)
+        if st is None or st.writers <= 0 or st.attr is None:
+            return None
+        if time.monotonic() - st.attr_at >= within:
+            return None
+        return self.overlay(st.attr)
+
     async def statfs(self) -> tuple[Capacity, FsStats]:
         capacity = await self.routing.mgmtd.capacity()
         stats = await self.meta.call_read("statfs", lambda m: m.statfs())
         return capacity, stats
-
-    # ---- namespace ------------------------------------------------------------
-
-    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        return await self.meta.call_at_most_once(
-            "mkdir", lambda m: m.mkdir(parent, name, mode, uid, gid)
-        )
-
-    async def mknod(
-        self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
-    ) -> Attr:
-        return await self.meta.call_at_most_once(
-            "mknod", lambda m: m.mknod(parent, name, mode, rdev, uid, gid)
-        )
-
-    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
-        return await self.meta.call_at_most_once(
-            "symlink", lambda m: m.symlink(parent, name, target, uid, gid)
-        )
-
-    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
-        attr = await self.meta.call_at_most_once(
-            "link", lambda m: m.link(ino, new_parent, new_name)
-        )
-        return self.overlay(attr)
-
-    async def readlink(self, ino: int) -> bytes:
-        return await self.meta.call_read("readlink", lambda m: m.readlink(ino))
-
-    async def unlink(self, parent: int, name: bytes) -> None:
-        await self.meta.call_at_most_once("unlink", lambda m: m.unlink(parent, name))
-
-    async def rmdir(self, parent: int, name: bytes) -> None:
-        await self.meta.call_at_most_once("rmdir", lambda m: m.rmdir(parent, name))
-
-    async def rename(
-        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
-    ) -> None:
-        await self.meta.call_at_most_once(
-            "rename", lambda m: m.rename(parent, name, new_parent, new_name, flags)
-        )
-
-    async def readdir_layouts(
-        self, ino: int, after: bytes | None, limit: int
-    ) -> ReaddirLayoutsPage:
-        page = await self.meta.call_read(
-            "readdir_layouts", lambda m: m.readdir_layouts(ino, after, limit)
-        )
-        page["entries"] = [(n, self.overlay(a), lay) for n, a, lay in page["entries"]]
-        return page
-
-    async def readdir(
-        self, ino: int, after: bytes | None, limit: int, watch: bool = False
-    ) -> ReaddirPage:
-        """A page of directory *ino*; *watch* (a first page): the cache watch
-        keeps the listing fresh from here if it can (`CacheWatch.dir_attr`)."""
-        watched = None
-        if watch and after is None and self.cache_watch is not None:
-            watched = await self.cache_watch.watch_dir(ino, limit)
-        page: ReaddirPage = (
-            await self.meta.call_read("readdir", lambda m: m.readdir(ino, after, limit))
-            if watched is None
-            else {"entries": watched["entries"], "more": watched["more"]}
-        )
-        return {
-            "entries": [(name, self.overlay(attr)) for name, attr in page["entries"]],
-            "more": page["more"],
-        }
-
-    async def getxattr(self, ino: int, name: bytes) -> bytes:
-        return await self.meta.call_read("getxattr", lambda m: m.getxattr(ino, name))
-
-    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
-        await self.meta.call_at_most_once("setxattr", lambda m: m.setxattr(ino, name, value, flags))
-
-    async def listxattr(self, ino: int) -> list[bytes]:
-        return await self.meta.call_read("listxattr", lambda m: m.listxattr(ino))
-
-    async def removexattr(self, ino: int, name: bytes) -> None:
-        await self.meta.call_at_most_once("removexattr", lambda m: m.removexattr(ino, name))
 
     # ---- open files -------------------------------------------------------------
 
@@ -378,6 +337,7 @@ class FileSystem(PathOps):
             st = self.inodes[ino] = InodeState(size=attr["size"], attr=attr)
         st.opens += 1
         f = OpenFile(next(self._fh), ino, flags, res["handle"], res["layout"])
+        st.writers += f.writable
         f.created = res.get("created", False)
         f.parent_attr = res.get("parent_attr")
         self.files[f.fh] = f
@@ -520,6 +480,8 @@ class FileSystem(PathOps):
         st = self.inodes.get(f.ino)
         if st is not None and st.dirty:
             await report_length(self.meta, f.ino, st)
+        if st is not None and st.owed:
+            await self.setattr(f.ino)  # what was set behind, durable and seen by others now
 
     async def fsync(self, fh: int) -> None:
         # data is durable once a write is acknowledged; what remains is the length
@@ -529,6 +491,11 @@ class FileSystem(PathOps):
         f = self.files.get(fh)
         if f is None:
             return
+        st = self.inodes.get(f.ino)
+        if st is not None and f.writable and f.cached is None:
+            # released by the kernel: what is set from now on is not this
+            # close's (it may have left already), so not set behind
+            st.writers -= 1
         closed = False
         try:
             if f.cached is None and f.writable:
@@ -581,4 +548,5 @@ def _wrote(st: InodeState, end: int) -> None:
     st.dirty = True
     st.mtime = time.time_ns()
     st.mtime_set = False
+    st.owed.pop("mtime", None)  # the write's time, not one set before it
     st.generation += 1

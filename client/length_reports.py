@@ -15,13 +15,16 @@ writes."""
 from __future__ import annotations
 
 import errno
+import stat
+import time
 from collections.abc import Awaitable, Callable
 
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.open_batch import Batcher
 from shufflefs.client.session import Session
 from shufflefs.client.write_behind import InodeState
-from shufflefs.metadata.protocol import Attr, ClosedFile, MetaStub, WrittenClose
+from shufflefs.metadata.checks import check_setattr
+from shufflefs.metadata.protocol import Attr, ClosedFile, MetaStub, OwedAttrs, WrittenClose
 from shufflefs.rpc.errors import FsError
 
 
@@ -65,17 +68,24 @@ class Closes:
     async def close(self, ino: int, handle: int, st: InodeState | None) -> None:
         """Report *ino*'s length if *st* has writes unreported, and give
         *handle* back (also if the report failed); raise that file's error."""
-        if st is None or not st.dirty:
+        if st is None or not (st.dirty or st.owed):
             closed = await self.batch.get(
                 {"ino": ino, "handle": handle, "length": None, "mtime": None}
             )
         else:
             generation = st.generation
             async with st.meta_lock:  # in order with the file's setattrs
-                mtime = None if st.mtime_set else st.mtime
-                closed = await self.batch.get(
-                    {"ino": ino, "handle": handle, "length": st.size, "mtime": mtime}
-                )
+                f: WrittenClose = {"ino": ino, "handle": handle, "length": None, "mtime": None}
+                if st.dirty:
+                    f["length"] = st.size
+                    f["mtime"] = None if st.mtime_set else st.mtime
+                owed = owed_now(st)
+                if owed:
+                    f["attrs"] = owed
+                try:
+                    closed = await self.batch.get(f)
+                finally:
+                    sent_owed(st, owed)  # (the handle is gone whatever happened)
             if closed["attr"] is not None:
                 _reported(st, generation, closed["attr"])
         if closed["error"] is not None:
@@ -106,9 +116,54 @@ class Closes:
                 attr = await self.meta.call_idempotent(
                     "update_length", lambda m: m.update_length(f["ino"], length, f["mtime"])
                 )
+            if f.get("attrs"):
+                attrs = f["attrs"]
+                attr = await self.meta.call_idempotent(
+                    "setattr", lambda m: m.setattr(f["ino"], **attrs)
+                )
         finally:
             await self.release(f["ino"], f["handle"])
         return {"attr": attr, "error": None}
+
+
+def owe_attrs(st: InodeState, attrs: OwedAttrs) -> None:
+    """Set *attrs* of a file this client has open for writing, to be sent
+    with its close (or the next setattr or fsync) instead of now: a
+    writeback mount's (``tar x`` and ``cp -a`` set each file's owner, mode
+    and times while it is open, each a commit the writer would wait for).
+    Checked as the metadata server checks them, so what it later refuses is
+    what it refuses of anyone (a file removed meanwhile: the close's error,
+    logged as a writeback close's)."""
+    check_setattr(**attrs)
+    st.owed.update(attrs)
+    st.owed_ctime = time.time_ns()
+    if "mtime" in attrs:
+        st.mtime_set = True  # a report before the close leaves it (as a setattr's)
+
+
+def lay_owed(st: InodeState, attr: Attr) -> Attr:
+    """*attr* with the attributes owed of its file laid over it."""
+    owed = st.owed
+    laid: Attr = {**attr, **owed, "ctime": max(attr["ctime"], st.owed_ctime)}
+    if "mode" in owed:
+        laid["mode"] = stat.S_IFMT(attr["mode"]) | (owed["mode"] & 0o7777)
+    return laid
+
+
+def owed_now(st: InodeState | None) -> OwedAttrs:
+    """The attributes owed of a file, to be sent now: still laid over its
+    replies until `sent_owed` (a reply from before they landed must not
+    show the old ones)."""
+    return OwedAttrs() if st is None else OwedAttrs(**st.owed)
+
+
+def sent_owed(st: InodeState | None, sent: OwedAttrs) -> None:
+    """*sent* (from `owed_now`) landed, or its call failed for good: no
+    longer owed, but what was set again since."""
+    if st is not None:
+        for key, value in sent.items():
+            if st.owed.get(key) == value:
+                del st.owed[key]  # type: ignore[misc]
 
 
 async def setattr_in_order(

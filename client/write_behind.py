@@ -27,7 +27,7 @@ import trio
 
 from shufflefs.client.layout import Piece, plan
 from shufflefs.client.storage_client import StorageClient
-from shufflefs.metadata.protocol import Attr, Layout
+from shufflefs.metadata.protocol import Attr, Layout, OwedAttrs
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer
 
@@ -49,6 +49,7 @@ class InodeState:
 
     size: int
     opens: int = 0
+    writers: int = 0  # of the opens, those that write (their close is `close_files`)
     dirty: bool = False  # written since the length was last reported
     mtime: int = 0  # ns of the last local write
     # an explicit mtime (utime: cp -p, tar x) came after the last local
@@ -63,6 +64,7 @@ class InodeState:
     # answered before it (trio runs the tasks of replies that arrive
     # together in any order) and must not hand anyone an older size
     attr: Attr | None = None
+    attr_at: float = 0.0  # time.monotonic() when `attr` came
     generation: int = 0  # bumps with every local write
     # Writes acknowledged to the caller but still on their way to storage.
     pending_bytes: int = 0
@@ -72,6 +74,11 @@ class InodeState:
     # write that continues it joins it
     queued: dict[bytes, Queued] = field(default_factory=dict)
     error: FsError | None = None  # the first failure of a write: reported by the next call
+    # a writeback mount's setattrs of the open file not sent yet: they go
+    # with its close, or with the next setattr or fsync (client/fs.py
+    # `setattr_behind`); meanwhile laid over every reply (`FileSystem.overlay`)
+    owed: OwedAttrs = field(default_factory=lambda: OwedAttrs())
+    owed_ctime: int = 0  # ns: when the last of them was set
 
     def newest(self, attr: Attr) -> Attr:
         """*attr* if it is at least as new as any attributes seen before
@@ -79,6 +86,7 @@ class InodeState:
         if self.attr is not None and attr["change"] < self.attr["change"]:
             return self.attr
         self.attr = attr
+        self.attr_at = time.monotonic()
         return attr
 
     @property

@@ -3,9 +3,11 @@ READDIRPLUS, CREATE replies)."""
 
 from __future__ import annotations
 
+import stat
+
 import pyfuse3
 
-from shufflefs.metadata.protocol import Attr
+from shufflefs.metadata.protocol import Attr, OwedAttrs
 
 BLOCK_SIZE = 4096  # st_blksize: small, so buffered readers do not turn a 2 KiB read into 1 MiB
 
@@ -38,3 +40,19 @@ def no_longer_than(entry: pyfuse3.EntryAttributes, keep: float) -> pyfuse3.Entry
     entry.entry_timeout = min(entry.entry_timeout, keep)
     entry.attr_timeout = min(entry.attr_timeout, keep)
     return entry
+
+
+def setattr_fields(entry: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields) -> OwedAttrs:
+    """What a SETATTR sets, but the size (mode: its permission bits)."""
+    attrs = OwedAttrs()
+    if fields.update_mode:
+        attrs["mode"] = stat.S_IMODE(entry.st_mode)
+    if fields.update_uid:
+        attrs["uid"] = entry.st_uid
+    if fields.update_gid:
+        attrs["gid"] = entry.st_gid
+    if fields.update_atime:
+        attrs["atime"] = entry.st_atime_ns
+    if fields.update_mtime:
+        attrs["mtime"] = entry.st_mtime_ns
+    return attrs

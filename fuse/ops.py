@@ -43,7 +43,12 @@ import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
 from shufflefs.fuse.dir_ahead import DirAhead
-from shufflefs.fuse.entry_attrs import BLOCK_SIZE, entry_attributes, no_longer_than
+from shufflefs.fuse.entry_attrs import (
+    BLOCK_SIZE,
+    entry_attributes,
+    no_longer_than,
+    setattr_fields,
+)
 from shufflefs.fuse.handler_guards import DirChanges, fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.listings import Listings
@@ -228,7 +233,10 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
             return self.entry(fresh[0])
         if self.watched is not None and (known := self.watched.attributes(inode)) is not None:
             return self.watched.keep(self.entry(known))
-        return None
+        # a file this mount writes: the kernel dropped its attributes at our
+        # own writes (chown, chmod, utime after them check permissions again)
+        written = self.fs.written_attr(inode, self.options.attr_timeout)
+        return None if written is None else self.entry(written)
 
     @fuse_errors
     @stale_when_gone
@@ -263,16 +271,16 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
             and (await self.fs.read_only.fresh_attr(inode))["nlink"] == 0
         ):
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
+        attrs = setattr_fields(attr, fields)
+        if self.writeback is not None and not fields.update_size:
+            # a file this mount writes: set with its close (client/fs.py)
+            behind = self.fs.setattr_behind(inode, attrs)
+            if behind is not None:
+                return self.entry(behind)
         if self.writeback is not None and fields.update_size:
             await self.writeback.done_with(inode)  # the close behind lands before the cut
         new = await self.fs.setattr(
-            inode,
-            mode=stat.S_IMODE(attr.st_mode) if fields.update_mode else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
-            size=attr.st_size if fields.update_size else None,
-            atime=attr.st_atime_ns if fields.update_atime else None,
-            mtime=attr.st_mtime_ns if fields.update_mtime else None,
+            inode, size=attr.st_size if fields.update_size else None, **attrs
         )
         if fields.update_size:
             self.cached.pop(inode, None)

@@ -63,6 +63,28 @@ def check_mode(mode: int) -> None:
         raise FsError(errno.EINVAL, f"invalid mode {mode}")
 
 
+def check_setattr(
+    mode: int | None = None,
+    uid: int | None = None,
+    gid: int | None = None,
+    size: int | None = None,
+    atime: int | None = None,
+    mtime: int | None = None,
+) -> None:
+    """The values of a setattr (the server's, and a writeback mount's that
+    sends them with the file's close: client/fs.py `setattr_behind`)."""
+    if mode is not None:
+        check_mode(mode)
+    for what, owner in (("uid", uid), ("gid", gid)):
+        if owner is not None:
+            check_id(owner, what)
+    if size is not None:
+        check_size(size)
+    for what, when in (("atime", atime), ("mtime", mtime)):
+        if when is not None:
+            check_time(when, what)
+
+
 def check_rdev(rdev: int) -> None:
     if not 0 <= rdev <= U64_MAX:
         raise FsError(errno.EINVAL, f"invalid rdev {rdev}")

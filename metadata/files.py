@@ -19,11 +19,11 @@ from typing import TypedDict
 
 from shufflefs.metadata.checks import (
     DOTS,
-    check_id,
     check_ino,
     check_mode,
     check_name,
     check_owner,
+    check_setattr,
     check_size,
     check_time,
 )
@@ -190,7 +190,9 @@ class FileOps:
 
     def close_files(self, files: list[WrittenClose], session: int) -> CloseOutcome:
         """`close_files`: per file its length report (`update_length`, if
-        asked) then its `release` (also if the report failed, as a client's
+        asked), the attributes set behind (a writeback mount's chmod, chown
+        or utime of the file while open: `setattr`, if any), then its
+        `release` (also if the report failed, as a client's
         close gives its handle back whatever happened), each in its own
         nested transaction: a file that fails is answered its error, the
         others stand."""
@@ -202,6 +204,8 @@ class FileOps:
             try:
                 if f["length"] is not None:
                     attr = self.update_length(f["ino"], f["length"], f["mtime"])
+                if f.get("attrs"):
+                    attr = self.setattr(f["ino"], **f["attrs"])
             except FsError as exc:
                 error = exc  # the handle is given back all the same
             try:
@@ -239,16 +243,7 @@ class FileOps:
     ) -> Attr:
         """A shrink records a truncate job in the same transaction (see
         `truncate_job`); a size change alone sets mtime to now, as truncate(2)."""
-        if mode is not None:
-            check_mode(mode)
-        for what, owner in (("uid", uid), ("gid", gid)):
-            if owner is not None:
-                check_id(owner, what)
-        if size is not None:
-            check_size(size)
-        for what, when in (("atime", atime), ("mtime", mtime)):
-            if when is not None:
-                check_time(when, what)
+        check_setattr(mode, uid, gid, size, atime, mtime)
 
         def body(tx: Tx) -> Attr:
             rec = tx.inode(ino)

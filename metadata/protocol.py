@@ -132,6 +132,17 @@ class SessionInfo(TypedDict):
     open_ro: int  # read-only handles it holds now (in the server's memory)
 
 
+class OwedAttrs(TypedDict, total=False):
+    """Attributes a writeback mount set on a file it has open for writing
+    and sends with the file's close (`setattr`'s fields but the size)."""
+
+    mode: int
+    uid: int
+    gid: int
+    atime: int
+    mtime: int
+
+
 class WrittenClose(TypedDict):
     """One close of a handle open for writing, in `close_files`."""
 
@@ -139,12 +150,13 @@ class WrittenClose(TypedDict):
     handle: int
     length: int | None  # reported first, as `update_length` does (None: no report)
     mtime: int | None  # with the length: the time of the writes (ns), or None to keep it
+    attrs: NotRequired[OwedAttrs]  # then set, as `setattr` does (absent: none)
 
 
 class ClosedFile(TypedDict):
     """How one close of `close_files` went (each on its own)."""
 
-    attr: Attr | None  # after the length report (None: no report was asked, or it failed)
+    attr: Attr | None  # after the length report and the attrs (None: neither asked, or failed)
     error: list[Any] | None  # [errno, message] if this close failed
 
 

@@ -25,7 +25,16 @@ import types
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints, is_typeddict
+from typing import (
+    Any,
+    Literal,
+    NotRequired,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+    is_typeddict,
+)
 
 from shufflefs.rpc import framing
 from shufflefs.rpc.errors import FsError
@@ -320,9 +329,15 @@ def validator_for(tp: Any, depth: int = 0) -> Validator:
 
 
 def _typeddict_validator(tp: Any, depth: int) -> Validator:
-    hints = get_type_hints(tp)
-    fields = {k: validator_for(t, depth + 1) for k, t in hints.items()}
-    required = frozenset(getattr(tp, "__required_keys__", hints.keys()))
+    hints = get_type_hints(tp, include_extras=True)
+    # `__required_keys__` misses a ``NotRequired`` field whose annotation is
+    # a string (``from __future__ import annotations``, Python < 3.12)
+    optional = {k for k, t in hints.items() if get_origin(t) is NotRequired}
+    fields = {
+        k: validator_for(get_args(t)[0] if k in optional else t, depth + 1)
+        for k, t in hints.items()
+    }
+    required = frozenset(getattr(tp, "__required_keys__", hints.keys())) - optional
 
     def check_record(v: Any, where: str) -> None:
         if not isinstance(v, dict):

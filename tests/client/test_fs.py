@@ -228,3 +228,66 @@ async def test_a_write_goes_behind_at_once_only_with_room_and_nothing_to_report(
     assert attr["size"] == 1010
     assert bytes(await fs.read(g.fh, 0, 2000)) == b"a" * 1000 + b"b" * 10
     await fs.release(g.fh)
+
+
+async def test_attributes_set_behind_go_with_the_close_and_show_meanwhile(
+    fs: FileSystem,
+) -> None:
+    """`setattr_behind` (a writeback mount's chmod, chown, utime of a file
+    it writes): answered at once and laid over every reply of the file; the
+    server has them after the close, never before (nothing else sent them)."""
+
+    async def server(ino: int) -> dict[str, int]:
+        return dict(await fs.meta.call_read("getattr", lambda m: m.getattr(ino)))
+
+    f = await create(fs, b"tarred")
+    await fs.write(f.fh, 0, b"t" * 100)
+    shown = fs.setattr_behind(f.ino, {"mode": 0o600, "uid": 7, "gid": 8, "mtime": 10**18})
+    assert shown is not None and shown["mode"] == 0o100600
+    assert (shown["uid"], shown["gid"], shown["mtime"], shown["size"]) == (7, 8, 10**18, 100)
+    before = await server(f.ino)
+    assert before["mode"] != 0o100600 and before["uid"] != 7
+    assert (await fs.getattr(f.ino))["mode"] == 0o100600  # over the server's reply
+    assert fs.written_attr(f.ino, 60.0) is not None
+    with pytest.raises(FsError) as bad:
+        fs.setattr_behind(f.ino, {"uid": -1})  # refused now, as the server would
+    assert bad.value.code == errno.EINVAL
+    await fs.release(f.fh)
+    after = await server(f.ino)
+    assert (after["mode"], after["uid"], after["gid"]) == (0o100600, 7, 8)
+    assert (after["mtime"], after["size"]) == (10**18, 100)
+    # not open for writing here: the caller sends them itself
+    assert fs.setattr_behind(f.ino, {"mode": 0o644}) is None
+    assert fs.written_attr(f.ino, 60.0) is None
+    g, _ = await fs.open(f.ino, os.O_RDONLY)
+    assert fs.setattr_behind(f.ino, {"mode": 0o644}) is None
+    await fs.release(g.fh)
+
+
+async def test_attributes_set_behind_give_way_to_later_writes_setattrs_and_fsync(
+    fs: FileSystem,
+) -> None:
+    """A write after a time set behind has its own time; a setattr sent now
+    carries what is owed under its own values; fsync sends what is owed."""
+
+    async def server(ino: int) -> dict[str, int]:
+        return dict(await fs.meta.call_read("getattr", lambda m: m.getattr(ino)))
+
+    f = await create(fs, b"owed")
+    assert fs.setattr_behind(f.ino, {"mtime": 5, "atime": 6}) is not None
+    await fs.write(f.fh, 0, b"w" * 10)  # after the utime: the write's time wins
+    await fs.release(f.fh)
+    after = await server(f.ino)
+    assert after["atime"] == 6 and after["mtime"] > 10**18
+
+    g, _ = await fs.open(f.ino, os.O_RDWR)
+    assert fs.setattr_behind(f.ino, {"mode": 0o640, "gid": 3}) is not None
+    await fs.setattr(f.ino, mode=0o604)  # sent now, with the owed gid under it
+    assert fs.inodes[f.ino].owed == {}
+    now = await server(f.ino)
+    assert (now["mode"], now["gid"]) == (0o100604, 3)
+    assert fs.setattr_behind(f.ino, {"uid": 9}) is not None
+    await fs.fsync(g.fh)  # durable and seen by others before the close
+    assert (await server(f.ino))["uid"] == 9
+    await fs.release(g.fh)
+    assert (await server(f.ino))["uid"] == 9

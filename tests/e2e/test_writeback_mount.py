@@ -8,16 +8,19 @@ reads and stats what it just closed; another mount reads every file whole
 once the mount's closes are done; a truncating reopen waits for the close
 behind, times set after the writes do not and are kept; an unmount (`shufflefs umount`) waits for
 the mount process, which finishes the closes still owed first, also when
-the storage daemons were stopped as it began; `shufflefs status` shows the
+the storage daemons were stopped as it began; the owner, mode and times set
+on an open file (tar x) go with its close; `shufflefs status` shows the
 mode.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -254,3 +257,75 @@ def test_times_set_after_the_writes_are_kept(
     assert int((mnt / "f").stat().st_mtime) == stamp == int(p.stat().st_mtime)
     assert int((mnt / "g").stat().st_mtime) == stamp + 1 == int(q.stat().st_mtime)
     assert read(mnt / "f") == content(0) and read(mnt / "g") == content(1)
+
+
+def test_owner_mode_and_times_set_on_an_open_file_go_with_its_close(
+    mounted: ProcessCluster, mnt: Path, tmp_path: Path
+) -> None:
+    """tar x (and cp -a) sets each file's owner, mode and times while it
+    holds it open: on a writeback mount these go with the file's close
+    (client/fs.py `setattr_behind`), so they return while the metadata
+    server and storage are stopped; the mount shows them at once, another
+    mount once the close is done."""
+    mountpoint = tmp_path / "wb"
+    mountpoint.mkdir()
+    # (attr_timeout: the kernel's permission check of the chown is answered
+    # from what the mount holds of the file however slow this machine is)
+    shufflefs(
+        "mount", "--config", str(mounted.client_config), "-o", "writeback,attr_timeout=30",
+        str(mountpoint),
+    )  # fmt: skip
+    try:
+        p = mountpoint / mnt.name / "tarred"
+        stamp = 1_400_000_000
+        fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, content(3))
+
+            def set_attributes() -> None:
+                os.fchown(fd, 1234, 5678)
+                os.fchmod(fd, 0o640)
+                os.utime(fd, (stamp, stamp))
+
+            with storage_stopped(mounted, "meta"):
+                # with the metadata server stopped, not waited for
+                setting = Call(set_attributes)
+                setting.join(STOPPED_MAX / 2)
+                assert setting.returned is not None
+                st = os.fstat(fd)
+                assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o640)
+                assert int(st.st_mtime) == stamp
+        finally:
+            os.close(fd)
+        settled(mount_metrics_url(mounted, mountpoint))
+        for seen in (mnt / "tarred", p):
+            st = seen.stat()
+            assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o640), seen
+            assert int(st.st_mtime) == stamp and st.st_size == SIZE
+        assert read(mnt / "tarred") == content(3)
+    finally:
+        shufflefs("umount", str(mountpoint))
+
+
+def test_tar_x_keeps_every_owner_mode_and_time(
+    mounted: ProcessCluster, wmnt: Path, mnt: Path, tmp_path: Path
+) -> None:
+    archive = tmp_path / "set.tar"
+    members = [
+        (f"m{i}", 0o600 + i % 3 * 0o40, 1000 + i, 2000 + i, 1_300_000_000 + i) for i in range(12)
+    ]
+    with tarfile.open(archive, "w") as tar:
+        for i, (name, mode, uid, gid, mtime) in enumerate(members):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.uid, info.gid, info.mtime = SIZE - i, mode, uid, gid, mtime
+            tar.addfile(info, io.BytesIO(content(i)[: SIZE - i]))
+    target = wmnt / mnt.name / "untarred"
+    target.mkdir()
+    subprocess.run(["tar", "xf", str(archive), "-C", str(target)], check=True, timeout=60)
+    settled(mount_metrics_url(mounted, wmnt))
+    for i, (name, mode, uid, gid, mtime) in enumerate(members):
+        for seen in (mnt / "untarred" / name, target / name):
+            st = seen.stat()
+            assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, uid, gid), seen
+            assert int(st.st_mtime) == mtime and st.st_size == SIZE - i, seen
+        assert read(mnt / "untarred" / name) == content(i)[: SIZE - i]

@@ -65,3 +65,34 @@ async def test_too_many_files_or_a_bad_one_is_refused(env: Env) -> None:
     closed = await env.meta.close_files([close(a, ha, -1)], env.session)  # a negative length
     assert closed[0]["error"] is not None and closed[0]["error"][0] == errno.EINVAL
     assert (await env.meta.getattr(a))["size"] == 0
+
+
+async def test_attributes_set_behind_apply_after_the_length_and_a_bad_one_fails_its_file(
+    env: Env,
+) -> None:
+    """A writeback mount's chmod, chown and utime of an open file come with
+    its close (`attrs`): set after the length report (its mtime over the
+    writes'); a value the server refuses fails that file's close alone, and
+    its handle is given back all the same."""
+    a, ha = await env.create(ROOT, b"a")
+    b, hb = await env.create(ROOT, b"b")
+    handles = env.store.read_only.count()
+    good = close(a, ha, 500, 9_000_000_000)
+    good["attrs"] = {"mode": 0o600, "uid": 7, "gid": 8, "atime": 3, "mtime": 4}
+    bad = close(b, hb, None)
+    bad["attrs"] = {"uid": 1 << 40}
+    closed = await env.meta.close_files([good, bad], env.session)
+    attr = closed[0]["attr"]
+    assert closed[0]["error"] is None and attr is not None
+    assert (attr["mode"], attr["uid"], attr["gid"]) == (0o100600, 7, 8)
+    assert (attr["size"], attr["atime"], attr["mtime"]) == (500, 3, 4)
+    assert (await env.meta.getattr(a))["mode"] == 0o100600
+    assert closed[1]["error"] is not None and closed[1]["error"][0] == errno.EINVAL
+    assert (await env.meta.getattr(b))["uid"] != 1 << 40
+    assert env.store.read_only.count() == handles - 2
+    with pytest.raises(FsError) as info:  # a field setattr does not have: refused whole
+        await env.meta.close_files(
+            [{**close(a, ha, None), "attrs": {"size": 1}}],  # type: ignore[list-item]
+            env.session,
+        )
+    assert info.value.code == errno.EINVAL

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import socket
 import struct
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import msgpack
 import pytest
@@ -21,6 +21,7 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 class Item(TypedDict):
     name: bytes
     size: int
+    extra: NotRequired[int]  # (a string annotation here: the module's __future__ import)
 
 
 class Echo:
@@ -51,7 +52,7 @@ class Echo:
 
     @rpc_method
     async def items(self, items: list[Item], tag: str | None = None) -> int:
-        return sum(i["size"] for i in items)
+        return sum(i["size"] + i.get("extra", 0) for i in items)
 
     @rpc_method
     async def upper(self, payload: bytearray | None) -> Reply:
@@ -96,6 +97,8 @@ async def test_calls_and_errors(nursery: trio.Nursery) -> None:
         ("items", {"items": [{"name": b"x"}]}),
         ("items", {"items": {"name": b"x", "size": 1}}),
         ("items", {"items": [], "tag": 5}),
+        ("items", {"items": [{"name": b"x", "size": 1, "extra": "1"}]}),
+        ("items", {"items": [{"name": b"x", "size": 1, "other": 1}]}),
     ],
 )
 async def test_wrong_argument_types_get_einval(
@@ -107,6 +110,15 @@ async def test_wrong_argument_types_get_einval(
             await rpc.call(addr, method, args)
         assert info.value.errno == errno.EINVAL
         assert await rpc.call(addr, "add", {"a": 1}) == 1  # connection still good
+
+
+async def test_a_not_required_field_may_be_left_out_and_is_checked_when_given(
+    nursery: trio.Nursery,
+) -> None:
+    addr = await start(nursery)
+    async with open_rpc_client(SECRET) as rpc:
+        one = {"name": b"x", "size": 1}
+        assert await rpc.call(addr, "items", {"items": [one, {**one, "extra": 5}]}) == 7
 
 
 async def test_unknown_method(nursery: trio.Nursery) -> None:

@@ -1,0 +1,111 @@
+"""The namespace calls of `FileSystem` (a base of it): mkdir, link,
+unlink, rename, listings, xattrs: each one metadata call, its attributes
+laid over by this client's own (`FileSystem.overlay`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shufflefs.metadata.protocol import Attr, ReaddirLayoutsPage, ReaddirPage
+
+if TYPE_CHECKING:
+    from shufflefs.client.cache_watch import CacheWatch
+    from shufflefs.client.meta_client import MetaClient
+    from shufflefs.client.write_behind import InodeState
+
+
+class NamespaceCalls:
+    if TYPE_CHECKING:
+        meta: MetaClient
+        cache_watch: CacheWatch | None
+        inodes: dict[int, InodeState]
+
+        def overlay(self, attr: Attr) -> Attr: ...
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        return await self.meta.call_at_most_once(
+            "mkdir", lambda m: m.mkdir(parent, name, mode, uid, gid)
+        )
+
+    async def mknod(
+        self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+    ) -> Attr:
+        return await self.meta.call_at_most_once(
+            "mknod", lambda m: m.mknod(parent, name, mode, rdev, uid, gid)
+        )
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        return await self.meta.call_at_most_once(
+            "symlink", lambda m: m.symlink(parent, name, target, uid, gid)
+        )
+
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
+        attr = await self.meta.call_at_most_once(
+            "link", lambda m: m.link(ino, new_parent, new_name)
+        )
+        return self.overlay(attr)
+
+    async def readlink(self, ino: int) -> bytes:
+        return await self.meta.call_read("readlink", lambda m: m.readlink(ino))
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        await self.meta.call_at_most_once("unlink", lambda m: m.unlink(parent, name))
+        self._attrs_changed()
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self.meta.call_at_most_once("rmdir", lambda m: m.rmdir(parent, name))
+
+    async def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> None:
+        await self.meta.call_at_most_once(
+            "rename", lambda m: m.rename(parent, name, new_parent, new_name, flags)
+        )
+        self._attrs_changed()
+
+    async def readdir_layouts(
+        self, ino: int, after: bytes | None, limit: int
+    ) -> ReaddirLayoutsPage:
+        page = await self.meta.call_read(
+            "readdir_layouts", lambda m: m.readdir_layouts(ino, after, limit)
+        )
+        page["entries"] = [(n, self.overlay(a), lay) for n, a, lay in page["entries"]]
+        return page
+
+    async def readdir(
+        self, ino: int, after: bytes | None, limit: int, watch: bool = False
+    ) -> ReaddirPage:
+        """A page of directory *ino*; *watch* (a first page): the cache watch
+        keeps the listing fresh from here if it can (`CacheWatch.dir_attr`)."""
+        watched = None
+        if watch and after is None and self.cache_watch is not None:
+            watched = await self.cache_watch.watch_dir(ino, limit)
+        page: ReaddirPage = (
+            await self.meta.call_read("readdir", lambda m: m.readdir(ino, after, limit))
+            if watched is None
+            else {"entries": watched["entries"], "more": watched["more"]}
+        )
+        return {
+            "entries": [(name, self.overlay(attr)) for name, attr in page["entries"]],
+            "more": page["more"],
+        }
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        return await self.meta.call_read("getxattr", lambda m: m.getxattr(ino, name))
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        await self.meta.call_at_most_once("setxattr", lambda m: m.setxattr(ino, name, value, flags))
+        self._attrs_changed()
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        return await self.meta.call_read("listxattr", lambda m: m.listxattr(ino))
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        await self.meta.call_at_most_once("removexattr", lambda m: m.removexattr(ino, name))
+        self._attrs_changed()
+
+    def _attrs_changed(self) -> None:
+        """A change by this client that no reply told of (an unlink's nlink,
+        a rename's or an xattr's ctime): `written_attr` asks the server again."""
+        for st in self.inodes.values():
+            st.attr_at = 0.0
