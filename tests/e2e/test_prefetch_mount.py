@@ -551,5 +551,8 @@ def test_a_cold_prefetch_reads_the_chunk_files_here_and_never_a_damaged_block(
     held = {os.path.basename(t) for t in open_files(mount_pid(mounted, lmnt)) if "/chunks/" in t}
     for i in range(8):
         assert (here / f"f{i}").read_bytes() == data[i], i
-    inos = {f"{(d / f'f{i}').stat().st_ino:016x}" for i in range(8)}
-    assert inos <= {name[:16] for name in held}  # every file read from its chunk files here
+    # every undamaged file read from its chunk files here (a damaged one's
+    # piece went to the daemons, or to another replica here: which one the
+    # replica choice took, by load, is not this test's)
+    inos = {f"{(d / f'f{i}').stat().st_ino:016x}" for i in range(4, 8)}
+    assert inos <= {name[:16] for name in held}
