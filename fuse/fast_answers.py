@@ -1,6 +1,8 @@
 """Requests the mount's caches answer, answered in libfuse's callback before
 pyfuse3 sees them: OPEN, RELEASE, LOOKUP and GETATTR; and WRITE when it goes
-behind with no wait, FLUSH and a written file's RELEASE on ``-o writeback``.
+behind with no wait, FLUSH, a written file's RELEASE and the SETATTR of a
+file open for writing (owner, mode, times: set with its close) on
+``-o writeback``.
 
 A warm sample read through a read-write or ``-o ro`` mount costs the mount
 its OPEN and its RELEASE (the kernel answers the READs from its page cache),
@@ -39,6 +41,8 @@ import contextlib
 import ctypes
 import errno
 import logging
+import stat
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
@@ -50,6 +54,7 @@ from prometheus_client.metrics_core import Metric
 from shufflefs.cluster.metrics_client import counts_family
 from shufflefs.fuse.libfuse import FUSE_BUF_IS_FD, FuseBufvec, KernelQueue
 from shufflefs.fuse.read_inode import BITS_OFFSET, DIRECT_IO_BIT, FH_OFFSET, KEEP_CACHE_BIT
+from shufflefs.metadata.protocol import OwedAttrs
 
 if TYPE_CHECKING:
     from shufflefs.fuse.ops import ShuffleOps
@@ -62,6 +67,11 @@ log = logging.getLogger("shufflefs.fuse.fast_answers")
 ENTRY_OFFSET = 16
 STAT_OFFSET = ENTRY_OFFSET + 16
 STAT_SIZE = 144
+# struct stat (x86_64): st_mode, st_uid, st_gid (u32); st_atim, st_mtim (s, ns)
+MODE_AT, UID_AT, GID_AT, ATIME_AT, MTIME_AT = 24, 28, 32, 72, 88
+# fuse_lowlevel.h: what a SETATTR sets
+SET_MODE, SET_UID, SET_GID, SET_SIZE, SET_ATIME, SET_MTIME = 1, 2, 4, 8, 16, 32
+SET_ATIME_NOW, SET_MTIME_NOW = 1 << 7, 1 << 8
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -80,14 +90,51 @@ def entry_layout_ok() -> bool:
     base = id(e) + ENTRY_OFFSET
     u64 = ctypes.c_uint64.from_address
     f64 = ctypes.c_double.from_address
+    e.st_mode, e.st_uid, e.st_gid = 0o100640, 0x1234, 0x5678
+    e.st_atime_ns, e.st_mtime_ns = 1_234_567_891_234, 9_876_543_219_876
+    u32 = ctypes.c_uint32.from_address
+    at = STAT_OFFSET + id(e)
     return (
-        u64(base).value == e.st_ino
+        (u32(at + MODE_AT).value, u32(at + UID_AT).value, u32(at + GID_AT).value)
+        == (e.st_mode, e.st_uid, e.st_gid)
+        and stat_time(at + ATIME_AT) == e.st_atime_ns
+        and stat_time(at + MTIME_AT) == e.st_mtime_ns
+        and u64(base).value == e.st_ino
         and u64(base + 8).value == e.generation
         and u64(STAT_OFFSET + id(e) + 8).value == e.st_ino  # struct stat's st_ino
         and u64(STAT_OFFSET + id(e) + 48).value == e.st_size
         and f64(STAT_OFFSET + id(e) + STAT_SIZE).value == e.attr_timeout
         and f64(STAT_OFFSET + id(e) + STAT_SIZE + 8).value == e.entry_timeout
     )
+
+
+def stat_time(address: int) -> int:
+    """A ``struct timespec`` at *address*, in ns."""
+    i64 = ctypes.c_int64.from_address
+    return i64(address).value * 1_000_000_000 + i64(address + 8).value
+
+
+def setattr_request(attr: int, to_set: int) -> OwedAttrs:
+    """What a SETATTR (but its size) sets, read as pyfuse3 reads it: its
+    ``struct stat`` at *attr*, *to_set* its FUSE_SET_ATTR_* bits."""
+    u32 = ctypes.c_uint32.from_address
+    attrs = OwedAttrs()
+    if to_set & SET_MODE:
+        attrs["mode"] = stat.S_IMODE(u32(attr + MODE_AT).value)
+    if to_set & SET_UID:
+        attrs["uid"] = u32(attr + UID_AT).value
+    if to_set & SET_GID:
+        attrs["gid"] = u32(attr + GID_AT).value
+    now = time.time_ns() if to_set & (SET_ATIME_NOW | SET_MTIME_NOW) else 0
+    if to_set & SET_ATIME:
+        attrs["atime"] = stat_time(attr + ATIME_AT)
+    elif to_set & SET_ATIME_NOW:
+        attrs["atime"] = now
+    if to_set & SET_MTIME:
+        attrs["mtime"] = stat_time(attr + MTIME_AT)
+    elif to_set & SET_MTIME_NOW:
+        attrs["mtime"] = now
+    return attrs
 
 
 @dataclass
@@ -101,6 +148,7 @@ class FastAnswerCounts:
     getattr: int = 0
     write: int = 0  # gone behind (client/write_behind.py)
     flush: int = 0  # -o writeback: the release does the work, behind
+    setattr: int = 0  # -o writeback: owner, mode, times of a file open for writing
     ioctl: int = 0  # taken while draining the queue: libfuse answers them (ENOSYS)
 
     def collect(self) -> Iterable[Metric]:
@@ -138,6 +186,7 @@ class FastAnswers:
         if entry_layout_ok():
             self.hooks.fast_lookup = self.lookup
             self.hooks.fast_getattr = self.getattr
+            self.hooks.fast_setattr = self.setattr
         else:
             log.warning("LOOKUP and GETATTR stay with pyfuse3: its EntryAttributes layout differs")
 
@@ -148,7 +197,7 @@ class FastAnswers:
         """Take no more requests (before the FUSE session closes)."""
         self.hooks.fast_open = self.hooks.fast_release = None
         self.hooks.fast_write = self.hooks.fast_flush = None
-        self.hooks.fast_lookup = self.hooks.fast_getattr = None
+        self.hooks.fast_lookup = self.hooks.fast_getattr = self.hooks.fast_setattr = None
 
     def open(self, req: int, ino: int, fi: int) -> bool:
         """Answer an OPEN (True) or decline it (nothing done)."""
@@ -215,6 +264,17 @@ class FastAnswers:
             return self._declined()
         self.libfuse.reply_attr(req, id(entry) + STAT_OFFSET, entry.attr_timeout)
         return self._answered("getattr")
+
+    def setattr(self, req: int, ino: int, attr: int, to_set: int) -> bool:
+        """Answer a SETATTR (True) or decline it (nothing done)."""
+        if not attr or to_set & SET_SIZE:
+            return self._declined()
+        attrs = setattr_request(attr, to_set)
+        entry = self._try("SETATTR", ino, self.ops.setattr_now, ino, attrs)
+        if entry is None:
+            return self._declined()
+        self.libfuse.reply_attr(req, id(entry) + STAT_OFFSET, entry.attr_timeout)
+        return self._answered("setattr")
 
     # ---- internals -------------------------------------------------------------
 

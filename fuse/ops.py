@@ -60,7 +60,7 @@ from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.fuse.watched_entries import WatchedEntries
 from shufflefs.fuse.writeback import WritebackCloses
 from shufflefs.fuse.xattr_ops import XattrOps
-from shufflefs.metadata.protocol import Attr
+from shufflefs.metadata.protocol import Attr, OwedAttrs
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse")
@@ -272,11 +272,8 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
         ):
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
         attrs = setattr_fields(attr, fields)
-        if self.writeback is not None and not fields.update_size:
-            # a file this mount writes: set with its close (client/fs.py)
-            behind = self.fs.setattr_behind(inode, attrs)
-            if behind is not None:
-                return self.entry(behind)
+        if not fields.update_size and (entry := self.setattr_now(inode, attrs)) is not None:
+            return entry
         if self.writeback is not None and fields.update_size:
             await self.writeback.done_with(inode)  # the close behind lands before the cut
         new = await self.fs.setattr(
@@ -287,6 +284,12 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
             self.read_through.pop(inode, None)
             self.prefetch.changed(inode)
         return self.entry(new)
+
+    def setattr_now(self, inode: int, attrs: OwedAttrs) -> pyfuse3.EntryAttributes | None:
+        """A SETATTR (but a size) of a file this writeback mount has open for
+        writing, set with its close (client/fs.py); also in libfuse's callback."""
+        behind = None if self.writeback is None else self.fs.setattr_behind(inode, attrs)
+        return None if behind is None else self.entry(behind)
 
     @fuse_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

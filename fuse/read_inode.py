@@ -74,7 +74,8 @@ GETATTR = "getattr"  # (req, ino, fi), as open
 LOOKUP = "lookup"  # (req, parent, name)
 # (req, ino, struct fuse_bufvec *, off, fi): how libfuse hands pyfuse3 a WRITE
 WRITE_BUF = "write_buf"
-FOUND = (OPENDIR, GETATTR, LOOKUP, WRITE_BUF)  # slots found by their callback's address
+SETATTR = "setattr"  # (req, ino, struct stat *, int to_set, fi)
+FOUND = (OPENDIR, GETATTR, LOOKUP, WRITE_BUF, SETATTR)  # slots found by their callback's address
 PATCHED = ("read", "readdirplus")  # same signature: (req, ino, size, off, fi)
 SCAN_WORDS = 128  # the table starts within the first few words of the session
 TABLE_WORDS = 64  # fuse_lowlevel_ops has fewer slots than this
@@ -94,6 +95,12 @@ WRITE_CALLBACK = ctypes.CFUNCTYPE(
 )
 PYFUSE3_WRITE = ctypes.PYFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+)
+SETATTR_CALLBACK = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
+)
+PYFUSE3_SETATTR = ctypes.PYFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
 )
 # (the name as a pointer: handed on to pyfuse3 untouched, read only when needed)
 LOOKUP_CALLBACK = OPEN_CALLBACK
@@ -151,6 +158,7 @@ FastRead = Callable[[int, int, int, int, int], bool]  # (req, ino, size, off, fi
 # (req, ino, fi) -> answered? (OPEN, RELEASE, GETATTR); (req, parent, name) for LOOKUP
 FastAnswer = Callable[[int, int, int], bool]
 FastWrite = Callable[[int, int, int, int, int], bool]  # (req, ino, bufv, off, fi) -> answered?
+FastSetattr = Callable[[int, int, int, int], bool]  # (req, ino, struct stat *, to_set)
 # offsetof(struct fuse_file_info, fh) in libfuse 3 (an int of flags, two
 # 32-bit words of bit fields, then the 64-bit handle). Not trusted blindly:
 # `ReadInodes.confirm` checks it against pyfuse3's own reading first.
@@ -185,6 +193,7 @@ class ReadInodes:
     fast_getattr: FastAnswer | None = None
     fast_write: FastWrite | None = None  # ... and WRITE and FLUSH, as OPEN and RELEASE
     fast_flush: FastAnswer | None = None
+    fast_setattr: FastSetattr | None = None  # ... and SETATTR, as GETATTR
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
@@ -316,6 +325,9 @@ class ReadInodes:
             patches[slots[LOOKUP]] = LOOKUP_CALLBACK(
                 self._offered(PYFUSE3_LOOKUP(address[LOOKUP]), "fast_lookup")
             )
+            patches[slots[SETATTR]] = SETATTR_CALLBACK(
+                self._setattr(PYFUSE3_SETATTR(address[SETATTR]))
+            )
         for slot, trampoline in patches.items():
             keep.append(trampoline)
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
@@ -363,6 +375,15 @@ class ReadInodes:
             if fi and fast is not None and self.fh_confirmed and fast(req, ino, bufv, off, fi):
                 return
             original(req, ino, bufv, off, fi)
+
+        return trampoline
+
+    def _setattr(self, original: Callable[..., None]) -> Callable[..., None]:
+        def trampoline(req: int, ino: int, attr: int, to_set: int, fi: int) -> None:
+            fast = self.fast_setattr
+            if fast is not None and fast(req, ino, attr, to_set):
+                return
+            original(req, ino, attr, to_set, fi)
 
         return trampoline
 

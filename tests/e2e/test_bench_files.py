@@ -10,9 +10,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from clusters import ProcessCluster, wait_until
 
 
+@pytest.mark.usefixtures("kernel_caches")  # its cold rows drop them
 def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None:
     local = tmp_path / "local"
     local.mkdir()

@@ -263,6 +263,7 @@ def test_fsspec_and_pandas_read_without_a_mount(places: Places, mounted: Process
         fs.info("/data-tests/missing")
 
 
+@pytest.mark.usefixtures("kernel_caches")  # its cold rows drop them
 def test_bench_loader_runs_every_row(mounted: ProcessCluster, tmp_path: Path) -> None:
     plot = tmp_path / "loader.png"
     result = subprocess.run(
