@@ -15,6 +15,7 @@ writes."""
 from __future__ import annotations
 
 import errno
+import logging
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,8 @@ from shufflefs.client.write_behind import InodeState
 from shufflefs.metadata.checks import check_setattr
 from shufflefs.metadata.protocol import Attr, ClosedFile, MetaStub, OwedAttrs, WrittenClose
 from shufflefs.rpc.errors import FsError
+
+log = logging.getLogger("shufflefs.client.length_reports")
 
 
 async def report_length(meta: MetaClient, ino: int, st: InodeState) -> None:
@@ -63,7 +66,8 @@ class Closes:
         self.session = session
         self.release = release  # one handle given back (`ReadOnlyCalls.release`)
         self.batch: Batcher[WrittenClose, ClosedFile] = Batcher(self._one, self._many, "close")
-        self._close_files = True  # until a metadata server answers ENOSYS
+        self._close_files_supported = True  # until a metadata server answers ENOSYS
+        self._attrs_in_close = True  # until one refuses `attrs` (a server of before them)
 
     async def close(self, ino: int, handle: int, st: InodeState | None) -> None:
         """Report *ino*'s length if *st* has writes unreported, and give
@@ -92,14 +96,50 @@ class Closes:
             raise FsError.from_wire(closed["error"])
 
     async def _many(self, files: list[WrittenClose]) -> list[ClosedFile | None]:
+        if not self._attrs_in_close:
+            files = await self._attrs_first(files)
+        try:
+            return await self._close_files(files)
+        except FsError as exc:
+            if not (exc.code == errno.EINVAL and "unexpected field 'attrs'" in exc.message):
+                raise
+        self._attrs_in_close = False
+        log.info("the metadata server takes no attributes with a close: setattr first")
+        return await self._close_files(await self._attrs_first(files))
+
+    async def _close_files(self, files: list[WrittenClose]) -> list[ClosedFile | None]:
         closed: list[ClosedFile] = await self.meta.call_at_most_once(
             "close_files", lambda m: m.close_files(files, self.session.id)
         )
         return list(closed)
 
+    async def _attrs_first(self, files: list[WrittenClose]) -> list[WrittenClose]:
+        """(A metadata server of before `close_files` took `attrs`.) Each
+        file's attributes set behind, sent by `setattr` before its close;
+        one it refuses is logged (the close still goes: a writeback close's
+        failure is logged the same way)."""
+        out: list[WrittenClose] = []
+        for f in files:
+            attrs = f.get("attrs")
+            if attrs:
+                f = WrittenClose(
+                    ino=f["ino"], handle=f["handle"], length=f["length"], mtime=f["mtime"]
+                )
+                try:
+                    await self.meta.call_idempotent("setattr", _setattr_call(f["ino"], attrs))
+                except FsError as exc:
+                    log.error(
+                        "the attributes set on ino=%d were refused: errno=%d %s",
+                        f["ino"],
+                        exc.code,
+                        exc.message,
+                    )
+            out.append(f)
+        return out
+
     async def _one(self, f: WrittenClose) -> ClosedFile:
         """One close alone (nothing else in flight), or one whose batch failed."""
-        if self._close_files:
+        if self._close_files_supported:
             try:
                 closed = await self._many([f])
                 if len(closed) == 1 and closed[0] is not None:
@@ -108,7 +148,7 @@ class Closes:
             except FsError as exc:
                 if exc.code != errno.ENOSYS:
                     raise
-                self._close_files = False
+                self._close_files_supported = False
         attr: Attr | None = None
         try:
             if f["length"] is not None:
@@ -117,13 +157,16 @@ class Closes:
                     "update_length", lambda m: m.update_length(f["ino"], length, f["mtime"])
                 )
             if f.get("attrs"):
-                attrs = f["attrs"]
                 attr = await self.meta.call_idempotent(
-                    "setattr", lambda m: m.setattr(f["ino"], **attrs)
+                    "setattr", _setattr_call(f["ino"], f["attrs"])
                 )
         finally:
             await self.release(f["ino"], f["handle"])
         return {"attr": attr, "error": None}
+
+
+def _setattr_call(ino: int, attrs: OwedAttrs) -> Callable[[MetaStub], Awaitable[Attr]]:
+    return lambda m: m.setattr(ino, **attrs)
 
 
 def owe_attrs(st: InodeState, attrs: OwedAttrs) -> None:
