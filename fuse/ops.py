@@ -53,6 +53,7 @@ from shufflefs.fuse.handler_guards import DirChanges, fuse_errors, mutation, sta
 from shufflefs.fuse.inode_reads import InodeReads
 from shufflefs.fuse.listings import Listings
 from shufflefs.fuse.mount_options import MountOptions
+from shufflefs.fuse.now_answers import NowAnswers
 from shufflefs.fuse.page_store import KernelPages
 from shufflefs.fuse.prefetch import Prefetcher
 from shufflefs.fuse.prefetch_hints import version_of
@@ -60,13 +61,13 @@ from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.fuse.watched_entries import WatchedEntries
 from shufflefs.fuse.writeback import WritebackCloses
 from shufflefs.fuse.xattr_ops import XattrOps
-from shufflefs.metadata.protocol import Attr, OwedAttrs
+from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse")
 
 
-class ShuffleOps(XattrOps, pyfuse3.Operations):
+class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
     def __init__(self, fs: FileSystem, options: MountOptions | None = None) -> None:
         super().__init__()
         self.fs = fs
@@ -137,39 +138,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
 
     # ---- names and attributes ------------------------------------------------------
 
-    def lookup_now(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes | None:
-        """LOOKUP answered in libfuse's callback (fuse/fast_answers.py) when
-        the mount's caches answer it: a name the cache watch keeps fresh
-        (read-write), or a hinted file whose bytes are held (``ro``); None
-        leaves it to `lookup`."""
-        if self.inode_reads is not None:  # (cache=immutable: its handle is opened first)
-            return None
-        cached = self._cached_entry(parent_inode, name)
-        return None if cached is None else self._found(*cached, parent_inode, name)
-
-    def _cached_entry(self, parent_inode: int, name: bytes) -> tuple[Attr, float] | None:
-        """A name's attributes from this mount's caches, with no round trip,
-        and how long the kernel may keep them at most: a name the cache
-        watch keeps fresh (read-write), a hinted file whose bytes are held,
-        or a name a listing brought (read-only: fuse/dir_ahead.py)."""
-        if self.watched is not None:
-            attr = self.watched.lookup(parent_inode, name)
-        elif self.options.read_only:
-            attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
-            if attr is None:
-                return self.dir_ahead.lookup(parent_inode, name)
-        else:
-            return None
-        return None if attr is None else (attr, math.inf)
-
-    def _found(
-        self, attr: Attr, keep: float, parent_inode: int, name: bytes
-    ) -> pyfuse3.EntryAttributes:
-        entry = no_longer_than(self.remember(attr), keep)
-        if self.watched is not None:
-            self.watched.extend(entry, parent_inode, name)
-        return entry
-
     @fuse_errors
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
@@ -220,24 +188,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
                 self.regular.discard(ino)
                 self.dir_changes.created_in.pop(ino, None)
 
-    def getattr_now(self, inode: int) -> pyfuse3.EntryAttributes | None:
-        """GETATTR answered with no round trip (also in libfuse's callback,
-        fuse/fast_answers.py), or None."""
-        # A create makes the kernel drop the directory's cached attributes,
-        # and the next lookup or create in it (permission checks) asks for
-        # them again: one metadata round trip per file written into a
-        # directory. The create's reply carried them, as fresh as any the
-        # kernel caches for attr_timeout; they answer that one getattr.
-        fresh = self.dir_changes.created_in.pop(inode, None)
-        if fresh is not None and fresh[1] > trio.current_time():
-            return self.entry(fresh[0])
-        if self.watched is not None and (known := self.watched.attributes(inode)) is not None:
-            return self.watched.keep(self.entry(known))
-        # a file this mount writes: the kernel dropped its attributes at our
-        # own writes (chown, chmod, utime after them check permissions again)
-        written = self.fs.written_attr(inode, self.options.attr_timeout)
-        return None if written is None else self.entry(written)
-
     @fuse_errors
     @stale_when_gone
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -284,12 +234,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
             self.read_through.pop(inode, None)
             self.prefetch.changed(inode)
         return self.entry(new)
-
-    def setattr_now(self, inode: int, attrs: OwedAttrs) -> pyfuse3.EntryAttributes | None:
-        """A SETATTR (but a size) of a file this writeback mount has open for
-        writing, set with its close (client/fs.py); also in libfuse's callback."""
-        behind = None if self.writeback is None else self.fs.setattr_behind(inode, attrs)
-        return None if behind is None else self.entry(behind)
 
     @fuse_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -432,19 +376,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
             raise FsError(errno.ESTALE, f"inode {inode} was removed")
         return self._opened(f.fh, attr, flags)
 
-    def open_now(self, inode: int, flags: int) -> pyfuse3.FileInfo | None:
-        """OPEN answered in libfuse's callback (fuse/fast_answers.py) when it
-        needs no round trip: a read-only open the client's open cache
-        answers (`FileSystem.open_now`); None leaves it to `open`."""
-        if self.inode_reads is not None:
-            return None
-        hit = self.fs.open_now(inode, flags)
-        return None if hit is None else self._opened(hit[0].fh, hit[1], flags)
-
-    def _opened(self, fh: int, attr: Attr, flags: int) -> pyfuse3.FileInfo:
-        self.prefetch.opened(attr)
-        return self.file_info(fh, attr, flags)
-
     @fuse_errors
     @mutation
     async def create(
@@ -488,12 +419,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
         self.handed(ino, off, len(got))
         return got
 
-    def handed(self, ino: int, off: int, n: int) -> None:
-        """*n* bytes of *ino* at *off* went to the kernel (`read_through`)."""
-        through = self.read_through.get(ino, 0)
-        if off <= through < off + n:
-            self.read_through[ino] = off + n
-
     @fuse_errors
     @mutation
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -511,23 +436,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
         self._written(f.ino, off + n)
         return n
 
-    def write_now(self, fh: int, off: int, buf: bytes) -> int | None:
-        """WRITE answered in libfuse's callback (fuse/fast_answers.py) when
-        it goes behind with no wait (`FileSystem.write_now`); None leaves it
-        to `write`."""
-        f = self.fs.files.get(fh)
-        if f is None or fh in self.append_direct or self.options.read_only:
-            return None
-        n = self.fs.write_now(fh, off, buf)
-        if n is not None:
-            self._written(f.ino, off + n)
-        return n
-
-    def _written(self, ino: int, end: int) -> None:
-        self.prefetch.changed(ino)
-        # the kernel grows its i_size to the end of the write as it placed it
-        self.kernel_size[ino] = max(self.kernel_size.get(ino, 0), end)
-
     @fuse_errors
     async def flush(self, fh: int) -> None:
         if self.options.read_only:
@@ -543,30 +451,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh)
 
-    def flush_now(self) -> bool:
-        """FLUSH answered in libfuse's callback: a -o writeback mount's,
-        whose release does the work behind (`flush`)."""
-        return self.writeback is not None and not self.options.read_only
-
-    def release_now(self, fh: int) -> bool:
-        """RELEASE answered in libfuse's callback (fuse/fast_answers.py) when
-        it needs no round trip and no wait (`FileSystem.release_now`; on a
-        -o writeback mount a written handle's, when its close can go
-        behind at once); False leaves it to `release`."""
-        f = self.fs.files.get(fh)
-        if f is None:
-            return False
-        if f.writable:
-            if self.writeback is None or not self.writeback.room():
-                return False
-            self._released(fh, f.ino, True)
-            self.writeback.begin(fh, f.ino)
-            return True
-        if not self.fs.release_now(fh):
-            return False
-        self.prefetch.released(f.ino)
-        return True
-
     @fuse_errors
     async def release(self, fh: int) -> None:
         READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_answers.py)
@@ -579,13 +463,6 @@ class ShuffleOps(XattrOps, pyfuse3.Operations):
                 await self.writeback.close(fh, f.ino)
                 return
         await self.fs.release(fh)
-
-    def _released(self, fh: int, ino: int, writable: bool) -> None:
-        self.append_direct.discard(fh)
-        if writable:
-            self.cached.pop(ino, None)
-            self.read_through.pop(ino, None)
-        self.prefetch.released(ino)
 
     # ---- directories ------------------------------------------------------------------
 
