@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster, another_mount, wait_until
+from clusters import ProcessCluster, another_mount, mount_metrics_url, wait_until
 from harness import shufflefs
 from opsworld import total
 
@@ -139,3 +139,43 @@ def test_fsync_is_durable_across_a_metadata_kill(single: ProcessCluster, other: 
         f.write(b"more")
     wait_until("the length after the restart", lambda: path.stat().st_size == SIZE + 4)
     assert (other / "synced.bin").read_bytes() == content(7) + b"more"
+
+
+def test_attributes_set_behind_land_across_a_metadata_kill(
+    single: ProcessCluster, other: Path, tmp_path: Path
+) -> None:
+    """On a writeback mount the owner, mode and times set on an open file go
+    with its close (client/fs.py `setattr_behind`): with the metadata server
+    killed (-9) before the close and started again after it, the close
+    behind still lands them, and no close fails. (Last, after the other
+    kill: the restart grace it starts does not matter here.)"""
+    from shufflefs.cluster.metrics_scrape import counter_samples
+    from shufflefs.fuse.writeback import closes_behind
+
+    wb = tmp_path / "wb"
+    wb.mkdir()
+    shufflefs(
+        "mount", "--config", str(single.client_config), "-o", "writeback,attr_timeout=30",
+        str(wb),
+    )  # fmt: skip
+    try:
+        url = mount_metrics_url(single, wb)
+        stamp = 1_350_000_000
+        fd = os.open(wb / "owned.bin", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, content(9))
+            os.fchown(fd, 4321, 8765)
+            os.fchmod(fd, 0o604)
+            os.utime(fd, (stamp, stamp))
+            single.kill("meta")
+        finally:
+            os.close(fd)  # returns at once: the close is behind
+        single.restart_missing()
+        wait_until("the closes behind done", lambda: closes_behind(url) == 0, timeout=60)
+        assert counter_samples(url, "shufflefs_client_writeback_total", "outcome")["failed"] == 0
+        st = (other / "owned.bin").stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (4321, 8765, 0o604)
+        assert int(st.st_mtime) == stamp and st.st_size == SIZE
+        assert (other / "owned.bin").read_bytes() == content(9)
+    finally:
+        shufflefs("umount", str(wb))
