@@ -1,8 +1,9 @@
 """Requests the mount's caches answer, answered in libfuse's callback before
 pyfuse3 sees them: OPEN, RELEASE, LOOKUP and GETATTR; and WRITE when it goes
-behind with no wait, FLUSH, a written file's RELEASE and the SETATTR of a
-file open for writing (owner, mode, times: set with its close) on
-``-o writeback``.
+behind with no wait, and the GETXATTR of ``security.capability`` the kernel
+sends before each of them, when its absence is known; FLUSH, a written
+file's RELEASE and the SETATTR of a file open for writing (owner, mode,
+times: set with its close) on ``-o writeback``.
 
 A warm sample read through a read-write or ``-o ro`` mount costs the mount
 its OPEN and its RELEASE (the kernel answers the READs from its page cache),
@@ -149,6 +150,7 @@ class FastAnswerCounts:
     write: int = 0  # gone behind (client/write_behind.py)
     flush: int = 0  # -o writeback: the release does the work, behind
     setattr: int = 0  # -o writeback: owner, mode, times of a file open for writing
+    getxattr: int = 0  # security.capability before a write, known absent (ENODATA)
     ioctl: int = 0  # taken while draining the queue: libfuse answers them (ENOSYS)
 
     def collect(self) -> Iterable[Metric]:
@@ -182,6 +184,7 @@ class FastAnswers:
         self.hooks.fast_release = self.release
         self.hooks.fast_write = self.write
         self.hooks.fast_flush = self.flush
+        self.hooks.fast_getxattr = self.getxattr
         self.queue.on_inline = self._answered_by_libfuse
         if entry_layout_ok():
             self.hooks.fast_lookup = self.lookup
@@ -196,7 +199,7 @@ class FastAnswers:
     def close(self) -> None:
         """Take no more requests (before the FUSE session closes)."""
         self.hooks.fast_open = self.hooks.fast_release = None
-        self.hooks.fast_write = self.hooks.fast_flush = None
+        self.hooks.fast_write = self.hooks.fast_flush = self.hooks.fast_getxattr = None
         self.hooks.fast_lookup = self.hooks.fast_getattr = self.hooks.fast_setattr = None
 
     def open(self, req: int, ino: int, fi: int) -> bool:
@@ -275,6 +278,14 @@ class FastAnswers:
             return self._declined()
         self.libfuse.reply_attr(req, id(entry) + STAT_OFFSET, entry.attr_timeout)
         return self._answered("setattr")
+
+    def getxattr(self, req: int, ino: int, name: int) -> bool:
+        """Answer a GETXATTR (True: ENODATA, an attribute known absent) or
+        decline it (nothing done)."""
+        if not self._try("GETXATTR", ino, self.ops.known_absent, ino, ctypes.string_at(name)):
+            return self._declined()
+        self.libfuse.reply_err(req, errno.ENODATA)
+        return self._answered("getxattr")
 
     # ---- internals -------------------------------------------------------------
 

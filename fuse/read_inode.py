@@ -75,7 +75,9 @@ LOOKUP = "lookup"  # (req, parent, name)
 # (req, ino, struct fuse_bufvec *, off, fi): how libfuse hands pyfuse3 a WRITE
 WRITE_BUF = "write_buf"
 SETATTR = "setattr"  # (req, ino, struct stat *, int to_set, fi)
-FOUND = (OPENDIR, GETATTR, LOOKUP, WRITE_BUF, SETATTR)  # slots found by their callback's address
+GETXATTR = "getxattr"  # (req, ino, const char *name, size_t size)
+# slots found by their callback's address
+FOUND = (OPENDIR, GETATTR, LOOKUP, WRITE_BUF, SETATTR, GETXATTR)
 PATCHED = ("read", "readdirplus")  # same signature: (req, ino, size, off, fi)
 SCAN_WORDS = 128  # the table starts within the first few words of the session
 TABLE_WORDS = 64  # fuse_lowlevel_ops has fewer slots than this
@@ -101,6 +103,12 @@ SETATTR_CALLBACK = ctypes.CFUNCTYPE(
 )
 PYFUSE3_SETATTR = ctypes.PYFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
+)
+GETXATTR_CALLBACK = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
+)
+PYFUSE3_GETXATTR = ctypes.PYFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
 )
 # (the name as a pointer: handed on to pyfuse3 untouched, read only when needed)
 LOOKUP_CALLBACK = OPEN_CALLBACK
@@ -194,6 +202,7 @@ class ReadInodes:
     fast_write: FastWrite | None = None  # ... and WRITE and FLUSH, as OPEN and RELEASE
     fast_flush: FastAnswer | None = None
     fast_setattr: FastSetattr | None = None  # ... and SETATTR, as GETATTR
+    fast_getxattr: FastAnswer | None = None  # ... and GETXATTR: (req, ino, name) -> answered?
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
@@ -328,6 +337,9 @@ class ReadInodes:
             patches[slots[SETATTR]] = SETATTR_CALLBACK(
                 self._setattr(PYFUSE3_SETATTR(address[SETATTR]))
             )
+            patches[slots[GETXATTR]] = GETXATTR_CALLBACK(
+                self._getxattr(PYFUSE3_GETXATTR(address[GETXATTR]))
+            )
         for slot, trampoline in patches.items():
             keep.append(trampoline)
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
@@ -384,6 +396,15 @@ class ReadInodes:
             if fast is not None and fast(req, ino, attr, to_set):
                 return
             original(req, ino, attr, to_set, fi)
+
+        return trampoline
+
+    def _getxattr(self, original: Callable[..., None]) -> Callable[..., None]:
+        def trampoline(req: int, ino: int, name: int, size: int) -> None:
+            fast = self.fast_getxattr
+            if fast is not None and name and fast(req, ino, name):
+                return
+            original(req, ino, name, size)
 
         return trampoline
 

@@ -41,15 +41,21 @@ class XattrOps:
         # are, so small writes do not each cost a metadata round trip.
         if name.startswith(PREFETCH_XATTR):  # the prefetch hint interface
             return await hint_by_getxattr(cast("ShuffleOps", self), inode, name)
-        caps = name == CAPS_XATTR
-        if caps and self.no_caps.get(inode, 0.0) > trio.current_time():
+        if self.known_absent(inode, name):
             raise FsError(errno.ENODATA, "no security.capability (cached)")
+        caps = name == CAPS_XATTR
         try:
             return await self.fs.getxattr(inode, name)
         except FsError as exc:
             if caps and exc.code == errno.ENODATA:
                 self.no_caps[inode] = trio.current_time() + self.options.attr_timeout
             raise
+
+    def known_absent(self, inode: int, name: bytes) -> bool:
+        """Is *name* an attribute *inode* is known not to have (the
+        security.capability the kernel asks for before every write; also
+        answered in libfuse's callback, fuse/fast_answers.py)?"""
+        return name == CAPS_XATTR and self.no_caps.get(inode, 0.0) > trio.current_time()
 
     @fuse_errors
     @stale_when_gone

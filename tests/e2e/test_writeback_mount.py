@@ -160,11 +160,14 @@ def test_the_mount_reads_what_it_just_closed_and_others_read_it_once_done(
     mounted: ProcessCluster, wmnt: Path, mnt: Path
 ) -> None:
     """... and its WRITEs (gone behind), FLUSHes and the RELEASEs of written
-    files (their closes behind) are answered in libfuse's callback
-    (fuse/fast_answers.py), none a task on pyfuse3's loop."""
+    files (their closes behind), and the kernel's GETXATTR of
+    security.capability before each write (a new file has none), are
+    answered in libfuse's callback (fuse/fast_answers.py), none a task on
+    pyfuse3's loop."""
     here = wmnt / mnt.name
     url = mount_metrics_url(mounted, wmnt)
-    answered = {op: total(url, ANSWERS, op=op) for op in ("write", "flush", "release")}
+    ops = ("write", "flush", "release", "getxattr")
+    answered = {op: total(url, ANSWERS, op=op) for op in ops}
     for i in range(30):
         p = here / f"g{i}"
         with open(p, "wb") as f:
