@@ -299,8 +299,8 @@ class FileSystem(NamespaceCalls, PathOps):
         """*attrs* set with the close of a file this client has open for
         writing (`owe_attrs`), answered now; None if it has none open (the
         caller sends them now)."""
-        st = self.inodes.get(ino)
-        if st is None or st.writers <= 0 or st.attr is None:
+        st = self._writing(ino)
+        if st is None or st.attr is None:
             return None
         owe_attrs(st, attrs)
         return self.overlay(st.attr)
@@ -310,12 +310,16 @@ class FileSystem(NamespaceCalls, PathOps):
         server's part of them came within *within* seconds (what the kernel
         would still answer from its cache, had this client's writes not
         dropped it), else None."""
-        st = self.inodes.get(ino)
-        if st is None or st.writers <= 0 or st.attr is None:
-            return None
-        if time.monotonic() - st.attr_at >= within:
+        st = self._writing(ino)
+        if st is None or st.attr is None or time.monotonic() - st.attr_at >= within:
             return None
         return self.overlay(st.attr)
+
+    def _writing(self, ino: int) -> InodeState | None:
+        """*ino*'s state if this client has it open for writing (a writable
+        handle the kernel has not released)."""
+        st = self.inodes.get(ino)
+        return st if st is not None and st.writers > 0 else None
 
     async def statfs(self) -> tuple[Capacity, FsStats]:
         capacity = await self.routing.mgmtd.capacity()

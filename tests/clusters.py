@@ -573,10 +573,11 @@ class ProcessCluster:
 
 
 @contextmanager
-def another_mount(cluster: ProcessCluster, mountpoint: Path) -> Iterator[Path]:
-    """A second mount of *cluster* (the real `shufflefs mount`), removed
-    with `shufflefs umount`."""
-    shufflefs("mount", "--config", str(cluster.client_config), str(mountpoint))
+def another_mount(cluster: ProcessCluster, mountpoint: Path, options: str = "") -> Iterator[Path]:
+    """A second mount of *cluster* (the real `shufflefs mount`, with `-o`
+    *options* if given), removed with `shufflefs umount`."""
+    given = ["-o", options] if options else []
+    shufflefs("mount", "--config", str(cluster.client_config), *given, str(mountpoint))
     try:
         yield mountpoint
     finally:

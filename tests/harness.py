@@ -63,6 +63,12 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def owner_mode_mtime(p: Path) -> tuple[int, int, int, int]:
+    """*p*'s uid, gid, permission bits and mtime (whole seconds)."""
+    st = p.stat()
+    return st.st_uid, st.st_gid, st.st_mode & 0o7777, int(st.st_mtime)
+
+
 def read_whole(p: Path) -> bytes:
     """The file's bytes, by one open, read and close (a loader's sample)."""
     with open(p, "rb") as f:

@@ -28,9 +28,15 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster, mount_metrics_url, storage_stopped, wait_until
+from clusters import (
+    ProcessCluster,
+    another_mount,
+    mount_metrics_url,
+    storage_stopped,
+    wait_until,
+)
+from harness import owner_mode_mtime, shufflefs
 from harness import read_whole as read
-from harness import shufflefs
 from opsworld import total
 
 from shufflefs.cluster import procs
@@ -274,11 +280,7 @@ def test_owner_mode_and_times_set_on_an_open_file_go_with_its_close(
     mountpoint.mkdir()
     # (attr_timeout: the kernel's permission check of the chown is answered
     # from what the mount holds of the file however slow this machine is)
-    shufflefs(
-        "mount", "--config", str(mounted.client_config), "-o", "writeback,attr_timeout=30",
-        str(mountpoint),
-    )  # fmt: skip
-    try:
+    with another_mount(mounted, mountpoint, "writeback,attr_timeout=30"):
         p = mountpoint / mnt.name / "tarred"
         stamp = 1_400_000_000
         fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
@@ -306,12 +308,9 @@ def test_owner_mode_and_times_set_on_an_open_file_go_with_its_close(
         assert total(url, ANSWERS, op="setattr") - answered == 3
         settled(url)
         for seen in (mnt / "tarred", p):
-            st = seen.stat()
-            assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o640), seen
-            assert int(st.st_mtime) == stamp and st.st_size == SIZE
+            assert owner_mode_mtime(seen) == (1234, 5678, 0o640, stamp), seen
+            assert seen.stat().st_size == SIZE
         assert read(mnt / "tarred") == content(3)
-    finally:
-        shufflefs("umount", str(mountpoint))
 
 
 def test_tar_x_keeps_every_owner_mode_and_time(
