@@ -18,25 +18,47 @@ kernel holds of the directory (``FOPEN_CACHE_DIR``) and the directory's
 attributes are current. A change of it named by a reply ends that, once
 (`dir_changed` is told, to drop the kernel's listing): the next listing
 watches it again.
+
+And the names of a watched directory whose listing came whole in one page
+(`names`): while the watch holds, a name not among them is absent, so the
+kernel's LOOKUP of a name about to be created (``open(O_CREAT)``, ``tar x``,
+``cp -r``) is answered with no round trip (`absent`). They are listed on
+the first LOOKUP in the directory the server answered ENOENT (`learn_names`,
+at most once per `RELEARN` seconds a directory). This client's own creates
+keep them: the server does not tell a session's watch of a directory
+change that session alone made by a create (metadata/cache_watch.py), and
+the create's reply, which carries the directory's attributes after it,
+adds the name (`created`) when those are the next change after the ones
+held (else every change between is not known to be ours: dropped). Any
+other change of the directory by this client drops them (`forget_names`),
+as does any change by another, which the watch names before that change is
+acknowledged. The kernel holds a directory's lock across a LOOKUP in it and
+exclusively across a change of it, so the listing and this client's own
+changes of one directory never overlap.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 import trio
 
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.session import Session
-from shufflefs.metadata.protocol import Attr, CacheWatchReply, WatchedDirPage
+from shufflefs.metadata.protocol import READDIR_MAX, Attr, CacheWatchReply, WatchedDirPage
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.client.cache_watch")
 
 RETRY = 0.5  # seconds between tries while the metadata server cannot be reached
 RECENT = 120.0  # seconds a change named by a reply is remembered (for opens in flight)
+RELEARN = 5.0  # seconds before a directory's names are listed again (`learn_names`)
+LARGE_DIR_WAIT = 60.0  # the same for one with more than one page (`READDIR_MAX`) of names
+MAX_NAMES = 1 << 18  # names of watched directories held in all (the oldest directory's go first)
+MAX_LISTED = 1 << 16  # directories whose last listing time is remembered
 
 
 class CacheWatch:
@@ -61,6 +83,10 @@ class CacheWatch:
         # {directory ino: (its attributes, stamp)}: listings this watch keeps fresh
         self.dirs: dict[int, tuple[Attr, int]] = {}
         self.dir_changed: Callable[[int], None] | None = None  # told when one is dropped
+        # {directory ino: every name in it}, for directories in `dirs` listed whole
+        self.names: OrderedDict[int, set[bytes]] = OrderedDict()
+        self._names_held = 0
+        self._listed: dict[int, float] = {}  # directory -> when `learn_names` last listed it
         self.dirs_supported = True  # the server has `watch_dir`
         self.replies = 0
         self._scope = trio.CancelScope()
@@ -95,8 +121,16 @@ class CacheWatch:
                 self.dirs_supported = False
             return None
         attr = page["attr"]
-        if page["since"] == attr["change"] and self.trusts(ino, attr["change"], stamp):
-            self.dirs[ino] = (attr, stamp)
+        held = self.dirs.get(ino)
+        if page["since"] != attr["change"] or not self.trusts(ino, attr["change"], stamp):
+            self.forget_names((ino,))
+            return page
+        if not page["more"]:
+            self.forget_names((ino,))
+            self._hold_names(ino, {name for name, _ in page["entries"]})
+        elif held is None or held[0]["change"] != attr["change"]:
+            self.forget_names((ino,))  # (the names held are of this state: they stay)
+        self.dirs[ino] = (attr, stamp)
         return page
 
     def dir_attr(self, ino: int) -> Attr | None:
@@ -107,9 +141,87 @@ class CacheWatch:
             return None
         attr, stamp = watched
         if not self.trusts(ino, attr["change"], stamp):
-            del self.dirs[ino]
+            self._drop_dir(ino)
             return None
         return attr
+
+    # ---- names of watched directories -------------------------------------------
+
+    def absent(self, parent: int, name: bytes) -> bool:
+        """Is *name* known not to be in directory *parent*? (Its names were
+        listed whole and the watch still keeps it.)"""
+        names = self.names.get(parent)
+        return names is not None and name not in names and self.dir_attr(parent) is not None
+
+    async def learn_names(self, parent: int) -> None:
+        """A LOOKUP in *parent* found nothing: list its names, so that the
+        next missing names of it are answered here (not when they are held,
+        or were listed within `RELEARN` seconds, `LARGE_DIR_WAIT` if they
+        did not fit in one page: a directory others change keeps losing
+        them)."""
+        if parent in self.names or self.token == 0:
+            return
+        now = trio.current_time()
+        if now - self._listed.get(parent, float("-inf")) < RELEARN:
+            return
+        if len(self._listed) >= MAX_LISTED:
+            self._listed = {d: t for d, t in self._listed.items() if now - t < RELEARN}
+        self._listed[parent] = now
+        try:
+            page = await self.watch_dir(parent, READDIR_MAX)
+        except FsError as exc:  # the lookup's answer stands; names stay unknown
+            log.debug("listing directory %d for its names: %s", parent, exc.message)
+            return
+        if page is not None and page["more"]:  # too many to hold: not soon again
+            self._listed[parent] = now + LARGE_DIR_WAIT - RELEARN
+
+    def created(self, parent: int, name: bytes, parent_attr: Attr | None) -> None:
+        """This client created *name* in *parent*; *parent_attr*: the
+        directory's attributes after it (from the reply)."""
+        watched = self.dirs.get(parent)
+        if watched is None:
+            return
+        attr, stamp = watched
+        if (
+            parent_attr is None
+            or parent_attr["change"] != attr["change"] + 1
+            or not self.trusts(parent, parent_attr["change"], stamp)
+        ):
+            self._drop_dir(parent)
+            return
+        self.dirs[parent] = (parent_attr, stamp)
+        names = self.names.get(parent)
+        if names is not None and name not in names:
+            names.add(name)
+            self._names_held += 1
+            self._bound_names()
+
+    def forget_names(self, dirs: Iterable[int] | None) -> None:
+        """This client changes *dirs* (None: any directory) otherwise than
+        by a create: their names are no longer known."""
+        for ino in list(self.names) if dirs is None else dirs:
+            names = self.names.pop(ino, None)
+            if names is not None:
+                self._names_held -= len(names)
+
+    def _hold_names(self, ino: int, names: set[bytes]) -> None:
+        self.names[ino] = names
+        self._names_held += len(names)
+        self._bound_names()
+
+    def _bound_names(self) -> None:
+        while self._names_held > MAX_NAMES and self.names:
+            _, names = self.names.popitem(last=False)
+            self._names_held -= len(names)
+
+    def _drop_dir(self, ino: int) -> None:
+        self.dirs.pop(ino, None)
+        self.forget_names((ino,))
+
+    def _drop_all(self) -> None:
+        self.dirs.clear()
+        self.names.clear()
+        self._names_held = 0
 
     async def start(self, nursery: trio.Nursery) -> None:
         """The first reply (answered at once: a new watcher), then the long
@@ -137,7 +249,7 @@ class CacheWatch:
         """No more polls (the session is closing): nothing is trusted after."""
         self._scope.cancel()
         self.trusted_until = float("-inf")
-        self.dirs.clear()
+        self._drop_all()
 
     async def _poll(self) -> None:
         session = self.session.id
@@ -153,13 +265,14 @@ class CacheWatch:
             if self.token:
                 log.info("cache watch: a new watcher; cached opens are dropped")
                 self._distrust()
-            self.dirs.clear()
+            self._drop_all()
             self.token = reply["token"]
             self.generation += 1
         now = trio.current_time()
         for ino, change in reply["changed"]:
             self._recent[ino] = (change, now)
             self._changed(ino, change)
+            self.forget_names((ino,))
             if self.dirs.pop(ino, None) is not None and self.dir_changed is not None:
                 self.dir_changed(ino)
         if len(self._recent) > 4096 or self.replies % 64 == 0:

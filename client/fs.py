@@ -350,9 +350,18 @@ class FileSystem(NamespaceCalls, PathOps):
     async def create(
         self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int
     ) -> tuple[OpenFile, Attr]:
-        res = await self.session.call(
-            "create", lambda m, s: m.create(parent, name, mode, flags, uid, gid, s)
-        )
+        try:
+            res = await self.session.call(
+                "create", lambda m, s: m.create(parent, name, mode, flags, uid, gid, s)
+            )
+        except BaseException:
+            self._dirs_changing(parent)  # (whether it landed is not known)
+            raise
+        if self.cache_watch is not None:
+            if res.get("created"):
+                self.cache_watch.created(parent, name, res.get("parent_attr"))
+            else:  # it was there: the names held said otherwise, or did not say
+                self.cache_watch.forget_names((parent,))
         return self._track(res, flags)
 
     async def open(self, ino: int, flags: int) -> tuple[OpenFile, Attr]:

@@ -23,6 +23,7 @@ class NamespaceCalls:
         def overlay(self, attr: Attr) -> Attr: ...
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        self._dirs_changing(parent)
         return await self.meta.call_at_most_once(
             "mkdir", lambda m: m.mkdir(parent, name, mode, uid, gid)
         )
@@ -30,16 +31,19 @@ class NamespaceCalls:
     async def mknod(
         self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
     ) -> Attr:
+        self._dirs_changing(parent)
         return await self.meta.call_at_most_once(
             "mknod", lambda m: m.mknod(parent, name, mode, rdev, uid, gid)
         )
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Attr:
+        self._dirs_changing(parent)
         return await self.meta.call_at_most_once(
             "symlink", lambda m: m.symlink(parent, name, target, uid, gid)
         )
 
     async def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
+        self._dirs_changing(new_parent)
         attr = await self.meta.call_at_most_once(
             "link", lambda m: m.link(ino, new_parent, new_name)
         )
@@ -49,15 +53,18 @@ class NamespaceCalls:
         return await self.meta.call_read("readlink", lambda m: m.readlink(ino))
 
     async def unlink(self, parent: int, name: bytes) -> None:
+        self._dirs_changing(parent)
         await self.meta.call_at_most_once("unlink", lambda m: m.unlink(parent, name))
         self._attrs_changed()
 
     async def rmdir(self, parent: int, name: bytes) -> None:
+        self._dirs_changing(parent)
         await self.meta.call_at_most_once("rmdir", lambda m: m.rmdir(parent, name))
 
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
+        self._dirs_changing(parent, new_parent)
         await self.meta.call_at_most_once(
             "rename", lambda m: m.rename(parent, name, new_parent, new_name, flags)
         )
@@ -103,6 +110,13 @@ class NamespaceCalls:
     async def removexattr(self, ino: int, name: bytes) -> None:
         await self.meta.call_at_most_once("removexattr", lambda m: m.removexattr(ino, name))
         self._attrs_changed()
+
+    def _dirs_changing(self, *dirs: int) -> None:
+        """This client changes *dirs* (not by a create, or a create whose
+        outcome is not known): the names the cache watch held of them may
+        be wrong from here (`CacheWatch.forget_names`)."""
+        if self.cache_watch is not None:
+            self.cache_watch.forget_names(dirs)
 
     def _attrs_changed(self) -> None:
         """A change by this client that no reply told of (an unlink's nlink,

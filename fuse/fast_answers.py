@@ -146,6 +146,7 @@ class FastAnswerCounts:
     open: int = 0
     release: int = 0
     lookup: int = 0
+    absent: int = 0  # LOOKUPs of names a watched directory's names show absent
     getattr: int = 0
     write: int = 0  # gone behind (client/write_behind.py)
     flush: int = 0  # -o writeback: the release does the work, behind
@@ -258,7 +259,7 @@ class FastAnswers:
         if entry is None:
             return self._declined()
         self.libfuse.reply_entry(req, id(entry) + ENTRY_OFFSET)
-        return self._answered("lookup")
+        return self._answered("lookup" if entry.st_ino else "absent")
 
     def getattr(self, req: int, ino: int, fi: int) -> bool:
         """Answer a GETATTR (True) or decline it (nothing done)."""

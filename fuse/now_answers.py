@@ -54,7 +54,24 @@ class NowAnswers:
         if self.inode_reads is not None:  # (cache=immutable: its handle is opened first)
             return None
         cached = self._cached_entry(parent_inode, name)
-        return None if cached is None else self._found(*cached, parent_inode, name)
+        if cached is not None:
+            return self._found(*cached, parent_inode, name)
+        return self._missing() if self._known_absent(parent_inode, name) else None
+
+    def _known_absent(self, parent_inode: int, name: bytes) -> bool:
+        """Is *name* known not to be in the directory (read-write: the cache
+        watch holds its names, client/cache_watch.py)? The LOOKUP a create
+        starts with is then answered with no round trip."""
+        watch = self.fs.cache_watch if self.watched is not None else None
+        return watch is not None and watch.absent(parent_inode, name)
+
+    def _missing(self) -> pyfuse3.EntryAttributes:
+        """A LOOKUP's answer that the name is not there (st_ino 0: the kernel
+        keeps that for negative_timeout)."""
+        missing = pyfuse3.EntryAttributes()
+        missing.st_ino = 0
+        missing.entry_timeout = self.options.negative_timeout
+        return missing
 
     def _cached_entry(self, parent_inode: int, name: bytes) -> tuple[Attr, float] | None:
         """A name's attributes from this mount's caches, with no round trip,

@@ -147,6 +147,8 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             cached = self._cached_entry(parent_inode, name)
             if cached is not None:
                 attr, keep = cached
+            elif self._known_absent(parent_inode, name):
+                raise FsError(errno.ENOENT, "absent from the directory's names")
             elif self.watched is not None or self.options.read_only:
                 # the open that follows comes from the open cache
                 attr = await self.fs.lookup_open(parent_inode, name)
@@ -155,13 +157,14 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             else:
                 attr = await self.fs.lookup(parent_inode, name)
         except FsError as exc:
-            if exc.code != errno.ENOENT or not self.options.negative_timeout:
+            if exc.code != errno.ENOENT:
                 raise
-            # st_ino 0: the kernel caches the miss for negative_timeout
-            missing = pyfuse3.EntryAttributes()
-            missing.st_ino = 0
-            missing.entry_timeout = self.options.negative_timeout
-            return missing
+            if self.watched is not None and self.fs.cache_watch is not None:
+                # (the kernel holds the directory: none of our changes of it overlap)
+                await self.fs.cache_watch.learn_names(parent_inode)
+            if not self.options.negative_timeout:
+                raise
+            return self._missing()
         if self.inode_reads is None:
             return self._found(attr, keep, parent_inode, name)
         await self.inode_reads.pages_current(attr)

@@ -22,7 +22,10 @@ manner of AFS callbacks and NFSv4 read delegations:
   when it changes a directory (a name added, removed or renamed in it; its
   own attributes), every session that watches the directory's listing
   (`watch_dir`: the client lists it and lets the kernel cache the listing)
-  is told the same way, once: the client lists it again to watch it again.
+  is told the same way, once: the client lists it again to watch it again;
+  but not the session that alone made the change by a create (its reply
+  tells it; its watch goes on from that change: the client keeps the
+  directory's names, and answers the LOOKUP before each create itself).
   The mutation is acknowledged only once each such client has acknowledged
   the change, or its lease from the last reply without the change has ended
   (the server's clock, from when that request arrived: never before the
@@ -193,17 +196,24 @@ class CacheWatches:
 
     # ---- the writer's side ----------------------------------------------------------
 
-    async def changed(self, files: dict[int, int], dirs: dict[int, int] | None = None) -> None:
+    async def changed(
+        self,
+        files: dict[int, int],
+        dirs: dict[int, int] | None = None,
+        by: dict[int, int | None] | None = None,
+    ) -> None:
         """Regular files, and directories, whose change counters a commit
         raised ({ino: change}): tell every watching client that caches one
         (or watches its listing), and return once each has applied it or can
-        no longer trust its cache."""
+        no longer trust its cache. A directory only one session changed
+        (*by*: a create names its session) is not told to that session: the
+        reply tells it, and its watch of the directory goes on from there."""
         dirs = dirs or {}
         if not files and not dirs:
             return
         now = trio.current_time()
         waits: list[tuple[_Watcher | None, int, float]] = []
-        for session, changes in self._by_session(files, dirs).items():
+        for session, changes in self._by_session(files, dirs, by or {}).items():
             w = self.watchers.get(session)
             if w is None:
                 if self._earlier(session):  # trusts at most what an earlier server gave it
@@ -250,7 +260,7 @@ class CacheWatches:
                     self._unwatch(ino, session)
 
     def _by_session(
-        self, files: dict[int, int], dirs: dict[int, int]
+        self, files: dict[int, int], dirs: dict[int, int], by: dict[int, int | None]
     ) -> dict[int, list[tuple[int, int]]]:
         """{session: [(ino, change)…]}: whom to tell of what."""
         out: dict[int, list[tuple[int, int]]] = {}
@@ -261,6 +271,12 @@ class CacheWatches:
             watching = self.dirs.get(ino, {})
             for session, since in list(watching.items()):
                 if since >= change:  # it read this change already
+                    continue
+                if by.get(ino) == session:
+                    # its own change alone: every change since it read the
+                    # directory was its own (another's would have ended this
+                    # watch), and its reply tells it of this one
+                    watching[session] = change
                     continue
                 del watching[session]  # once: listed again to watch again
                 self._dirs_of.get(session, set()).discard(ino)

@@ -127,6 +127,7 @@ class FileOps:
 
         def body(tx: Tx) -> OpenResult:
             live_session(tx, session, self.clock())
+            tx.by = session  # its cache watch learns of the new name from the reply
             parent_rec = tx.live_directory(parent)
             existing = tx.entry(parent, name)
             if existing is not None:

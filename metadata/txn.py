@@ -69,6 +69,9 @@ class Tx:
         self.changed: dict[int, int] = {}  # ino -> its change counter, raised by `flush`
         self.changed_files: dict[int, int] = {}  # the regular files among them
         self.changed_dirs: dict[int, int] = {}  # the directories among them
+        # the session this mutation is for, when the request names one (a
+        # create): its cache watch is not told of its own directory changes
+        self.by: int | None = None
         self.ops: list[Op] = []  # every put/delete, in order: the replication log's entry
 
     def after(self, fn: Callable[[bool], None]) -> None:
@@ -228,6 +231,22 @@ class Tx:
         raise FsError(errno.EIO, "directory parent chain does not reach the root")
 
 
+# what commits changed: ({file: change}, {directory: change}, {directory: its one changer})
+Changed = tuple[dict[int, int], dict[int, int], dict[int, int | None]]
+
+
+def merge_dirs(
+    into: dict[int, int], into_by: dict[int, int | None], dirs: dict[int, int], by: int | None
+) -> None:
+    """Add directory changes made by session *by* (None: not named) to
+    *into*, keeping in *into_by* (the same keys) each directory's one
+    changer: a directory changed by two sessions, or by one not named, has
+    None."""
+    for ino, change in dirs.items():
+        into_by[ino] = by if ino not in into or into_by[ino] == by else None
+        into[ino] = change
+
+
 class _Group:
     """The outer transaction of a group commit (begun by the first mutation
     that writes: a group of calls that only read takes none), and what must
@@ -239,6 +258,7 @@ class _Group:
         self.ops: list[Op] = []  # of the mutations that succeeded, in order
         self.changed_files: dict[int, int] = {}  # of the mutations that succeeded
         self.changed_dirs: dict[int, int] = {}
+        self.dirs_by: dict[int, int | None] = {}  # directory -> its one changer (`merge_dirs`)
 
 
 class Transactions:
@@ -275,6 +295,7 @@ class Transactions:
         # cache_watch.py)
         self._changed_files: dict[int, int] = {}
         self._changed_dirs: dict[int, int] = {}
+        self._dirs_by: dict[int, int | None] = {}
         self._changed_lock = threading.Lock()
 
     def group(self, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
@@ -298,7 +319,7 @@ class Transactions:
                 group.txn.commit()
                 self.commit_count += 1
                 self.last_seq = seq
-                self._cached_committed(group.changed_files, group.changed_dirs)
+                self._cached_committed(group.changed_files, group.changed_dirs, group.dirs_by)
             committed = True
             return results
         except lmdb.MapFullError:
@@ -337,7 +358,7 @@ class Transactions:
         group.ended.extend(tx.ended)  # they follow the group's commit
         group.ops.extend(tx.ops)
         group.changed_files.update(tx.changed_files)
-        group.changed_dirs.update(tx.changed_dirs)
+        merge_dirs(group.changed_dirs, group.dirs_by, tx.changed_dirs, tx.by)
         return result
 
     def _log_entry(self, txn: Any, ops: list[Op]) -> int:
@@ -399,7 +420,9 @@ class Transactions:
             committed = True
             self.commit_count += 1
             self.last_seq = seq
-            self._cached_committed(tx.changed_files, tx.changed_dirs)
+            self._cached_committed(
+                tx.changed_files, tx.changed_dirs, dict.fromkeys(tx.changed_dirs, tx.by)
+            )
             return result
         except lmdb.MapFullError:
             raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
@@ -408,19 +431,25 @@ class Transactions:
                 for fn in tx.ended:
                     fn(committed)
 
-    def _cached_committed(self, files: dict[int, int], dirs: dict[int, int]) -> None:
+    def _cached_committed(
+        self, files: dict[int, int], dirs: dict[int, int], by: dict[int, int | None]
+    ) -> None:
         if files or dirs:
             with self._changed_lock:
                 self._changed_files.update(files)
-                self._changed_dirs.update(dirs)
+                for ino, change in dirs.items():
+                    merge_dirs(self._changed_dirs, self._dirs_by, {ino: change}, by.get(ino))
 
-    def take_changed(self) -> tuple[dict[int, int], dict[int, int]]:
+    def take_changed(self) -> Changed:
         """{ino: change} of the regular files, and of the directories,
-        committed changes have changed since the last call."""
+        committed changes have changed since the last call; and for each
+        such directory the one session that changed it (None: several, or
+        one not named)."""
         with self._changed_lock:
             files, self._changed_files = self._changed_files, {}
             dirs, self._changed_dirs = self._changed_dirs, {}
-        return files, dirs
+            by, self._dirs_by = self._dirs_by, {}
+        return files, dirs, by
 
     def read(self, body: Callable[[Tx], T]) -> T:
         """Run *body* on one read snapshot (it never waits for the writer)."""

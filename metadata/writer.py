@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import trio
 
 from shufflefs.cluster.metrics_catalog import COMMIT_BATCH
-from shufflefs.metadata.txn import Transactions
+from shufflefs.metadata.txn import Changed, Transactions
 from shufflefs.rpc.errors import FsError
 
 T = TypeVar("T")
@@ -43,8 +43,9 @@ class Writer:
     and *durable(seq)* after the commit: each caller returns only once a
     majority of the metadata group holds the log entry of its commit. The
     lock is released during that wait, so the next group commits while this
-    one is being shipped. Then *notify(files, dirs)* is awaited with the
-    regular files and the directories the group changed ({ino: change}):
+    one is being shipped. Then *notify(files, dirs, by)* is awaited with the
+    regular files and the directories the group changed ({ino: change}, and
+    each directory's one changing session if one alone changed it):
     the clients that cache them are told before anyone learns of the change
     (cache_watch.py).
 
@@ -59,7 +60,8 @@ class Writer:
         *,
         gate: Callable[[], None] | None = None,
         durable: Callable[[int], Awaitable[None]] | None = None,
-        notify: Callable[[dict[int, int], dict[int, int]], Awaitable[None]] | None = None,
+        notify: Callable[[dict[int, int], dict[int, int], dict[int, int | None]], Awaitable[None]]
+        | None = None,
     ) -> None:
         self.txns = txns
         self.gate = gate
@@ -74,7 +76,7 @@ class Writer:
         try:
             while not item.taken:
                 batch: list[_Pending] | None = None
-                changed: tuple[dict[int, int], dict[int, int]] = ({}, {})
+                changed: Changed = ({}, {}, {})
                 async with self._lock:
                     if not item.taken:
                         batch, seq = await self._run_group()
@@ -111,9 +113,7 @@ class Writer:
         seq = self.txns.last_seq
         return batch, (seq if seq != before else None)
 
-    async def _settle(
-        self, batch: list[_Pending], seq: int | None, changed: tuple[dict[int, int], dict[int, int]]
-    ) -> None:
+    async def _settle(self, batch: list[_Pending], seq: int | None, changed: Changed) -> None:
         if seq is not None and self.durable is not None:
             try:
                 await self.durable(seq)

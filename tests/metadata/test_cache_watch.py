@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from shufflefs.metadata.cache_watch import MARGIN, MAX_DIRS, CacheWatches
+from shufflefs.metadata.txn import merge_dirs
 
 LEASE, POLL = 3.0, 1.0
 
@@ -218,3 +219,62 @@ def test_a_watched_listing_is_told_once_and_a_new_server_waits_for_earlier_ones(
         assert trio.current_time() == pytest.approx(start + LEASE + MARGIN)
 
     run(clock, main)
+
+
+def test_a_sessions_own_create_is_not_told_to_it_and_its_watch_goes_on(
+    clock: trio.testing.MockClock,
+) -> None:
+    """A directory change one session alone made (a create names its
+    session) is not told to that session, which goes on watching from that
+    change: the next change by another is told to it (and to the others
+    at once); a change two sessions made in one commit is told to both."""
+    holders = Holders()
+
+    async def main() -> None:
+        watches = holders.watches()
+        watches.begin()
+        tokens = {s: (await watches.watch(s, 0, 0))["token"] for s in (1, 2)}
+        seen: dict[int, list[list[int]]] = {1: [], 2: []}
+
+        async def reader(session: int) -> None:
+            acked = 0
+            while True:
+                reply = await watches.watch(session, tokens[session], acked)
+                acked = reply["seq"]
+                seen[session].extend(reply["changed"])
+
+        async with trio.open_nursery() as nursery:
+            for s in (1, 2):
+                nursery.start_soon(reader, s)
+                assert watches.watch_dir(s, 40, 6) == 6
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            await watches.changed({}, {40: 7}, {40: 1})  # 1's own create
+            assert seen == {1: [], 2: [[40, 7]]} and trio.current_time() - start < POLL
+            assert watches.dirs[40] == {1: 7}  # 1 still watches, from 7; 2 told once
+            await watches.changed({}, {40: 8}, {40: 1})
+            assert seen[1] == [] and watches.dirs[40] == {1: 8}
+            await watches.changed({}, {40: 9}, {40: 2})  # another's: told
+            assert seen[1] == [[40, 9]] and 40 not in watches.dirs
+            for s in (1, 2):
+                assert watches.watch_dir(s, 40, 9) == 9
+            await watches.changed({}, {40: 11}, {40: None})  # two sessions' commit
+            assert seen == {1: [[40, 9], [40, 11]], 2: [[40, 7], [40, 11]]}
+            nursery.cancel_scope.cancel()
+
+    run(clock, main)
+
+
+def test_a_directorys_one_changer_is_kept_through_groups_and_commits() -> None:
+    """`merge_dirs`: a directory keeps its changer while only that session
+    changes it; another session's change, or one that names none, makes
+    it None for good (until taken)."""
+    dirs: dict[int, int] = {}
+    by: dict[int, int | None] = {}
+    merge_dirs(dirs, by, {40: 7, 41: 3}, 1)
+    merge_dirs(dirs, by, {40: 8}, 1)
+    assert dirs == {40: 8, 41: 3} and by == {40: 1, 41: 1}
+    merge_dirs(dirs, by, {41: 4}, 2)
+    merge_dirs(dirs, by, {42: 1}, None)
+    merge_dirs(dirs, by, {42: 2}, 1)
+    assert dirs == {40: 8, 41: 4, 42: 2} and by == {40: 1, 41: None, 42: None}
