@@ -16,6 +16,10 @@ sees when):
   (fuse/inode_reads.py), at the price of POSIX's keep-while-open for files
   removed elsewhere.
 
+``writeback`` (closes finish behind) and ``writeback_cache`` (the kernel's
+writeback cache, which trusts its own sizes and times of the files it holds)
+refine ``rw`` for ingestion.
+
 Every kernel cache timeout is an option (``attr_timeout=``, ``entry_timeout=``,
 ``negative_timeout=``, seconds, as in JuiceFS and 3FS); what was given and what
 it defaulted to are reported with the mount's metadata session, so
@@ -58,6 +62,7 @@ FLAGS = (
     "no_fast_answers",
     "no_cache_watch",
     "writeback",
+    "writeback_cache",
     "debug",
 )
 VALUED = (
@@ -92,6 +97,10 @@ class MountOptions:
     fast_answers: bool = True  # what the caches answer, in libfuse's callback (fast_answers.py)
     cache_watch: bool = True  # rw: cached opens kept fresh by the server (client/cache_watch.py)
     writeback: bool = False  # closes of written files finish in the background (fuse/writeback.py)
+    # the kernel's writeback cache: write(2)s gather in its page cache, sent
+    # as page-sized WRITEs at close (and it trusts its own sizes and times of
+    # the files it holds: docs/operations.md)
+    writeback_cache: bool = False
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     spin: float = SPIN  # s the FUSE thread polls its empty queue before sleeping (libfuse.py)
     dir_ahead: int = DIR_AHEAD  # entries of a directory opened ahead on a lookup miss (0: off)
@@ -148,8 +157,9 @@ def parse_options(items: list[str]) -> MountOptions:
     if cache == "immutable" and "rw" in given:
         raise FsError(errno.EINVAL, "mount option 'cache=immutable' needs a read-only mount")
     read_only = "ro" in given or cache == "immutable"
-    if read_only and "writeback" in given:
-        raise FsError(errno.EINVAL, "mount option 'writeback' needs a read-write mount")
+    for key in ("writeback", "writeback_cache"):
+        if read_only and key in given:
+            raise FsError(errno.EINVAL, f"mount option {key!r} needs a read-write mount")
     default = DATASET_TIMEOUT if read_only else RW_TIMEOUT
     options = MountOptions(
         read_only=read_only,
@@ -165,6 +175,7 @@ def parse_options(items: list[str]) -> MountOptions:
         fast_answers="no_fast_answers" not in given,
         cache_watch="no_cache_watch" not in given,
         writeback="writeback" in given,
+        writeback_cache="writeback_cache" in given,
         debug="debug" in given,
     )
     if "max_tasks" in given:

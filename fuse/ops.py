@@ -72,6 +72,8 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.options = options or MountOptions()
+        # read by pyfuse3 when the kernel's INIT comes (FUSE_CAP_WRITEBACK_CACHE)
+        self.enable_writeback_cache = self.options.writeback_cache
         self.lookups: dict[int, int] = {}  # inode -> the kernel's lookup count
         # inode -> (size, mtime, ctime) of its cached data
         self.cached: dict[int, tuple[int, int, int]] = {}

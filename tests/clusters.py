@@ -687,6 +687,21 @@ def writeback_mount(
         shufflefs("umount", str(mountpoint))
 
 
+@pytest.fixture(scope="session")
+def writeback_cache_mount(
+    mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """Another mount of the session's cluster, ``-o writeback,writeback_cache``
+    (the kernel's writeback cache too: write(2)s gather in its page cache)."""
+    mountpoint = tmp_path_factory.mktemp("writeback-cache-mount")
+    options = "writeback,writeback_cache"
+    shufflefs("mount", "--config", str(mounted.client_config), "-o", options, str(mountpoint))
+    try:
+        yield mountpoint
+    finally:
+        shufflefs("umount", str(mountpoint))
+
+
 def mount_metrics_url(cluster: ProcessCluster, mountpoint: Path) -> str:
     """The Prometheus URL of the mount process serving *mountpoint* (as
     `shufflefs status --json` lists it: its client name holds its pid)."""
@@ -701,12 +716,13 @@ def mount_metrics_url(cluster: ProcessCluster, mountpoint: Path) -> str:
     return str(urls[0])
 
 
-@pytest.fixture(params=["rw", "writeback"])
+@pytest.fixture(params=["rw", "writeback", "writeback_cache"])
 def writable_mnt(request: pytest.FixtureRequest, mnt: Path) -> Path:
     """The test's directory (`mnt`) through each mount mode that writes:
-    the default mount, and a ``-o writeback`` one."""
-    if request.param == "writeback":
-        return Path(request.getfixturevalue("writeback_mount")) / mnt.name
+    the default mount, a ``-o writeback`` one, and one with the kernel's
+    writeback cache as well."""
+    if request.param != "rw":
+        return Path(request.getfixturevalue(f"{request.param}_mount")) / mnt.name
     return mnt
 
 

@@ -26,6 +26,7 @@ from clusters import (
     native,
     process_cluster,
     writable_mnt,
+    writeback_cache_mount,
     writeback_mount,
 )
 from opsworld import ops_cluster
@@ -39,6 +40,7 @@ __all__ = [
     "ops_cluster",
     "process_cluster",
     "writable_mnt",
+    "writeback_cache_mount",
     "writeback_mount",
 ]
 

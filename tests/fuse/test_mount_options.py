@@ -42,6 +42,8 @@ def test_writeback_is_the_read_write_mode_whose_closes_finish_behind() -> None:
     assert o.writeback and not o.read_only and o.fuse_options() == set()
     assert o.info("/m")["mode"] == "writeback"
     assert not parse_options([]).writeback and parse_options([]).info("/m")["mode"] == "rw"
+    assert parse_options(["writeback_cache"]).writeback_cache
+    assert not parse_options(["writeback"]).writeback_cache
 
 
 def test_timeouts_are_options_in_either_mode() -> None:
@@ -100,6 +102,7 @@ def test_info_is_what_the_session_reports() -> None:
         ("cache=immutable,rw", "needs a read-only mount"),
         ("ro,writeback", "'writeback' needs a read-write mount"),
         ("cache=immutable,writeback", "'writeback' needs a read-write mount"),
+        ("ro,writeback_cache", "'writeback_cache' needs a read-write mount"),
         ("writeback=1", "takes no value"),
         ("ro,rw", "contradict"),
         ("noatime", "unknown mount option 'noatime'"),
