@@ -295,31 +295,35 @@ class FileSystem(NamespaceCalls, PathOps):
             st.size = size
         return self.overlay(attr)
 
-    def setattr_behind(self, ino: int, attrs: OwedAttrs) -> Attr | None:
+    def setattr_behind(self, ino: int, attrs: OwedAttrs, within: float) -> Attr | None:
         """*attrs* set with the close of a file this client has open for
-        writing (`owe_attrs`), answered now; None if it has none open (the
-        caller sends them now)."""
-        st = self._writing(ino)
-        if st is None or st.attr is None:
+        writing (`owe_attrs`), answered now with its attributes, if the
+        server's part of those came within *within* seconds (`_writing`);
+        else None (the caller sends them now, and the reply answers)."""
+        writing = self._writing(ino, within)
+        if writing is None:
             return None
-        owe_attrs(st, attrs)
-        return self.overlay(st.attr)
+        owe_attrs(writing[0], attrs)
+        return self.overlay(writing[1])
 
     def written_attr(self, ino: int, within: float) -> Attr | None:
         """The attributes of a file this client has open for writing, if the
         server's part of them came within *within* seconds (what the kernel
         would still answer from its cache, had this client's writes not
         dropped it), else None."""
-        st = self._writing(ino)
-        if st is None or st.attr is None or time.monotonic() - st.attr_at >= within:
-            return None
-        return self.overlay(st.attr)
+        writing = self._writing(ino, within)
+        return None if writing is None else self.overlay(writing[1])
 
-    def _writing(self, ino: int) -> InodeState | None:
-        """*ino*'s state if this client has it open for writing (a writable
-        handle the kernel has not released)."""
+    def _writing(self, ino: int, within: float) -> tuple[InodeState, Attr] | None:
+        """*ino*'s state and attributes if this client has it open for writing (a writable
+        handle the kernel has not released) and holds its attributes from
+        the server of less than *within* seconds ago, with no change of
+        this client's since that no reply told of (an unlink's nlink:
+        `_attrs_changed`)."""
         st = self.inodes.get(ino)
-        return st if st is not None and st.writers > 0 else None
+        if st is None or st.writers <= 0 or st.attr is None:
+            return None
+        return (st, st.attr) if time.monotonic() - st.attr_at < within else None
 
     async def statfs(self) -> tuple[Capacity, FsStats]:
         capacity = await self.routing.mgmtd.capacity()

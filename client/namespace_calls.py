@@ -122,4 +122,4 @@ class NamespaceCalls:
         """A change by this client that no reply told of (an unlink's nlink,
         a rename's or an xattr's ctime): `written_attr` asks the server again."""
         for st in self.inodes.values():
-            st.attr_at = 0.0
+            st.outdated()

@@ -65,6 +65,9 @@ class InodeState:
     # together in any order) and must not hand anyone an older size
     attr: Attr | None = None
     attr_at: float = 0.0  # time.monotonic() when `attr` came
+    # `attr`'s change counter when this client changed the file in a way no
+    # reply told of (`outdated`): attributes at or below it are from before
+    outdated_at: int = -1
     generation: int = 0  # bumps with every local write
     # Writes acknowledged to the caller but still on their way to storage.
     pending_bytes: int = 0
@@ -86,8 +89,17 @@ class InodeState:
         if self.attr is not None and attr["change"] < self.attr["change"]:
             return self.attr
         self.attr = attr
-        self.attr_at = time.monotonic()
+        if attr["change"] > self.outdated_at:  # (a reply read before our change is not fresh)
+            self.attr_at = time.monotonic()
         return attr
+
+    def outdated(self) -> None:
+        """This client changed the file (an unlink's nlink, a rename's or an
+        xattr's ctime) and no reply said how: what it holds is not current
+        until a reply read after that change comes."""
+        self.attr_at = 0.0
+        if self.attr is not None:
+            self.outdated_at = self.attr["change"]
 
     @property
     def behind(self) -> bool:

@@ -117,7 +117,9 @@ class NowAnswers:
     def setattr_now(self, inode: int, attrs: OwedAttrs) -> pyfuse3.EntryAttributes | None:
         """A SETATTR (but a size) of a file this writeback mount has open for
         writing, set with its close (client/fs.py); also in libfuse's callback."""
-        behind = None if self.writeback is None else self.fs.setattr_behind(inode, attrs)
+        if self.writeback is None:
+            return None
+        behind = self.fs.setattr_behind(inode, attrs, self.options.attr_timeout)
         return None if behind is None else self.entry(behind)
 
     def open_now(self, inode: int, flags: int) -> pyfuse3.FileInfo | None:
