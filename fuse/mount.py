@@ -131,7 +131,13 @@ async def run_mount(
         if queue is not None and fast_answers:
             answers = FastAnswers(ops, READ_INODES, nursery, queue, answer_counts)
             answers.install()
-        log.info("mounted %s (options %s)", mountpoint, ",".join(sorted(opts)))
+        log.info(
+            "mounted %s (mode %s%s; kernel options %s)",
+            mountpoint,
+            options.info(str(mountpoint))["mode"],
+            ", the kernel's writeback cache" if options.writeback_cache else "",
+            ",".join(sorted(opts)),
+        )
         try:
             FUSE_LOOP.running = True
             await pyfuse3.main(min_tasks=4, max_tasks=options.max_tasks)
