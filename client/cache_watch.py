@@ -88,6 +88,8 @@ class CacheWatch:
         self._names_held = 0
         self._listed: dict[int, float] = {}  # directory -> when `learn_names` last listed it
         self.dirs_supported = True  # the server has `watch_dir`
+        # ... and does not tell a watch of its own creates (`watch_dir(names=True)`)
+        self.names_supported = True
         self.replies = 0
         self._scope = trio.CancelScope()
 
@@ -112,9 +114,7 @@ class CacheWatch:
             return None
         stamp, session = self.generation, self.session.id
         try:
-            page = await self.meta.call_idempotent(
-                "watch_dir", lambda m: m.watch_dir(session, ino, limit)
-            )
+            page = await self._watch_dir(session, ino, limit)
         except FsError as exc:
             if exc.code == errno.ENOSYS:
                 log.info("the metadata server cannot watch directories: listings are not kept")
@@ -125,13 +125,29 @@ class CacheWatch:
         if page["since"] != attr["change"] or not self.trusts(ino, attr["change"], stamp):
             self.forget_names((ino,))
             return page
-        if not page["more"]:
+        if not page["more"] and self.names_supported:
             self.forget_names((ino,))
             self._hold_names(ino, {name for name, _ in page["entries"]})
         elif held is None or held[0]["change"] != attr["change"]:
             self.forget_names((ino,))  # (the names held are of this state: they stay)
         self.dirs[ino] = (attr, stamp)
         return page
+
+    async def _watch_dir(self, session: int, ino: int, limit: int) -> WatchedDirPage:
+        names = self.names_supported
+        try:
+            return await self.meta.call_idempotent(
+                "watch_dir", lambda m: m.watch_dir(session, ino, limit, names)
+            )
+        except FsError as exc:
+            if not (names and exc.code == errno.EINVAL and "'names'" in exc.message):
+                raise
+        log.info("the metadata server tells a watch of its own creates: names are not kept")
+        self.names_supported = False
+        self.forget_names(None)
+        return await self.meta.call_idempotent(
+            "watch_dir", lambda m: m.watch_dir(session, ino, limit)
+        )
 
     def dir_attr(self, ino: int) -> Attr | None:
         """The attributes of a directory whose listing the watch keeps fresh
@@ -159,7 +175,7 @@ class CacheWatch:
         or were listed within `RELEARN` seconds, `LARGE_DIR_WAIT` if they
         did not fit in one page: a directory others change keeps losing
         them)."""
-        if parent in self.names or self.token == 0:
+        if parent in self.names or self.token == 0 or not self.names_supported:
             return
         now = trio.current_time()
         if now - self._listed.get(parent, float("-inf")) < RELEARN:

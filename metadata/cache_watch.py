@@ -23,8 +23,9 @@ manner of AFS callbacks and NFSv4 read delegations:
   own attributes), every session that watches the directory's listing
   (`watch_dir`: the client lists it and lets the kernel cache the listing)
   is told the same way, once: the client lists it again to watch it again;
-  but not the session that alone made the change by a create (its reply
-  tells it; its watch goes on from that change: the client keeps the
+  but not the session that alone made the change by a create, if its
+  client said it keeps names (`watch_dir(..., names=True)`): its reply
+  tells it; its watch goes on from that change (the client keeps the
   directory's names, and answers the LOOKUP before each create itself).
   The mutation is acknowledged only once each such client has acknowledged
   the change, or its lease from the last reply without the change has ended
@@ -109,6 +110,9 @@ class CacheWatches:
         # directory -> {session watching its listing: the change counter it read}
         self.dirs: dict[int, dict[int, int]] = {}
         self._dirs_of: dict[int, set[int]] = {}  # session -> the directories it watches
+        # sessions whose clients keep a watched directory's names from their own
+        # creates' replies (`watch_dir(..., names=True)`): not told of those
+        self._own_creates: set[int] = set()
         self._tokens = itertools.count(random.randrange(1 << 40) << 20)
         self.grace_until = 0.0  # until `begin`
         self._pruned = float("-inf")
@@ -120,21 +124,28 @@ class CacheWatches:
         self.watchers.clear()
         self.dirs.clear()
         self._dirs_of.clear()
+        self._own_creates.clear()
 
     def forget(self, session: int) -> None:
         """The session ended: its client trusts nothing any more once its
         lease ends (writers already waiting keep their deadline)."""
         self.watchers.pop(session, None)
+        self._own_creates.discard(session)
         for ino in self._dirs_of.pop(session, ()):
             self._unwatch(ino, session)
 
-    def watch_dir(self, session: int, ino: int, change: int) -> int | None:
+    def watch_dir(self, session: int, ino: int, change: int, names: bool = False) -> int | None:
         """*session* read directory *ino* at change counter *change* and
         watches its listing: the next change past that is told to the
         session's watcher (once). Returns the counter the watch runs from:
         an older one when the session watched it already (a change past
         that one may be on its way to the client, which must then not trust
-        this read); None: the session watches `MAX_DIRS` already."""
+        this read); None: the session watches `MAX_DIRS` already. *names*:
+        its client keeps directories' names from its own creates' replies,
+        so the directory changes it alone makes by a create are not told
+        to it (`changed`); a client of before that is told of every one."""
+        if names:
+            self._own_creates.add(session)
         mine = self._dirs_of.setdefault(session, set())
         if ino not in mine and len(mine) >= MAX_DIRS:
             return None
@@ -256,6 +267,7 @@ class CacheWatches:
         for session, w in list(self.watchers.items()):
             if w.trust_end + FORGET < now:
                 del self.watchers[session]
+                self._own_creates.discard(session)
                 for ino in self._dirs_of.pop(session, ()):
                     self._unwatch(ino, session)
 
@@ -272,7 +284,7 @@ class CacheWatches:
             for session, since in list(watching.items()):
                 if since >= change:  # it read this change already
                     continue
-                if by.get(ino) == session:
+                if by.get(ino) == session and session in self._own_creates:
                     # its own change alone: every change since it read the
                     # directory was its own (another's would have ended this
                     # watch), and its reply tells it of this one

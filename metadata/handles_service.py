@@ -108,7 +108,9 @@ class SessionsAndHandles(ServiceBase):
         return reply
 
     @rpc_method
-    async def watch_dir(self, session: int, ino: int, limit: int = 256) -> WatchedDirPage:
+    async def watch_dir(
+        self, session: int, ino: int, limit: int = 256, names: bool = False
+    ) -> WatchedDirPage:
         """A read-write mount's first page of a listing, and its watch of the
         directory (cache_watch.py): the kernel may keep the listing until
         the watch tells the mount of a change. The watch runs from the
@@ -124,7 +126,7 @@ class SessionsAndHandles(ServiceBase):
             raise FsError(errno.ENOTDIR, f"inode {ino} is not a directory")
         # with the attributes just read (no checkpoint between): a change
         # past them, committed from here on, is told
-        since = self.cache_watches.watch_dir(session, ino, attr["change"])
+        since = self.cache_watches.watch_dir(session, ino, attr["change"], names)
         try:
             page = self.store.readdir(ino, None, limit)
         except FsError:

@@ -395,13 +395,18 @@ class MetaStub:
         )
         return result
 
-    async def watch_dir(self, session: int, ino: int, limit: int = 256) -> WatchedDirPage:
+    async def watch_dir(
+        self, session: int, ino: int, limit: int = 256, names: bool = False
+    ) -> WatchedDirPage:
         """The first page of directory *ino*, and a watch of its listing by
         *session*'s cache watch: its next change is told to that watch
-        (once; metadata/cache_watch.py). Primary only."""
-        result: WatchedDirPage = await self._call(
-            "watch_dir", session=session, ino=ino, limit=limit
-        )
+        (once; metadata/cache_watch.py). Primary only. *names*: the client
+        keeps directories' names from its own creates' replies (EINVAL,
+        "unexpected argument 'names'", from a server of before)."""
+        args: dict[str, object] = {"session": session, "ino": ino, "limit": limit}
+        if names:
+            args["names"] = True
+        result: WatchedDirPage = await self._call("watch_dir", **args)
         return result
 
     async def open_read_only(self, opens: list[list[int]], session: int) -> list[OpenResult | None]:

@@ -15,7 +15,7 @@ import trio
 
 from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.fs import ClientOptions, FileSystem
-from shufflefs.metadata.protocol import ROOT_INODE
+from shufflefs.metadata.protocol import ROOT_INODE, MetaStub, WatchedDirPage
 from shufflefs.rpc.errors import FsError
 
 from .test_open_cache import OpenFs
@@ -101,3 +101,32 @@ async def test_concurrent_creates_of_two_clients_in_one_directory(open_fs: OpenF
         assert held is None or held == every
         for name in every:
             assert not watch.absent(d, name)
+
+
+async def test_a_server_of_before_keeps_listings_watched_and_no_names(
+    open_fs: OpenFs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A metadata server without `watch_dir`'s `names` (it refuses the
+    argument, as the rpc schema does: EINVAL "unexpected argument 'names'")
+    still watches the listing; the client holds no names from then on."""
+    original = MetaStub.watch_dir
+
+    async def before(
+        self: MetaStub, session: int, ino: int, limit: int = 256, names: bool = False
+    ) -> WatchedDirPage:
+        if names:
+            raise FsError(errno.EINVAL, "watch_dir: unexpected argument 'names'")
+        return await original(self, session, ino, limit)
+
+    monkeypatch.setattr(MetaStub, "watch_dir", before)
+    a = await open_fs(ClientOptions(local_reads=False, open_linger=30.0))
+    d = (await a.mkdir(ROOT_INODE, b"absent-4", 0o755, 0, 0))["ino"]
+    await create(a, d, b"x")
+    watch = a.cache_watch
+    assert watch is not None
+    page = await a.readdir(d, None, 256, watch=True)
+    assert [n for n, _ in page["entries"]] == [b"x"]
+    assert watch.dir_attr(d) is not None and not watch.names_supported
+    assert d not in watch.names and not watch.absent(d, b"y")
+    await watch.learn_names(d)
+    assert d not in watch.names

@@ -225,9 +225,11 @@ def test_a_sessions_own_create_is_not_told_to_it_and_its_watch_goes_on(
     clock: trio.testing.MockClock,
 ) -> None:
     """A directory change one session alone made (a create names its
-    session) is not told to that session, which goes on watching from that
-    change: the next change by another is told to it (and to the others
-    at once); a change two sessions made in one commit is told to both."""
+    session) is not told to that session if its client keeps names (it
+    said so with `watch_dir`), which goes on watching from that change:
+    the next change by another is told to it (and to the others at once);
+    a change two sessions made in one commit is told to both; a client of
+    before (no `names`) is told of its own creates as of any change."""
     holders = Holders()
 
     async def main() -> None:
@@ -246,7 +248,7 @@ def test_a_sessions_own_create_is_not_told_to_it_and_its_watch_goes_on(
         async with trio.open_nursery() as nursery:
             for s in (1, 2):
                 nursery.start_soon(reader, s)
-                assert watches.watch_dir(s, 40, 6) == 6
+                assert watches.watch_dir(s, 40, 6, names=True) == 6
             await trio.sleep(0.1)
             start = trio.current_time()
             await watches.changed({}, {40: 7}, {40: 1})  # 1's own create
@@ -260,6 +262,14 @@ def test_a_sessions_own_create_is_not_told_to_it_and_its_watch_goes_on(
                 assert watches.watch_dir(s, 40, 9) == 9
             await watches.changed({}, {40: 11}, {40: None})  # two sessions' commit
             assert seen == {1: [[40, 9], [40, 11]], 2: [[40, 7], [40, 11]]}
+            # a session whose client never said it keeps names: told of its own
+            tokens[3] = (await watches.watch(3, 0, 0))["token"]
+            seen[3] = []
+            nursery.start_soon(reader, 3)
+            await trio.sleep(0.1)
+            assert watches.watch_dir(3, 40, 11) == 11
+            await watches.changed({}, {40: 12}, {40: 3})
+            assert seen[3] == [[40, 12]] and 3 not in watches.dirs.get(40, {})
             nursery.cancel_scope.cancel()
 
     run(clock, main)
