@@ -42,9 +42,11 @@ from __future__ import annotations
 import errno
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import trio
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.client.session import Session
@@ -219,6 +221,20 @@ class CacheWatch:
             names = self.names.pop(ino, None)
             if names is not None:
                 self._names_held -= len(names)
+
+    def collect(self) -> Iterator[Metric]:
+        """The watched directories and names held (when scraped)."""
+        family = GaugeMetricFamily(
+            "shufflefs_client_watched_dirs",
+            "Directories whose listing a read-write mount's cache watch keeps "
+            "(what=listings), and those whose names it holds whole (what=named; "
+            "their names: what=names), client/cache_watch.py",
+            labels=["what"],
+        )
+        family.add_metric(["listings"], len(self.dirs))
+        family.add_metric(["named"], len(self.names))
+        family.add_metric(["names"], self._names_held)
+        yield family
 
     def _hold_names(self, ino: int, names: set[bytes]) -> None:
         self.names[ino] = names

@@ -88,6 +88,7 @@ async def run_mount(
         spin_counts = SpinCounts()
         ops = ShuffleOps(fs, options)
         writeback = [ops.writeback.counts.collect] if ops.writeback is not None else []
+        watch = [fs.cache_watch.collect] if fs.cache_watch is not None else []
         await start_client_metrics(
             nursery,
             fs,
@@ -100,6 +101,7 @@ async def run_mount(
                 spin_counts.collect,
                 ops.dir_ahead.counts.collect,
                 *writeback,
+                *watch,
             ],
         )
         await ops.start(nursery)

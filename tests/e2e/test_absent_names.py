@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from clusters import ProcessCluster
 from harness import read_whole as read
-from opsworld import MeteredMount, metered_mount
+from opsworld import MeteredMount, metered_mount, samples
 
 FAMILY = "shufflefs_client_fast_answers"
 NAME_CALLS = ("lookup", "lookup_open")
@@ -55,6 +55,9 @@ def test_creates_in_a_directory_ask_no_lookup_and_changes_elsewhere_are_seen(
     # entry may expire meanwhile and be looked up again: a few calls)
     assert other.count("absent") - absent >= FILES
     assert name_calls(mounted) - before < FILES // 4
+    gauge = samples(other.metrics)["shufflefs_client_watched_dirs"]
+    held = {g.labels["what"]: g.value for g in gauge}
+    assert held["named"] >= 1 and held["names"] >= FILES + 1
     assert sorted(os.listdir(d)) == sorted(["first"] + [f"f{i:03d}" for i in range(FILES)])
     for i in range(FILES):
         assert read(d / f"f{i:03d}") == b"x" * i
