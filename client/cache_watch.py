@@ -23,8 +23,8 @@ And the names of a watched directory whose listing came whole in one page
 (`names`): while the watch holds, a name not among them is absent, so the
 kernel's LOOKUP of a name about to be created (``open(O_CREAT)``, ``tar x``,
 ``cp -r``) is answered with no round trip (`absent`). They are listed on
-the first LOOKUP in the directory the server answered ENOENT (`learn_names`,
-at most once per `RELEARN` seconds a directory). This client's own creates
+this client's first create in the directory (`learn_names`, at most once
+per `RELEARN` seconds a directory). This client's own creates
 keep them: the server does not tell a session's watch of a directory
 change that session alone made by a create (metadata/cache_watch.py), and
 the create's reply, which carries the directory's attributes after it,
@@ -172,8 +172,8 @@ class CacheWatch:
         return names is not None and name not in names and self.dir_attr(parent) is not None
 
     async def learn_names(self, parent: int) -> None:
-        """A LOOKUP in *parent* found nothing: list its names, so that the
-        next missing names of it are answered here (not when they are held,
+        """This client created a file in *parent*: list its names, so that
+        the next missing names of it are answered here (not when they are held,
         or were listed within `RELEARN` seconds, `LARGE_DIR_WAIT` if they
         did not fit in one page: a directory others change keeps losing
         them)."""

@@ -159,12 +159,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             else:
                 attr = await self.fs.lookup(parent_inode, name)
         except FsError as exc:
-            if exc.code != errno.ENOENT:
-                raise
-            if self.watched is not None and self.fs.cache_watch is not None:
-                # (the kernel holds the directory: none of our changes of it overlap)
-                await self.fs.cache_watch.learn_names(parent_inode)
-            if not self.options.negative_timeout:
+            if exc.code != errno.ENOENT or not self.options.negative_timeout:
                 raise
             return self._missing()
         if self.inode_reads is None:
@@ -388,6 +383,13 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         stamp = self.dir_changes.stamp(parent_inode)
         f, attr = await self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        if f.created and self.watched is not None and self.fs.cache_watch is not None:
+            # the directory's names, for the LOOKUPs of the next names created
+            # in it (the kernel holds the directory: none of our changes of it
+            # overlap); not on a lookup that finds nothing: a mount that only
+            # looks (a rank checking for a checkpoint) would make the
+            # directory's writer wait for its acknowledgement
+            await self.fs.cache_watch.learn_names(parent_inode)
         if f.created:  # a new file has no security.capability: spare the write's getxattr
             self.no_caps[attr["ino"]] = trio.current_time() + self.options.attr_timeout
         # no other mutation of the directory overlapped it

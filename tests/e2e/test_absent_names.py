@@ -1,7 +1,7 @@
 """The LOOKUP a create starts with, answered by a read-write mount with no
 metadata call once its cache watch holds the directory's names
 (client/cache_watch.py, `absent`), with real mounts of one cluster: a
-directory's names are listed on the first lookup the server answers ENOENT;
+directory's names are listed after the mount's first create in it;
 the mount's own creates keep them (the server does not tell a session of its
 own creates, metadata/cache_watch.py); anything another mount does to the
 directory, and this mount's other changes of it, drop them before they
@@ -46,7 +46,11 @@ def test_creates_in_a_directory_ask_no_lookup_and_changes_elsewhere_are_seen(
 ) -> None:
     d = other.mountpoint / mnt.name / "new"
     d.mkdir()
-    (d / "first").write_bytes(b"1")  # its lookup asks, and lists the directory's names
+    # a lookup that finds nothing does not list (nor watch) the directory
+    listings = mounted.meta_calls().get("watch_dir", 0)
+    assert not (d / "nothing").exists()
+    assert mounted.meta_calls().get("watch_dir", 0) == listings
+    (d / "first").write_bytes(b"1")  # its lookup asks; after its create, the names are listed
     absent = other.count("absent")
     before = name_calls(mounted)
     for i in range(FILES):
