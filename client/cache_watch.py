@@ -187,7 +187,7 @@ class CacheWatch:
         self._listed[parent] = now
         try:
             page = await self.watch_dir(parent, READDIR_MAX)
-        except FsError as exc:  # the lookup's answer stands; names stay unknown
+        except FsError as exc:  # the create stands; its directory's names stay unknown
             log.debug("listing directory %d for its names: %s", parent, exc.message)
             return
         if page is not None and page["more"]:  # too many to hold: not soon again
