@@ -88,7 +88,7 @@ class CacheWatch:
         # {directory ino: every name in it}, for directories in `dirs` listed whole
         self.names: OrderedDict[int, set[bytes]] = OrderedDict()
         self._names_held = 0
-        self._listed: dict[int, float] = {}  # directory -> when `learn_names` last listed it
+        self._next_listing: dict[int, float] = {}  # directory -> when `learn_names` may list it
         self.dirs_supported = True  # the server has `watch_dir`
         # ... and does not tell a watch of its own creates (`watch_dir(names=True)`)
         self.names_supported = True
@@ -180,18 +180,18 @@ class CacheWatch:
         if parent in self.names or self.token == 0 or not self.names_supported:
             return
         now = trio.current_time()
-        if now - self._listed.get(parent, float("-inf")) < RELEARN:
+        if now < self._next_listing.get(parent, now):
             return
-        if len(self._listed) >= MAX_LISTED:
-            self._listed = {d: t for d, t in self._listed.items() if now - t < RELEARN}
-        self._listed[parent] = now
+        if len(self._next_listing) >= MAX_LISTED:
+            self._next_listing = {d: t for d, t in self._next_listing.items() if t > now}
+        self._next_listing[parent] = now + RELEARN
         try:
             page = await self.watch_dir(parent, READDIR_MAX)
         except FsError as exc:  # the create stands; its directory's names stay unknown
             log.debug("listing directory %d for its names: %s", parent, exc.message)
             return
         if page is not None and page["more"]:  # too many to hold: not soon again
-            self._listed[parent] = now + LARGE_DIR_WAIT - RELEARN
+            self._next_listing[parent] = now + LARGE_DIR_WAIT
 
     def created(self, parent: int, name: bytes, parent_attr: Attr | None) -> None:
         """This client created *name* in *parent*; *parent_attr*: the

@@ -365,7 +365,7 @@ class FileSystem(NamespaceCalls, PathOps):
             if res.get("created"):
                 self.cache_watch.created(parent, name, res.get("parent_attr"))
             else:  # it was there: the names held said otherwise, or did not say
-                self.cache_watch.forget_names((parent,))
+                self._dirs_changing(parent)
         return self._track(res, flags)
 
     async def open(self, ino: int, flags: int) -> tuple[OpenFile, Attr]:

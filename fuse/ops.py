@@ -150,7 +150,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             if cached is not None:
                 attr, keep = cached
             elif self._known_absent(parent_inode, name):
-                raise FsError(errno.ENOENT, "absent from the directory's names")
+                return self._missing()
             elif self.watched is not None or self.options.read_only:
                 # the open that follows comes from the open cache
                 attr = await self.fs.lookup_open(parent_inode, name)

@@ -190,6 +190,10 @@ class Tx:
                     self.changed_dirs[ino] = rec["change"]
                 self.put(DB_INODES, u64(ino), pack(rec))
 
+    def changed_by(self) -> dict[int, int | None]:
+        """Each directory this transaction changed, with its changer (`by`)."""
+        return dict.fromkeys(self.changed_dirs, self.by)
+
     def stamped(self, result: T) -> T:
         """*result* (an Attr, an OpenResult, or a tuple/list holding them)
         with the change counters `flush` just raised: the body built it
@@ -236,14 +240,18 @@ Changed = tuple[dict[int, int], dict[int, int], dict[int, int | None]]
 
 
 def merge_dirs(
-    into: dict[int, int], into_by: dict[int, int | None], dirs: dict[int, int], by: int | None
+    into: dict[int, int],
+    into_by: dict[int, int | None],
+    dirs: dict[int, int],
+    by: dict[int, int | None],
 ) -> None:
-    """Add directory changes made by session *by* (None: not named) to
-    *into*, keeping in *into_by* (the same keys) each directory's one
-    changer: a directory changed by two sessions, or by one not named, has
-    None."""
+    """Add directory changes (*dirs*, each made by session *by*[ino]; None:
+    not named) to *into*, keeping in *into_by* (the same keys) each
+    directory's one changer: a directory changed by two sessions, or by one
+    not named, has None."""
     for ino, change in dirs.items():
-        into_by[ino] = by if ino not in into or into_by[ino] == by else None
+        changer = by.get(ino)
+        into_by[ino] = changer if ino not in into or into_by[ino] == changer else None
         into[ino] = change
 
 
@@ -358,7 +366,7 @@ class Transactions:
         group.ended.extend(tx.ended)  # they follow the group's commit
         group.ops.extend(tx.ops)
         group.changed_files.update(tx.changed_files)
-        merge_dirs(group.changed_dirs, group.dirs_by, tx.changed_dirs, tx.by)
+        merge_dirs(group.changed_dirs, group.dirs_by, tx.changed_dirs, tx.changed_by())
         return result
 
     def _log_entry(self, txn: Any, ops: list[Op]) -> int:
@@ -420,9 +428,7 @@ class Transactions:
             committed = True
             self.commit_count += 1
             self.last_seq = seq
-            self._cached_committed(
-                tx.changed_files, tx.changed_dirs, dict.fromkeys(tx.changed_dirs, tx.by)
-            )
+            self._cached_committed(tx.changed_files, tx.changed_dirs, tx.changed_by())
             return result
         except lmdb.MapFullError:
             raise FsError(errno.ENOSPC, "metadata store is full (raise map_size)") from None
@@ -437,8 +443,7 @@ class Transactions:
         if files or dirs:
             with self._changed_lock:
                 self._changed_files.update(files)
-                for ino, change in dirs.items():
-                    merge_dirs(self._changed_dirs, self._dirs_by, {ino: change}, by.get(ino))
+                merge_dirs(self._changed_dirs, self._dirs_by, dirs, by)
 
     def take_changed(self) -> Changed:
         """{ino: change} of the regular files, and of the directories,

@@ -56,7 +56,7 @@ async def test_own_creates_keep_the_names_and_anothers_drop_them(open_fs: OpenFs
     # listed again only after RELEARN
     await watch.learn_names(d)
     assert d not in watch.names
-    watch._listed.clear()
+    watch._next_listing.clear()
     await watch.learn_names(d)
     assert watch.names[d] == {b"before", b"x", b"y", b"z", b"theirs"}
     # another change of a's own (not a create): dropped at once

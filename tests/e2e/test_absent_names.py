@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,10 +29,7 @@ def other(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[MeteredMount]:
     """B: a default mount of its own, whose absent answers are counted."""
-    with contextmanager(metered_mount)(
-        mounted, tmp_path_factory.mktemp("absent-names-B"), "", FAMILY, "op"
-    ) as m:
-        yield m
+    yield from metered_mount(mounted, tmp_path_factory.mktemp("absent-names-B"), "", FAMILY, "op")
 
 
 def name_calls(cluster: ProcessCluster) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,10 +26,8 @@ FAMILY = "shufflefs_client_fast_answers"
 def wbc(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[MeteredMount]:
-    with contextmanager(metered_mount)(
-        mounted, tmp_path_factory.mktemp("wbc"), "writeback,writeback_cache", FAMILY, "op"
-    ) as m:
-        yield m
+    options = "writeback,writeback_cache"
+    yield from metered_mount(mounted, tmp_path_factory.mktemp("wbc"), options, FAMILY, "op")
 
 
 def settled(m: MeteredMount) -> None:

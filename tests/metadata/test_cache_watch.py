@@ -275,16 +275,23 @@ def test_a_sessions_own_create_is_not_told_to_it_and_its_watch_goes_on(
     run(clock, main)
 
 
+def merge(
+    into: dict[int, int], into_by: dict[int, int | None], dirs: dict[int, int], by: int | None
+) -> None:
+    """`merge_dirs` of changes one session (or none named) made."""
+    merge_dirs(into, into_by, dirs, dict.fromkeys(dirs, by))
+
+
 def test_a_directorys_one_changer_is_kept_through_groups_and_commits() -> None:
     """`merge_dirs`: a directory keeps its changer while only that session
     changes it; another session's change, or one that names none, makes
     it None for good (until taken)."""
     dirs: dict[int, int] = {}
     by: dict[int, int | None] = {}
-    merge_dirs(dirs, by, {40: 7, 41: 3}, 1)
-    merge_dirs(dirs, by, {40: 8}, 1)
+    merge(dirs, by, {40: 7, 41: 3}, 1)
+    merge(dirs, by, {40: 8}, 1)
     assert dirs == {40: 8, 41: 3} and by == {40: 1, 41: 1}
-    merge_dirs(dirs, by, {41: 4}, 2)
-    merge_dirs(dirs, by, {42: 1}, None)
-    merge_dirs(dirs, by, {42: 2}, 1)
+    merge(dirs, by, {41: 4}, 2)
+    merge(dirs, by, {42: 1}, None)
+    merge(dirs, by, {42: 2}, 1)
     assert dirs == {40: 8, 41: 4, 42: 2} and by == {40: 1, 41: None, 42: None}
