@@ -23,6 +23,7 @@ from shufflefs.rpc import FsError, RpcClient
 from shufflefs.storage.chain import LockTable, chain_of
 from shufflefs.storage.protocol import ChunkMeta, StorageStub
 from shufflefs.storage.store import ChunkStore
+from shufflefs.storage.update_queue import UpdateQueue
 
 T = TypeVar("T")
 
@@ -75,6 +76,7 @@ class NodeContext:
         self.mgmtd = mgmtd
         self.node_id = node_id
         self.by_id: dict[int, ChunkStore] = {}
+        self._updates: dict[ChunkStore, UpdateQueue] = {}
         self.reindex()
         # for work a thread channel's I/O thread hands back to the loop
         self.trio_token: trio.lowlevel.TrioToken | None = None
@@ -94,6 +96,14 @@ class NodeContext:
     async def io(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking disk work in a worker thread (never on the event loop)."""
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    def updates(self, store: ChunkStore) -> UpdateQueue:
+        """*store*'s update queue: the steps of its chunk updates, batched
+        into one worker-thread call each (`storage/update_queue.py`)."""
+        queue = self._updates.get(store)
+        if queue is None:
+            queue = self._updates[store] = UpdateQueue(store, self.io)
+        return queue
 
     # ---- other replicas ----------------------------------------------------
 

@@ -85,19 +85,23 @@ class GroupRunner(Generic[T]):
     def run(self, item: T) -> None:
         """Queue *item*; return once a batch holding it was processed (raise
         its error if it failed)."""
-        req = _Request(item)
+        (error,) = self.run_many([item])
+        if error is not None:
+            raise error
+
+    def run_many(self, items: Sequence[T]) -> list[BaseException | None]:
+        """Queue *items* together; return once batches holding every one of
+        them were processed: per item None or its error (a fresh `FsError`
+        per caller, as tracebacks are not shared)."""
+        reqs = [_Request(item) for item in items]
         with self._cond:
-            self._pending.append(req)
-            while not req.done:
+            self._pending.extend(reqs)
+            while not all(req.done for req in reqs):
                 if self._busy:
                     self._cond.wait()
                     continue
                 self._lead()
-        if req.error is not None:
-            exc = req.error
-            if isinstance(exc, FsError):  # a fresh one per waiter: tracebacks are not shared
-                raise FsError(exc.code, exc.message)
-            raise exc
+        return [_fresh(req.error) for req in reqs]
 
     def _lead(self) -> None:
         """Process the next batch (called with the condition held; released
@@ -123,6 +127,12 @@ class GroupRunner(Generic[T]):
             self.items += len(batch)
             self._busy = False
             self._cond.notify_all()
+
+
+def _fresh(exc: BaseException | None) -> BaseException | None:
+    if isinstance(exc, FsError):
+        return FsError(exc.code, exc.message)
+    return exc
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,10 @@ class FileSync:
 
     def flush(self, item: FileFlush) -> None:
         self.runner.run(item)
+
+    def flush_many(self, items: Sequence[FileFlush]) -> list[BaseException | None]:
+        """`flush` of several files at once (their outcomes, not raised)."""
+        return self.runner.run_many(items)
 
     def _flush_batch(self, items: list[FileFlush]) -> list[BaseException | None]:
         if len(items) > 1 and start_writeback is not None and self._sync_file is _sync_file:

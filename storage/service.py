@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -67,13 +68,6 @@ def _stage_forwarded(
         if exc.code != errno.EIO:
             raise
         raise FsError(NEED_FULL, f"{exc.message}: send the whole chunk") from None
-
-
-def _stage_and_commit(store: ChunkStore, *args: Any) -> WriteResult:
-    """`_stage_forwarded` (same arguments), then its flush and commit
-    (which aborts it if either fails), in one worker-thread call: for the
-    tail of a chain."""
-    return store.commit(_stage_forwarded(store, *args))
 
 
 class StorageService(ReadHandlers):
@@ -139,14 +133,12 @@ class StorageService(ReadHandlers):
                 place = await self.forwarding.check_min_replicas(place, target, head=True)
             alone = place is None or place.successor is None
             try:
+                stage = partial(store.stage_write, chunk, offset, data, chunk_size, None, False)
                 if alone:
-                    # nothing to forward: stage, flush and commit in one
-                    # worker-thread hop (the same steps `_forward_then_commit`
-                    # takes, in the same order, less two thread round trips)
-                    return await node.io(store.write, chunk, offset, chunk_size, data)
-                staged = await node.io(
-                    store.stage_write, chunk, offset, data, chunk_size, None, False
-                )
+                    # nothing to forward: stage, flush and commit in one step
+                    # (the steps `_forward_then_commit` takes, in its order)
+                    return await node.updates(store).write(chunk, stage)
+                staged = await node.updates(store).stage(chunk, stage)
             except FsError as exc:
                 if exc.code == errno.EIO and node.other_serving(target):
                     self.repairs.schedule(target, chunk)
@@ -190,14 +182,13 @@ class StorageService(ReadHandlers):
             self.forwarding.admitted(target, chain, chain_version, head=False) as place,
         ):
             sync = self.resyncer.state_at(target, place)
-            args = (store, chunk, offset, chunk_size, version, full, data)
+            stage = partial(_stage_forwarded, store, chunk, offset, chunk_size, version, full, data)
             if place is None or place.successor is None:
-                # the tail: nothing to forward, so stage and commit in one
-                # worker-thread hop (the steps of `_forward_then_commit`, in
-                # its order, less a thread round trip)
-                result = await node.io(_stage_and_commit, *args)
+                # the tail: nothing to forward, so stage, flush and commit in
+                # one step (the steps of `_forward_then_commit`, in its order)
+                result = await node.updates(store).write(chunk, stage)
             else:
-                staged = await node.io(_stage_forwarded, *args)
+                staged = await node.updates(store).stage(chunk, stage)
                 result = await self._forward_then_commit(
                     store, staged, place, offset, chunk_size, data, full
                 )
@@ -237,7 +228,7 @@ class StorageService(ReadHandlers):
                         store, staged, place, offset, chunk_size, data, full
                     ),
                 )
-            return await self.node.io(store.commit, staged)
+            return await self.node.updates(store).commit(staged)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.node.io(store.abort, staged)
@@ -252,7 +243,7 @@ class StorageService(ReadHandlers):
 
         async def flush() -> None:
             try:
-                await self.node.io(store.flush, staged)
+                await self.node.updates(store).flush(staged)
             except FsError as exc:
                 flush_error.append(exc)
 

@@ -33,6 +33,7 @@ import contextlib
 import errno
 import os
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shufflefs.rpc.errors import FsError
@@ -53,11 +54,13 @@ from shufflefs.storage.layout import (
     same_record,
 )
 from shufflefs.storage.protocol import NEED_FULL, WriteResult
+from shufflefs.storage.target import RecordChange
 from shufflefs.storage.whole_files import WholeFiles
 
 Data = bytes | bytearray | memoryview
 
 COPY_PIECE = 8 << 20
+_NOT_YET = FsError(errno.EIO, "not committed")  # an outcome slot before it is decided
 
 
 def _pwrite_all(fd: int, data: Data, offset: int) -> None:
@@ -135,6 +138,11 @@ class Staged:
     @property
     def base_version(self) -> int:
         return self.base.version if self.base is not None else 0
+
+
+def _record_change(staged: Staged) -> RecordChange:
+    assert staged.new is not None
+    return RecordChange([(staged.cid, staged.new)], [], staged.d_used, int(staged.d_chunks))
 
 
 class WritableTarget(WholeFiles):
@@ -225,14 +233,29 @@ class WritableTarget(WholeFiles):
         (a group flush, shared with the other updates flushing on this
         target meanwhile). The caller still owns the update: on an error it
         aborts it."""
-        pending = staged.unflushed
-        if pending is None or staged.done:
-            return
-        try:
-            self._file_sync.flush(pending)
-        except OSError as exc:
-            raise self._os_error(exc, f"flush of chunk {staged.cid.hex()}") from None
-        staged.unflushed = None
+        (error,) = self.flush_many([staged])
+        if error is not None:
+            raise error
+
+    def flush_many(self, updates: Sequence[Staged]) -> list[FsError | None]:
+        """`flush` of several staged updates, in one group flush: per update
+        None or its error (not raised: the caller aborts the ones that
+        failed, and never flushes them again, as a second fsync after a
+        failed one may report success for bytes that were lost)."""
+        errors: list[FsError | None] = [None] * len(updates)
+        owed = [i for i, u in enumerate(updates) if u.unflushed is not None and not u.done]
+        if not owed:
+            return errors
+        pending = [updates[i].unflushed for i in owed]
+        outcomes = self._file_sync.flush_many([p for p in pending if p is not None])
+        for i, exc in zip(owed, outcomes, strict=True):
+            if exc is None:
+                updates[i].unflushed = None
+            elif isinstance(exc, OSError):
+                errors[i] = self._os_error(exc, f"flush of chunk {updates[i].cid.hex()}")
+            else:
+                raise exc
+        return errors
 
     def _flush_now(self, pending: FileFlush, flush: bool) -> FileFlush | None:
         """Flush *pending* now if *flush*, else return it for `flush` later
@@ -251,6 +274,15 @@ class WritableTarget(WholeFiles):
         commit fails the update is aborted."""
         with self._lock(staged.cid):
             return self._commit_locked(staged)
+
+    def commit_many(self, updates: Sequence[Staged]) -> list[WriteResult | Exception]:
+        """`commit` of staged updates of different chunks together: the bytes
+        still owed in one group flush, the records in one transaction (each
+        shared, as always, with the updates of other threads meanwhile). Per
+        update its result or its error (that update is then aborted). Two
+        updates of one chunk are refused (EINVAL, nothing done)."""
+        with self._locks_for([u.cid for u in updates]):
+            return self._commit_all_locked(updates)
 
     def abort(self, staged: Staged) -> None:
         """Drop a staged update without a trace: the bytes it appended past
@@ -417,29 +449,67 @@ class WritableTarget(WholeFiles):
         return Staged(cid, COW, rec, new, fd=fd, d_used=new_len - rec.length, unflushed=unflushed)
 
     def _commit_locked(self, staged: Staged) -> WriteResult:
-        if staged.done:
-            raise FsError(errno.EINVAL, "the staged update is already committed or aborted")
-        new = staged.new
-        if new is None:  # a zero-length write: nothing changes
-            staged.done = True
+        (outcome,) = self._commit_all_locked([staged])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _commit_all_locked(self, updates: Sequence[Staged]) -> list[WriteResult | Exception]:
+        if len({u.cid for u in updates}) < len(updates):
+            # each would be built on the same base: nothing done, the caller
+            # still owns them all
+            raise FsError(errno.EINVAL, "two updates of one chunk in one commit")
+        outcomes: list[WriteResult | Exception] = [_NOT_YET] * len(updates)
+        live: list[int] = []
+        for i, staged in enumerate(updates):
             base = staged.base
-            return {
-                "version": base.version if base else 0,
-                "length": base.length if base else 0,
-            }
-        try:
-            self.flush(staged)  # never a record before its bytes are durable
-            current = self._record(staged.cid)
-            if not same_record(current, staged.base):
-                raise FsError(
-                    errno.EAGAIN,
-                    f"chunk {staged.cid.hex()} changed on target {self.label} while an update "
-                    "was staged",
+            if staged.done:
+                outcomes[i] = FsError(
+                    errno.EINVAL, "the staged update is already committed or aborted"
                 )
-            self._commit([(staged.cid, new)], [], staged.d_used, int(staged.d_chunks))
+            elif staged.new is None:  # a zero-length write: nothing changes
+                staged.done = True
+                outcomes[i] = {
+                    "version": base.version if base else 0,
+                    "length": base.length if base else 0,
+                }
+            else:
+                live.append(i)
+        try:
+            # never a record before its bytes are durable
+            flushed = self.flush_many([updates[i] for i in live])
+            committing: list[int] = []
+            for i, error in zip(live, flushed, strict=True):
+                staged = updates[i]
+                if error is None and not same_record(self._record(staged.cid), staged.base):
+                    error = FsError(
+                        errno.EAGAIN,
+                        f"chunk {staged.cid.hex()} changed on target {self.label} while an "
+                        "update was staged",
+                    )
+                if error is not None:
+                    self._abort_locked(staged)
+                    outcomes[i] = error
+                else:
+                    committing.append(i)
+            changes = [_record_change(updates[i]) for i in committing]
+            for i, exc in zip(committing, self._commit_many(changes), strict=True):
+                staged = updates[i]
+                if exc is not None:
+                    self._abort_locked(staged)
+                    outcomes[i] = exc if isinstance(exc, Exception) else FsError(errno.EIO)
+                else:
+                    outcomes[i] = self._committed(staged)
         except BaseException:
-            self._abort_locked(staged)
+            for i in live:
+                self._abort_locked(updates[i])  # (nothing once committed: done)
             raise
+        return outcomes
+
+    def _committed(self, staged: Staged) -> WriteResult:
+        """The bookkeeping after *staged*'s record committed."""
+        new = staged.new
+        assert new is not None
         staged.done = True
         if staged.handle is not None:  # an append: the file stays the same
             self._fds.release(staged.handle)

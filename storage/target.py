@@ -406,6 +406,11 @@ class Target:
         durable; if it fails, every change of the batch fails."""
         self._record_commits.run(RecordChange(puts, deletes, d_used, d_chunks))
 
+    def _commit_many(self, changes: Sequence[RecordChange]) -> list[BaseException | None]:
+        """`_commit` of several callers' changes at once (in one transaction
+        as far as the batch allows): per change None or its error."""
+        return self._record_commits.run_many(changes)
+
     def _commit_batch(self, changes: list[RecordChange]) -> list[BaseException | None]:
         with self._commit_lock:
             used = self.used + sum(c.d_used for c in changes)
