@@ -504,7 +504,9 @@ class FileSystem(NamespaceCalls, PathOps):
         # data is durable once a write is acknowledged; what remains is the length
         await self.flush(fh)
 
-    async def release(self, fh: int) -> None:
+    async def release(self, fh: int, behind: bool = False) -> None:
+        """Close handle *fh* (a written file: its length reported, `Closes`);
+        *behind*: nobody waits for it (a writeback mount's close)."""
         f = self.files.get(fh)
         if f is None:
             return
@@ -520,7 +522,7 @@ class FileSystem(NamespaceCalls, PathOps):
                 # the length report owed and the release in one call, with
                 # the closes that overlap it (`Closes`)
                 closed = True
-                await self.closes.close(f.ino, f.handle, self.inodes.get(f.ino))
+                await self.closes.close(f.ino, f.handle, self.inodes.get(f.ino), behind)
             else:
                 await self.flush(fh)
         finally:

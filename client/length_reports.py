@@ -30,6 +30,9 @@ from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.client.length_reports")
 
+# a close carried out behind waits this long for others to share its call
+BEHIND_LINGER = 0.003
+
 
 async def report_length(meta: MetaClient, ino: int, st: InodeState) -> None:
     """Report how far this client wrote *ino* (and when, unless an explicit
@@ -69,12 +72,17 @@ class Closes:
         self._close_files_supported = True  # until a metadata server answers ENOSYS
         self._attrs_in_close = True  # until one refuses `attrs` (a server of before them)
 
-    async def close(self, ino: int, handle: int, st: InodeState | None) -> None:
+    async def close(
+        self, ino: int, handle: int, st: InodeState | None, behind: bool = False
+    ) -> None:
         """Report *ino*'s length if *st* has writes unreported, and give
-        *handle* back (also if the report failed); raise that file's error."""
+        *handle* back (also if the report failed); raise that file's error.
+        A close carried out *behind* (nobody waits for it: a writeback
+        mount's) waits up to `BEHIND_LINGER` for others to share its call."""
+        linger = BEHIND_LINGER if behind else 0.0
         if st is None or not (st.dirty or st.owed):
             closed = await self.batch.get(
-                {"ino": ino, "handle": handle, "length": None, "mtime": None}
+                {"ino": ino, "handle": handle, "length": None, "mtime": None}, linger
             )
         else:
             generation = st.generation
@@ -87,7 +95,7 @@ class Closes:
                 if owed:
                     f["attrs"] = owed
                 try:
-                    closed = await self.batch.get(f)
+                    closed = await self.batch.get(f, linger)
                 finally:
                     sent_owed(st, owed)  # (the handle is gone whatever happened)
             if closed["attr"] is not None:

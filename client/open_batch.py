@@ -36,6 +36,7 @@ class _Batch(Generic[K, V]):
     done: trio.Event = field(default_factory=trio.Event)
     results: list[V | None] = field(default_factory=list)  # one per key, in order
     answered: bool = False  # `results` hold the answer
+    now: trio.Event = field(default_factory=trio.Event)  # send it without gathering longer
 
 
 class Batcher(Generic[K, V]):
@@ -57,19 +58,25 @@ class Batcher(Generic[K, V]):
         self.calls = 0  # batched calls sent
         self.asked = 0  # keys asked through them
 
-    async def get(self, key: K) -> V:
+    async def get(self, key: K, linger: float = 0.0) -> V:
+        """*key*'s answer. With *linger* (a caller that nobody waits for: a
+        close carried out behind) a call is not sent at once when nothing is
+        in flight: the keys asked during *linger* seconds go with it, unless
+        a caller without linger joins, which sends it at once."""
         if not self.batched:
             return await self._one(key)
-        if self._in_flight is None and self._open is None:
+        if self._in_flight is None and self._open is None and linger <= 0:
             return await self._alone(key)
         batch = self._open
         if batch is None or len(batch.keys) >= READDIR_MAX:
             batch = self._open = _Batch()
-            await self._lead(batch, key)
+            await self._lead(batch, key, linger)
             place = 0
         else:
             place = len(batch.keys)
             batch.keys.append(key)
+            if linger <= 0:
+                batch.now.set()
             await batch.done.wait()
         if not batch.answered:  # its leader was cancelled, or the call failed
             return await self._one(key)
@@ -89,12 +96,15 @@ class Batcher(Generic[K, V]):
             self._in_flight = None
             batch.done.set()
 
-    async def _lead(self, batch: _Batch[K, V], key: K) -> None:
-        """Gather *batch* (*key* first) while the call in flight runs, then
-        send it. (Keys are not merged: two opens of one file each get a
-        handle of their own.)"""
+    async def _lead(self, batch: _Batch[K, V], key: K, linger: float) -> None:
+        """Gather *batch* (*key* first) for *linger* seconds at most and
+        while the call in flight runs, then send it. (Keys are not merged:
+        two opens of one file each get a handle of their own.)"""
         batch.keys.append(key)
         try:
+            if linger > 0:
+                with trio.move_on_after(linger):
+                    await batch.now.wait()
             while self._in_flight is not None:
                 await self._in_flight.done.wait()
             if self._open is batch:
