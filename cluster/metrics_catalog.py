@@ -18,6 +18,12 @@ COMMIT_BATCH = Histogram(
     "Mutations per metadata group commit (one LMDB write transaction, one fsync)",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
+UPDATE_BATCH = Histogram(
+    "shufflefs_storage_update_batch_size",
+    "Update steps (stage, flush, commit) per worker-thread call of a target's update "
+    "queue (one group flush and one record transaction for the batch)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 CACHE_WATCH_WAITS = Counter(
     "shufflefs_meta_cache_watch_waits",
     "Commits that waited for a client caching a changed file, by how the wait ended "

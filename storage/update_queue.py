@@ -31,6 +31,7 @@ from typing import Any
 
 import trio
 
+from shufflefs.cluster.metrics_catalog import UPDATE_BATCH
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.protocol import WriteResult
 from shufflefs.storage.staging import Staged
@@ -167,6 +168,7 @@ class UpdateQueue:
             batch = self._take()
             self.batches += 1
             self.steps += len(batch)
+            UPDATE_BATCH.observe(len(batch))
             await self._run_in_thread(run_steps, self.store, batch)
         except BaseException as exc:
             for step in batch:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+from prometheus_client import REGISTRY
 
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.group_sync import FileSync, GroupRunner
@@ -95,9 +96,11 @@ def test_steps_arriving_during_a_batch_share_the_next(store: ChunkStore) -> None
             ]
         )
 
+    observed = REGISTRY.get_sample_value("shufflefs_storage_update_batch_size_sum") or 0.0
     results = trio.run(main)
     assert results == [{"version": 1, "length": 300 + i} for i in range(n)]
     assert (queue.batches, queue.steps) == (2, n)
+    assert REGISTRY.get_sample_value("shufflefs_storage_update_batch_size_sum") == observed + n
     # the second batch: one flush pass and one record transaction for its 7
     assert store._file_sync.runner.batches == 2 and store._record_commits.batches == 2
     for i, cid in enumerate(cids):
