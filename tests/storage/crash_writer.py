@@ -11,7 +11,14 @@ committed (``C seq`` just before `commit`) or aborted (``X seq`` just before
 of the update.
 
 With the mode ``hold`` the writer stages one update of every kind, logs
-``HELD`` and waits to be killed."""
+``HELD`` and waits to be killed.
+
+With the mode ``batched`` it runs `WORKERS` trio tasks writing through one
+`UpdateQueue` (storage/update_queue.py), as the storage service does, so
+that their steps share worker-thread calls, flush passes and record
+transactions. Task *w* owns inode ``BATCHED_INO + w`` (no chunk is shared)
+and tags its lines ``w.seq``; an acknowledgement also gives the queue's
+batches and steps so far."""
 
 from __future__ import annotations
 
@@ -20,15 +27,21 @@ import os
 import random
 import sys
 import time
+from functools import partial
+
+import trio
 
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.protocol import chunk_id
 from shufflefs.storage.store import ChunkStore
+from shufflefs.storage.update_queue import UpdateQueue
 
 CHUNK = 1 << 15
 BLOCK = 512
 INOS = (1, 2)
 CHUNKS_PER_INO = 2
+WORKERS = 6
+BATCHED_INO = 100
 
 
 def data_for(seed: int, n: int) -> bytes:
@@ -98,12 +111,53 @@ def hold(store: ChunkStore, log: int) -> None:
         time.sleep(1)
 
 
+def batched(store: ChunkStore, log: int, seed: int) -> None:
+    async def in_thread(fn: object, *args: object) -> object:
+        return await trio.to_thread.run_sync(fn, *args)  # type: ignore[arg-type]
+
+    queue = UpdateQueue(store, in_thread)
+
+    async def worker(w: int) -> None:
+        rng = random.Random(seed * 1000 + w)
+        ino = BATCHED_INO + w
+        seq = 0
+        while True:
+            seq += 1
+            idx = rng.randrange(CHUNKS_PER_INO)
+            cid = chunk_id(ino, idx)
+            length, _ = length_of(store, ino, idx)
+            offset, n = pick_write(rng, length)
+            data_seed = rng.getrandbits(32)
+            log_line(log, f"B {w}.{seq} W {ino} {idx} {offset} {n} {data_seed}")
+            stage = partial(
+                store.stage_write, cid, offset, data_for(data_seed, n), CHUNK, None, False
+            )
+            if rng.random() < 0.5:
+                await queue.write(cid, stage)
+            else:  # as a chain replica: stage, flush (while forwarding), commit
+                staged = await queue.stage(cid, stage)
+                if rng.random() < 0.5:
+                    await queue.flush(staged)
+                await queue.commit(staged)
+            log_line(log, f"A {w}.{seq} {queue.batches} {queue.steps}")
+
+    async def run() -> None:
+        log_line(log, "READY")
+        async with trio.open_nursery() as nursery:
+            for w in range(WORKERS):
+                nursery.start_soon(worker, w)
+
+    trio.run(run)
+
+
 def main(target: str, log_path: str, seed: int, fsync: bool, mode: str) -> None:
     rng = random.Random(seed)
     store = ChunkStore(target, block_size=BLOCK, fsync=fsync, reserve_bytes=0)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     if mode == "hold":
         hold(store, log)
+    if mode == "batched":
+        batched(store, log, seed)
     log_line(log, "READY")
     seq = 0
     while True:

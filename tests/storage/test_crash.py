@@ -86,12 +86,13 @@ def replay(log: Path, model: Model) -> tuple[Model, list[str] | None, str, int]:
     return model, pending, phase, acked
 
 
-def observe(target: Path, fsync: bool) -> Model:
-    """Open the target (running recovery) and check everything it holds."""
+def observe(target: Path, fsync: bool, cids: list[bytes] = CIDS) -> Model:
+    """Open the target (running recovery) and check everything it holds
+    (*cids*: every chunk the writer may have written)."""
     with ChunkStore(target, block_size=BLOCK, fsync=fsync, reserve_bytes=0) as store:
         state: Model = {}
         committed_files = set()
-        for cid in CIDS:
+        for cid in cids:
             path = store.file_path(cid)
             if path is None:
                 assert store.read(cid, 0, CHUNK).nbytes == 0
@@ -204,3 +205,74 @@ def test_sigkill_with_staged_updates_shows_none_of_them(tmp_path: Path, fsync: b
     }
     assert staged_bytes > sum(len(v) for v in committed.values())  # they were on disk
     assert observe(target, fsync) == committed
+
+
+WORKERS = 6  # as crash_writer.py's batched mode
+BATCHED = {w: [chunk_id(100 + w, idx) for idx in range(CHUNKS_PER_INO)] for w in range(WORKERS)}
+
+
+def replay_workers(log: Path, model: Model) -> tuple[Model, dict[str, list[str]], int, int]:
+    """`replay` for the batched writer: each task's acknowledged writes
+    applied; the write each task had in flight; the writes acknowledged; how
+    many of them shared a worker-thread call with another (steps - batches
+    at the last acknowledgement, 0 if none)."""
+    pending: dict[str, list[str]] = {}
+    acked = shared = 0
+    for line in log.read_text().splitlines() if log.exists() else []:
+        parts = line.split()
+        task = parts[1].split(".")[0] if len(parts) > 1 else ""
+        if parts[0] == "B":
+            pending[task] = parts[2:]
+        elif parts[0] == "A":
+            model = apply(model, pending.pop(task))
+            acked += 1
+            shared = int(parts[3]) - int(parts[2])
+    return model, pending, acked, shared
+
+
+def test_sigkill_under_batched_writers_never_half_applies(tmp_path: Path) -> None:
+    """Six tasks of one process write through one update queue (their steps
+    batched into shared thread calls, flush passes and transactions), killed
+    at random moments: every chunk is as its task had it acknowledged, or
+    with the write in flight applied whole; nothing staged is left."""
+    rng = random.Random(20261205)
+    target = tmp_path / "target"
+    cids = [cid for chunks in BATCHED.values() for cid in chunks]
+    model: Model = {cid: b"" for cid in cids}
+    total_acked = total_shared = applied = 0
+    for rnd in range(4):
+        log = tmp_path / f"batched-{rnd}.log"
+        proc = subprocess.Popen(
+            [sys.executable, str(WRITER), str(target), str(log), str(rnd + 1), "True", "batched"]
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not (log.exists() and log.read_bytes().startswith(b"READY")):
+                assert proc.poll() is None, "writer died on its own"
+                assert time.monotonic() < deadline, "writer did not start"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.2, 0.8))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        assert proc.returncode == -signal.SIGKILL, "writer stopped before the kill"
+        acked_model, pending, acked, shared = replay_workers(log, model)
+        total_acked += acked
+        total_shared += shared
+        state = observe(target, True, cids)
+        for task, chunks in BATCHED.items():
+            mine = {cid: state[cid] for cid in chunks}
+            before = {cid: acked_model[cid] for cid in chunks}
+            op = pending.get(str(task))
+            if mine == before:
+                continue
+            assert op is not None, f"round {rnd}: task {task}'s chunks differ from the acknowledged"
+            after = apply(acked_model, op)
+            assert mine == {cid: after[cid] for cid in chunks}, (
+                f"round {rnd}: task {task}'s write in flight {op} was half applied"
+            )
+            applied += 1
+        model = state
+    assert total_acked > 0, "the writer never got a write acknowledged"
+    assert total_shared > 0, "no two steps ever shared a thread call"
+    print(f"acked={total_acked} shared={total_shared} in_flight_applied={applied}")
