@@ -117,6 +117,23 @@ def observe(target: Path, fsync: bool, cids: list[bytes] = CIDS) -> Model:
         return state
 
 
+def kill_writer(args: list[str], log: Path, ready: bytes | None, after: float) -> None:
+    """Start crash_writer.py with *args*, SIGKILL it *after* seconds (counted
+    from its log's line *ready*, if given)."""
+    proc = subprocess.Popen([sys.executable, str(WRITER), *args])
+    try:
+        deadline = time.monotonic() + 30
+        while ready is not None and not (log.exists() and log.read_bytes().startswith(ready)):
+            assert proc.poll() is None, "writer died on its own"
+            assert time.monotonic() < deadline, "writer did not start"
+            time.sleep(0.01)
+        time.sleep(after)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "writer stopped before the kill"
+
+
 @pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
 def test_sigkill_at_random_moments_never_half_applies(tmp_path: Path, fsync: bool) -> None:
     """fsync=false gives up durability across power loss, not across a
@@ -127,23 +144,11 @@ def test_sigkill_at_random_moments_never_half_applies(tmp_path: Path, fsync: boo
     total_acked = in_flight = applied = held = 0
     for rnd in range(ROUNDS):
         log = tmp_path / f"writer-{rnd}.log"
-        proc = subprocess.Popen(
-            [sys.executable, str(WRITER), str(target), str(log), str(rnd * 7919 + 1), str(fsync)]
-        )
-        try:
-            if rnd % 4 == 3:  # sometimes kill early: during startup recovery
-                time.sleep(rng.uniform(0.0, 0.6))
-            else:
-                deadline = time.monotonic() + 30
-                while not (log.exists() and log.read_bytes().startswith(b"READY")):
-                    assert proc.poll() is None, "writer died on its own"
-                    assert time.monotonic() < deadline, "writer did not start"
-                    time.sleep(0.01)
-                time.sleep(rng.uniform(0.05, 0.6))
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        assert proc.returncode == -signal.SIGKILL, "writer stopped before the kill"
+        args = [str(target), str(log), str(rnd * 7919 + 1), str(fsync)]
+        if rnd % 4 == 3:  # sometimes kill early: during startup recovery
+            kill_writer(args, log, None, rng.uniform(0.0, 0.6))
+        else:
+            kill_writer(args, log, b"READY", rng.uniform(0.05, 0.6))
         acked_model, pending, phase, acked = replay(log, model)
         total_acked += acked
         state = observe(target, fsync)
@@ -242,20 +247,8 @@ def test_sigkill_under_batched_writers_never_half_applies(tmp_path: Path) -> Non
     total_acked = total_shared = applied = 0
     for rnd in range(4):
         log = tmp_path / f"batched-{rnd}.log"
-        proc = subprocess.Popen(
-            [sys.executable, str(WRITER), str(target), str(log), str(rnd + 1), "True", "batched"]
-        )
-        try:
-            deadline = time.monotonic() + 30
-            while not (log.exists() and log.read_bytes().startswith(b"READY")):
-                assert proc.poll() is None, "writer died on its own"
-                assert time.monotonic() < deadline, "writer did not start"
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0.2, 0.8))
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        assert proc.returncode == -signal.SIGKILL, "writer stopped before the kill"
+        args = [str(target), str(log), str(rnd + 1), "True", "batched"]
+        kill_writer(args, log, b"READY", rng.uniform(0.2, 0.8))
         acked_model, pending, acked, shared = replay_workers(log, model)
         total_acked += acked
         total_shared += shared
