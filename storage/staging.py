@@ -246,8 +246,7 @@ class WritableTarget(WholeFiles):
         owed = [i for i, u in enumerate(updates) if u.unflushed is not None and not u.done]
         if not owed:
             return errors
-        pending = [updates[i].unflushed for i in owed]
-        outcomes = self._file_sync.flush_many([p for p in pending if p is not None])
+        outcomes = self._file_sync.flush_many([p for i in owed if (p := updates[i].unflushed)])
         for i, exc in zip(owed, outcomes, strict=True):
             if exc is None:
                 updates[i].unflushed = None

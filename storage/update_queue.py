@@ -82,30 +82,33 @@ def run_steps(store: ChunkStore, steps: list[Step]) -> None:
                 step.staged = step.stage()
             except Exception as exc:
                 step.error = exc
-    live = [s for s in steps if s.error is None and s.staged is not None]
-    owed = [s for s in live if s.then is not Then.STAGE]
-    flushed = store.flush_many([s.staged for s in owed if s.staged is not None])
-    for step, error in zip(owed, flushed, strict=True):
-        if error is not None:
-            if step.then is Then.COMMIT and step.staged is not None:
-                store.abort(step.staged)  # (a FLUSH's caller aborts its own)
-            step.error = error
-    committing = [s for s in owed if s.then is Then.COMMIT and s.error is None]
-    updates = [s.staged for s in committing if s.staged is not None]
+    live = [(s, s.staged) for s in steps if s.error is None and s.staged is not None]
+    owed = [(s, staged) for s, staged in live if s.then is not Then.STAGE]
+    flushed = store.flush_many([staged for _, staged in owed])
+    committing: list[tuple[Step, Staged]] = []
+    for (step, staged), error in zip(owed, flushed, strict=True):
+        if error is None:
+            if step.then is Then.COMMIT:
+                committing.append((step, staged))
+            continue
+        if step.then is Then.COMMIT:
+            store.abort(staged)  # (a FLUSH's caller aborts its own)
+        step.error = error
+    updates = [staged for _, staged in committing]
     try:
         results: list[WriteResult | Exception] = store.commit_many(updates)
     except Exception as exc:  # refused as a whole: nothing of it committed
         for staged in updates:
             store.abort(staged)
         results = [exc] * len(updates)
-    for step, result in zip(committing, results, strict=True):
+    for (step, _), result in zip(committing, results, strict=True):
         if isinstance(result, Exception):
             step.error = result
         else:
             step.outcome = result
-    for step in live:
-        if step.error is None and step.then is Then.STAGE:
-            step.outcome = step.staged
+    for step, staged in live:
+        if step.then is Then.STAGE:
+            step.outcome = staged
 
 
 class UpdateQueue:

@@ -112,10 +112,7 @@ def hold(store: ChunkStore, log: int) -> None:
 
 
 def batched(store: ChunkStore, log: int, seed: int) -> None:
-    async def in_thread(fn: object, *args: object) -> object:
-        return await trio.to_thread.run_sync(fn, *args)  # type: ignore[arg-type]
-
-    queue = UpdateQueue(store, in_thread)
+    queue = UpdateQueue(store, trio.to_thread.run_sync)
 
     async def worker(w: int) -> None:
         rng = random.Random(seed * 1000 + w)

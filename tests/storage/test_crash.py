@@ -17,6 +17,7 @@ from pathlib import Path
 
 import crcmod.predefined
 import pytest
+from clusters import wait_until
 
 from shufflefs.storage.layout import parse_chunk_file_name
 from shufflefs.storage.protocol import chunk_id
@@ -121,13 +122,15 @@ def kill_writer(args: list[str], log: Path, ready: bytes | None, after: float) -
     """Start crash_writer.py with *args*, SIGKILL it *after* seconds (counted
     from its log's line *ready*, if given)."""
     proc = subprocess.Popen([sys.executable, str(WRITER), *args])
+
+    def started() -> bool:
+        assert proc.poll() is None, "writer died on its own"
+        return ready is not None and log.exists() and log.read_bytes().startswith(ready)
+
     try:
-        deadline = time.monotonic() + 30
-        while ready is not None and not (log.exists() and log.read_bytes().startswith(ready)):
-            assert proc.poll() is None, "writer died on its own"
-            assert time.monotonic() < deadline, "writer did not start"
-            time.sleep(0.01)
-        time.sleep(after)
+        if ready is not None:
+            wait_until("the writer to start", started, 30)
+        time.sleep(after)  # the random moment of the kill
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from prometheus_client import REGISTRY
 
 from shufflefs.rpc.errors import FsError
@@ -79,7 +80,7 @@ async def run_all(calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
     async with trio.open_nursery() as nursery:
         for i in range(len(calls)):
             nursery.start_soon(one, i)
-            await trio.sleep(0.002)
+            await trio.testing.wait_all_tasks_blocked()  # it has queued its step
     return outcomes
 
 
@@ -207,7 +208,7 @@ def test_a_cancelled_caller_still_sees_its_update_through(store: ChunkStore) -> 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(queue.write, other, stage(store, other, 0, b"o" * 10))
-            await trio.sleep(0.002)
+            await trio.testing.wait_all_tasks_blocked()  # its batch is held
             with trio.move_on_after(0.005):
                 await queue.write(cid, stage(store, cid, 0, b"c" * 30))
 
