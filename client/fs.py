@@ -394,6 +394,11 @@ class FileSystem(NamespaceCalls, PathOps):
         f.cached = entry
         return f, attr
 
+    def holds_open(self, ino: int) -> bool:
+        """Whether a handle of this client (an open the kernel has not
+        released) is on *ino*."""
+        return any(f.ino == ino for f in self.files.values())
+
     def file(self, fh: int) -> OpenFile:
         f = self.files.get(fh)
         if f is None:

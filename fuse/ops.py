@@ -195,6 +195,18 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         if entry is not None:
             return entry
         attr = await self.fs.getattr(inode)
+        if (
+            attr["nlink"] == 0
+            and stat.S_ISREG(attr["mode"])
+            and self.inode_reads is None
+            and not self.fs.holds_open(inode)
+        ):
+            # reached through a name the kernel still caches (entry_timeout)
+            # of a file removed since, which someone's open handle keeps:
+            # the name is gone (the holder's fstat comes from an open on
+            # this mount, and is answered). ESTALE makes the kernel look the
+            # name up again: ENOENT, or the file that has it now
+            raise FsError(errno.ESTALE, f"inode {inode} was removed")
         if self.inode_reads is not None:
             await self.inode_reads.pages_current(attr)
         return self.entry(attr)

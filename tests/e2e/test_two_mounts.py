@@ -352,3 +352,34 @@ def test_two_mounts_behave_like_one_local_fs(pair: tuple[Path, Path], tmp_path: 
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         ),
     )
+
+
+def test_a_name_removed_elsewhere_is_gone_while_the_kernel_still_caches_it(
+    mounted: ProcessCluster, mnt: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A mount whose kernel keeps a name (entry_timeout) of a file another
+    mount then removes, while that other mount keeps the file open (so the
+    inode lives on, unnamed): a stat of the name is ENOENT, not the removed
+    file with nlink 0 (its GETATTR answers ESTALE and the kernel looks the
+    name up again); the holder's fstat still works."""
+    where = tmp_path_factory.mktemp("long-names")
+    with another_mount(mounted, where, "no_cache_watch,entry_timeout=60,attr_timeout=0") as m:
+        a, b = mnt, m / mnt.name
+        (a / "kept").write_bytes(b"still open")
+        assert (b / "kept").stat().st_size == 10  # the kernel keeps the name 60 s
+        fd = os.open(a / "kept", os.O_RDONLY)
+        try:
+            os.unlink(a / "kept")
+            assert not (b / "kept").exists()
+            with pytest.raises(FileNotFoundError):
+                os.stat(b / "kept")
+            assert os.fstat(fd).st_nlink == 0
+            assert os.pread(fd, 100, 0) == b"still open"
+        finally:
+            os.close(fd)
+        # a file this mount holds open itself keeps its attributes, unnamed
+        (b / "mine").write_bytes(b"mine")
+        with open(b / "mine", "rb") as f:
+            os.unlink(a / "mine")
+            assert os.fstat(f.fileno()).st_nlink == 0
+            assert f.read() == b"mine"
