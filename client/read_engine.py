@@ -33,6 +33,7 @@ from shufflefs.cluster.routing import Routing
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.retry import TRANSIENT, Backoff, retrying
 from shufflefs.rpc.transport import Buffer
+from shufflefs.storage.uring import UringReads, for_this_run
 
 log = logging.getLogger("shufflefs.client.reads")
 
@@ -214,8 +215,12 @@ class ReadJob:
             async with trio.open_nursery() as nursery:
                 for address, request in remote:
                     nursery.start_soon(self.request, address, request)
+                ring = for_this_run() if self.cold else None
                 for address, items in slow:
-                    nursery.start_soon(self.local_in_thread, address, items)
+                    if ring is not None:
+                        nursery.start_soon(self.local_in_ring, address, items, ring)
+                    else:
+                        nursery.start_soon(self.local_in_thread, address, items)
         if self.errors:
             raise self.errors[0]
         self.pending = self.retry
@@ -267,6 +272,13 @@ class ReadJob:
             rest = await trio.to_thread.run_sync(
                 engine.local.read_placed, self.routing, items, self.out, False, self.cold
             )
+        for request in split_requests(rest):
+            await self.request(address, request)
+
+    async def local_in_ring(self, address: str, items: list[Placed], ring: UringReads) -> None:
+        """A cold read's local chunk files through the loop's io_uring
+        (`LocalReads.read_cold`); the daemon for what fails."""
+        rest = await self.engine.local.read_cold(self.routing, items, self.out, ring)
         for request in split_requests(rest):
             await self.request(address, request)
 

@@ -70,7 +70,7 @@ from shufflefs.cluster.routing import Routing
 from shufflefs.fuse.libfuse import KernelQueue
 from shufflefs.fuse.read_inode import FH_OFFSET, READ_INODES
 from shufflefs.rpc.errors import FsError
-from shufflefs.storage.uring import for_this_run
+from shufflefs.storage.uring import FileOutcome, for_this_run
 
 if TYPE_CHECKING:
     from shufflefs.fuse.ops import ShuffleOps
@@ -340,9 +340,9 @@ class FastReads:
             return False
         reads = local.disk_reads(planned)
 
-        def then(results: list[int | OSError]) -> None:
+        def then(outcomes: list[FileOutcome]) -> None:
             self._handing(-1)
-            if local.finish_pieces(memoryview(cold.out), planned, results):
+            if local.finish_pieces(memoryview(cold.out), planned, outcomes):
                 self.counts.ring += 1
                 self._reply(cold.req, cold.out, cold.started)
             else:  # changed, damaged: the daemons decide

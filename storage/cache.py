@@ -6,7 +6,10 @@ and insert the stale value just after the writer invalidated it. Each cache
 therefore has an *epoch* that every invalidation bumps: a reader notes the
 epoch before it goes to disk and its fill is dropped if the epoch moved.
 Coarse (any update anywhere discards fills in flight) but cheap and obviously
-correct; updates are rare next to reads.
+correct; updates are rare next to reads. An fd cache with groups (a client's
+short-circuit reader: the chunks of one file) compares per group instead: its
+opens may wait long in io_uring while other files are forgotten at every
+close-to-open, and a global epoch would then cache none of them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from shufflefs.storage.cache_counts import LookupCounts
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+MAX_STALE_GROUPS = 4096  # groups whose last invalidation an fd cache remembers
 
 
 class Missing:
@@ -178,6 +183,13 @@ class FdCache(Generic[K]):
         self._groups: _Groups[K] = _Groups(group)
         self._lock = threading.Lock()
         self.epoch = 0
+        # A fill is refused if its key was invalidated after its epoch was
+        # noted: with groups, the epoch of each group's last invalidation
+        # (the most recent MAX_STALE_GROUPS; those dropped count as
+        # invalidated at `_stale_floor`), so that an open that waited long
+        # (in io_uring, while other files were forgotten) is still cached.
+        self._stale: OrderedDict[Hashable, int] = OrderedDict()
+        self._stale_floor = 0  # invalidations of no known group (all keys): at or before this
         self.opened = 0  # fds this cache has taken ownership of (for tests and stats)
         self.closed = 0
         self.lookups = LookupCounts.of(self, "fd")
@@ -208,7 +220,7 @@ class FdCache(Generic[K]):
                 self._close(fd)
                 return existing
             handle = FdHandle(fd)
-            if epoch != self.epoch:
+            if self._invalidated_since(key, epoch):
                 handle.evicted = True  # used once, closed on release
                 return handle
             self._data[key] = handle
@@ -218,6 +230,29 @@ class FdCache(Generic[K]):
                 self._groups.discard(old_key)
                 self._retire(old)
             return handle
+
+    def _invalidated_since(self, key: K, epoch: int) -> bool:
+        """Was *key* (its group, or every key) invalidated after *epoch*?"""
+        if self._groups.group is None:
+            return epoch != self.epoch
+        return self._stale.get(self._groups.group(key), self._stale_floor) > epoch
+
+    def _mark_stale(self, key: K | None = None, group: Hashable = None) -> None:
+        """An invalidation (of *key*'s group, of *group*, or of all keys):
+        a new epoch, and fills noted before it refused."""
+        self.epoch += 1
+        if self._groups.group is None:
+            return
+        if key is None and group is None:
+            self._stale.clear()
+            self._stale_floor = self.epoch
+            return
+        g = self._groups.group(key) if key is not None else group
+        self._stale[g] = self.epoch
+        self._stale.move_to_end(g)
+        while len(self._stale) > MAX_STALE_GROUPS:
+            _, at = self._stale.popitem(last=False)
+            self._stale_floor = max(self._stale_floor, at)
 
     def release(self, handle: FdHandle) -> None:
         with self._lock:
@@ -230,7 +265,7 @@ class FdCache(Generic[K]):
         """The file is being replaced or removed: forget it (closing the fd
         once the last reader is done)."""
         with self._lock:
-            self.epoch += 1
+            self._mark_stale(key=key)
             handle = self._data.pop(key, None)
             if handle is not None:
                 self._groups.discard(key)
@@ -239,7 +274,7 @@ class FdCache(Generic[K]):
     def invalidate_group(self, group: Hashable) -> None:
         """`invalidate` every key of *group* (needs *group* at construction)."""
         with self._lock:
-            self.epoch += 1
+            self._mark_stale(group=group)
             for key in self._groups.pop(group):
                 self._retire(self._data.pop(key))
 
@@ -255,7 +290,7 @@ class FdCache(Generic[K]):
 
     def close_all(self) -> None:
         with self._lock:
-            self.epoch += 1
+            self._mark_stale()
             handles = list(self._data.values())
             self._data.clear()
             self._groups.clear()

@@ -75,12 +75,14 @@ class LocalPlan:
 
     cid: bytes
     rec: ChunkRecord
-    handle: FdHandle
+    handle: FdHandle | None  # None until `LocalTarget.opened` (`plan_cold`)
     buf: bytearray | memoryview  # the whole blocks of the range
     first: int  # the first block's index
     start: int  # the first block's offset in the chunk file
     lo: int  # where the asked range starts in *buf*
     hi: int  # and ends
+    path: str = ""  # the chunk file to open, when *handle* is None
+    epoch: int = 0  # of the fd cache, noted before *path* is opened
 
 
 class LocalTarget:
@@ -160,13 +162,15 @@ class LocalTarget:
         if handle is not None or nowait:
             return handle
         epoch = self._fds.epoch
-        path = f"{self._chunks}/{chunk_dir_name(cid)}/{chunk_file_name(cid, generation)}"
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(self._chunk_path(cid, generation), os.O_RDONLY)
         except OSError:  # the generation was replaced (copy-on-write): ask the daemon
             self._drop_chunk(cid, key)
             return None
         return self._fds.put(key, fd, epoch)
+
+    def _chunk_path(self, cid: bytes, generation: int) -> str:
+        return f"{self._chunks}/{chunk_dir_name(cid)}/{chunk_file_name(cid, generation)}"
 
     def read(
         self,
@@ -187,17 +191,19 @@ class LocalTarget:
         plan = self.plan(cid, offset, length, nowait, into)
         if not isinstance(plan, LocalPlan):
             return plan
+        handle = plan.handle
+        assert handle is not None  # (opened by `plan`)
         try:
             got: int | OSError = os.preadv(
-                plan.handle.fd, [plan.buf], plan.start, os.RWF_NOWAIT if nowait else 0
+                handle.fd, [plan.buf], plan.start, os.RWF_NOWAIT if nowait else 0
             )
         except BlockingIOError:
-            self._fds.release(plan.handle)
+            self._fds.release(handle)
             return None
         except OSError as exc:
             got = exc
         if isinstance(got, int) and got != len(plan.buf) and nowait:
-            self._fds.release(plan.handle)  # partly in the page cache: a thread reads it all
+            self._fds.release(handle)  # partly in the page cache: a thread reads it all
             return None
         return self.finish(plan, got)
 
@@ -239,6 +245,36 @@ class LocalTarget:
             return None
         return LocalPlan(cid, rec, handle, buf, first, start, offset - start, end - start)
 
+    def plan_cold(self, cid: bytes, offset: int, length: int) -> LocalPlan | memoryview | None:
+        """`plan` for a read whose chunk file, if it is not open here yet, is
+        opened elsewhere (io_uring: `open_and_read`), so that this thread
+        does not wait for the disk's lookup of it: the plan's *handle* is the
+        cached fd's, or None with the file's *path* (`opened` then adopts
+        the fd). The blocks land in a buffer of their own."""
+        located = self._located(cid, offset, length)
+        if not isinstance(located, tuple):
+            return located
+        rec, (first, start, stop, end) = located
+        epoch = self._fds.epoch
+        handle = self._fds.get((cid, rec.generation))
+        path = "" if handle is not None else self._chunk_path(cid, rec.generation)
+        buf = bytearray(stop - start)
+        return LocalPlan(
+            cid, rec, handle, buf, first, start, offset - start, end - start, path, epoch
+        )
+
+    def opened(self, plan: LocalPlan, fd: int | OSError) -> bool:
+        """*plan*'s chunk file, opened elsewhere: *fd* (now this target's, in
+        its cache unless something was invalidated since the plan) or the
+        open's error (False: gone, replaced by copy-on-write; the daemon
+        answers)."""
+        key = (plan.cid, plan.rec.generation)
+        if isinstance(fd, OSError):
+            self._drop_chunk(plan.cid, key)
+            return False
+        plan.handle = self._fds.put(key, fd, plan.epoch)
+        return True
+
     def _located(
         self, cid: bytes, offset: int, length: int
     ) -> tuple[ChunkRecord, tuple[int, int, int, int]] | memoryview | None:
@@ -258,7 +294,8 @@ class LocalTarget:
     def finish(self, plan: LocalPlan, got: int | OSError) -> memoryview | None:
         """`plan`'s bytes once read (*got*: how many, or the read's error):
         verified, or None (changed under us, damaged: the daemon decides)."""
-        self._fds.release(plan.handle)
+        if plan.handle is not None:
+            self._fds.release(plan.handle)
         key = (plan.cid, plan.rec.generation)
         if isinstance(got, OSError):
             self._drop_chunk(plan.cid, key)

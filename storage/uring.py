@@ -10,6 +10,14 @@ kernel thread in between) and signals an eventfd, and one task of the loop
 (`_reap`, a trio system task) wakes for every completion that arrived
 meanwhile.
 
+A read may name a file to open first (`open_and_read`): the open runs in
+the ring too (the kernel's io-wq workers wait for the directory lookup and
+the inode, not this thread), and the reaper submits the file's read as soon
+as its open is done. Measured on this project's VMs, one thread keeping 64
+such opens-then-reads of cold 110 KB chunk files in flight read 10,691
+files/s, as many as 16 threads of blocking `open` + `pread` (10,507), and
+twice what a round of opens followed by a round of reads did (5,383).
+
 `UringReads.open()` is None where io_uring cannot be used (the `liburing`
 binding missing, the kernel too old, or io_uring disabled:
 ``kernel.io_uring_disabled``, a seccomp filter): callers then read in
@@ -57,6 +65,12 @@ def _outcomes(bufs: list[bytearray], results: list[int | OSError]) -> list[bytea
     return out
 
 
+# a read of `open_and_read`: (fd, or a path to open; buffer; offset), and its
+# outcome: (the fd, or the open's error; bytes read, or the error)
+FileRead = tuple[int | str, bytearray, int]
+FileOutcome = tuple[int | OSError, int | OSError]
+
+
 @dataclass(eq=False)
 class _Batch:
     """Reads submitted together; their waiter wakes once all are done (or,
@@ -67,6 +81,11 @@ class _Batch:
     remaining: int
     done: trio.Event = field(default_factory=trio.Event)
     then: Callable[[list[int | OSError]], None] | None = None
+    # called with (ident, index, result) before a completion counts: True if
+    # it submitted the request's next step under the same ident instead
+    # (`open_and_read`: an open's completion submits its read)
+    follow: Callable[[int, int, int | OSError], bool] | None = None
+    paths: list[str] = field(default_factory=list)  # referenced until done, as the buffers
 
 
 class UringReads:
@@ -79,7 +98,11 @@ class UringReads:
         self._in_flight: dict[int, tuple[_Batch, int]] = {}
         self._next_id = 1
         self._room = trio.Semaphore(ENTRIES)
+        self._how = _uring.OpenHow()
+        self._how.flags = os.O_RDONLY | os.O_CLOEXEC
+        self._followed = 0  # next steps submitted by `follow` in this pass of the reaper
         self.reads = 0  # completed (tests, debugging)
+        self.opens = 0
 
     @classmethod
     def open(cls) -> UringReads | None:
@@ -108,14 +131,31 @@ class UringReads:
         """Each (fd, length, offset) read as `pread` does, all submitted
         together (one system call per ring's worth) and waited for together:
         its bytes (short at the file's end) or its error."""
-        # remaining counts one more until all are submitted: the batch cannot
-        # look done while this task waits for room halfway
-        batch = _Batch([bytearray(n) for _, n, _ in requests], [0] * len(requests), 1)
+        bufs = [bytearray(n) for _, n, _ in requests]
+        todo = [k for k, (_, n, _) in enumerate(requests) if n]
+        outcomes = await self.open_and_read(
+            [(requests[k][0], bufs[k], requests[k][2]) for k in todo]
+        )
+        results: list[int | OSError] = [0] * len(requests)
+        for k, (_, got) in zip(todo, outcomes, strict=True):
+            results[k] = got
+        return _outcomes(bufs, results)
+
+    async def open_and_read(self, requests: list[FileRead]) -> list[FileOutcome]:
+        """Each (fd, or the path of a file to open read-only; buffer;
+        offset) read into its buffer, a path opened first and its read
+        submitted by the reaper as soon as the open is done (no round of
+        opens before a round of reads: one slow open holds up only its own
+        read). All in flight together, as many as the ring takes, and waited
+        for together. Per request: the fd (a path's is the caller's to close)
+        or the open's error; the bytes read or the read's error (the open's,
+        when it failed). Opening a file that is not open yet waits for the
+        disk (its directory entry, its inode): here the kernel's workers wait,
+        not this thread."""
+        batch, fds = self._file_batch(requests, extra=1)
         unsubmitted = 0
         try:
-            for k, (fd, length, offset) in enumerate(requests):
-                if length == 0:
-                    continue
+            for k, request in enumerate(requests):
                 try:
                     self._room.acquire_nowait()
                 except trio.WouldBlock:
@@ -124,12 +164,7 @@ class UringReads:
                         unsubmitted = 0
                     with trio.CancelScope(shield=True):  # what was submitted must finish
                         await self._room.acquire()
-                sqe = _uring.io_uring_get_sqe(self._ring)
-                _uring.io_uring_prep_read(sqe, fd, batch.bufs[k], offset)
-                sqe.user_data = ident = self._next_id
-                self._next_id += 1
-                self._in_flight[ident] = (batch, k)
-                batch.remaining += 1
+                self._prep_file(batch, k, request)
                 unsubmitted += 1
         finally:
             if unsubmitted:
@@ -139,31 +174,66 @@ class UringReads:
                 batch.done.set()
             with trio.CancelScope(shield=True):  # the kernel owns the buffers until done
                 await batch.done.wait()
-        return _outcomes(batch.bufs, batch.results)
+        return list(zip(fds, batch.results, strict=True))
 
-    def submit(
-        self,
-        requests: list[tuple[int, bytearray, int]],
-        then: Callable[[list[int | OSError]], None],
-    ) -> bool:
-        """Without waiting (code on the loop that cannot await: the mount's
-        READ callbacks): read each (fd, buffer, offset) into its buffer, and
-        call *then* with each read's byte count or error, on the loop, once
-        all are done. False (nothing submitted) if the ring has no room for
-        them all now. The buffers must stay untouched until then."""
+    def submit(self, requests: list[FileRead], then: Callable[[list[FileOutcome]], None]) -> bool:
+        """`open_and_read` without waiting (code on the loop that cannot
+        await: the mount's READ callbacks): *then* is called with the
+        outcomes, on the loop, once all are done. False (nothing submitted)
+        if the ring has no room for them all now. The buffers must stay
+        untouched until then."""
         if not requests or self._room.value < len(requests):
             return False
-        batch = _Batch([buf for _, buf, _ in requests], [0] * len(requests), 0, then=then)
-        for k, (fd, buf, offset) in enumerate(requests):
+        batch, fds = self._file_batch(requests, extra=0)
+        batch.then = lambda results: then(list(zip(fds, results, strict=True)))
+        for k, request in enumerate(requests):
             self._room.acquire_nowait()
-            sqe = _uring.io_uring_get_sqe(self._ring)
-            _uring.io_uring_prep_read(sqe, fd, buf, offset)
-            sqe.user_data = ident = self._next_id
-            self._next_id += 1
-            self._in_flight[ident] = (batch, k)
-            batch.remaining += 1
+            self._prep_file(batch, k, request)
         _uring.io_uring_submit(self._ring)
         return True
+
+    def _file_batch(
+        self, requests: list[FileRead], extra: int
+    ) -> tuple[_Batch, list[int | OSError]]:
+        """The batch of `open_and_read` (its count of *extra* holds it open
+        while it is submitted), and the list its opens' outcomes go in."""
+        fds: list[int | OSError] = [r[0] if isinstance(r[0], int) else -1 for r in requests]
+        opening = [not isinstance(r[0], int) for r in requests]
+        batch = _Batch([buf for _, buf, _ in requests], [0] * len(requests), extra)
+        batch.paths = [r[0] for r in requests if isinstance(r[0], str)]
+
+        def follow(ident: int, k: int, result: int | OSError) -> bool:
+            if not opening[k]:
+                return False
+            opening[k] = False
+            self.opens += 1
+            fds[k] = result
+            if isinstance(result, OSError):
+                return False  # the read's outcome is the open's error
+            _, buf, offset = requests[k]
+            sqe = _uring.io_uring_get_sqe(self._ring)
+            _uring.io_uring_prep_read(sqe, result, buf, offset)
+            sqe.user_data = ident
+            self._in_flight[ident] = (batch, k)
+            self._followed += 1
+            return True
+
+        batch.follow = follow
+        return batch, fds
+
+    def _prep_file(self, batch: _Batch, k: int, request: FileRead) -> None:
+        """The first step of request *k* of *batch* (its open, or its read
+        of an open fd), in the submission queue; a slot of the ring taken."""
+        what, buf, offset = request
+        sqe = _uring.io_uring_get_sqe(self._ring)
+        if isinstance(what, str):
+            _uring.io_uring_prep_openat2(sqe, what, self._how)
+        else:
+            _uring.io_uring_prep_read(sqe, what, buf, offset)
+        sqe.user_data = ident = self._next_id
+        self._next_id += 1
+        self._in_flight[ident] = (batch, k)
+        batch.remaining += 1
 
     async def _reap(self) -> None:
         """Wake for completions, hand each to its batch; at the end of the
@@ -185,9 +255,12 @@ class UringReads:
                         continue
                     batch, k = found
                     try:
-                        batch.results[k] = entry.res  # the binding raises for a negative one
+                        result: int | OSError = entry.res  # the binding raises for a negative one
                     except OSError as exc:
-                        batch.results[k] = exc
+                        result = exc
+                    if batch.follow is not None and batch.follow(entry.user_data, k, result):
+                        continue  # its next step is in flight, in the same slot
+                    batch.results[k] = result
                     self.reads += 1
                     self._room.release()
                     batch.remaining -= 1
@@ -197,6 +270,9 @@ class UringReads:
                             _call(batch.then, batch.results)
                 if seen:
                     _uring.io_uring_cq_advance(self._ring, seen)
+                if self._followed:
+                    self._followed = 0
+                    _uring.io_uring_submit(self._ring)
         finally:
             _uring.io_uring_queue_exit(self._ring)
             os.close(self._eventfd)

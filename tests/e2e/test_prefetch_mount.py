@@ -518,9 +518,10 @@ def test_a_cold_prefetch_reads_the_chunk_files_here_and_never_a_damaged_block(
     mounted: ProcessCluster, mnt: Path, lmnt: Path
 ) -> None:
     """A prefetch expects cold bytes (`FileSystem.read_into(cold=True)`):
-    the chunk files on this host are read in a worker thread that starts
-    every file's readahead before it waits for the first, not tried on the
-    event loop first. The bytes are exact, read from the chunk files here
+    the chunk files on this host are opened and read through the loop's
+    io_uring, all at once (or, without io_uring, in a worker thread that
+    starts every file's readahead before it waits for the first), not tried
+    on the event loop first. The bytes are exact, read from the chunk files here
     (the mount holds them open), and a damaged block of the replica read
     here is never what a reader gets: another replica's bytes are."""
     from shufflefs.client.data.mount_hints import MountHints

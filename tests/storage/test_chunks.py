@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.storage import cache as cache_module
 from shufflefs.storage.cache import FdCache, FdHandle
 from shufflefs.storage.crc import block_crcs
 from shufflefs.storage.layout import ChunkRecord, parse_chunk_file_name
@@ -563,3 +564,47 @@ def test_fd_cache_invalidates_a_group(tmp_path: Path) -> None:
     cache.invalidate_group("c")
     assert len(cache) == 0 and len(cache._groups) == 0
     assert cache.opened == cache.closed
+
+
+def test_a_grouped_fd_cache_refuses_only_fills_of_what_was_invalidated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open noted at some epoch is cached unless its own group (or one
+    of its keys, or every key) was invalidated since: invalidations of other
+    files meanwhile do not matter. Groups beyond the ones remembered count
+    as invalidated when the oldest remembered was."""
+    monkeypatch.setattr(cache_module, "MAX_STALE_GROUPS", 2)
+    cache: FdCache[tuple[str, int]] = FdCache(16, group=lambda k: k[0])
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+
+    def fill(key: tuple[str, int], noted: int) -> bool:
+        handle = cache.put(key, os.open(path, os.O_RDONLY), noted)
+        cache.release(handle)
+        return not handle.closed  # cached (else used once and closed)
+
+    noted = cache.epoch
+    cache.invalidate_group("other")
+    cache.invalidate(("another", 1))
+    assert fill(("a", 1), noted)  # others were invalidated: still cached
+    noted = cache.epoch
+    cache.invalidate_group("b")
+    assert not fill(("b", 1), noted)  # its own file: refused
+    noted = cache.epoch
+    cache.invalidate(("c", 1))
+    assert not fill(("c", 2), noted)  # a key of its file
+    noted = cache.epoch
+    cache.close_all()
+    assert not fill(("d", 1), noted)  # every key
+    noted = cache.epoch
+    for g in ("x", "y", "z"):  # "x" falls out of what is remembered
+        cache.invalidate_group(g)
+    assert not fill(("x", 1), noted)
+    assert not fill(("w", 1), noted)  # unknown: as old as the oldest dropped
+    assert fill(("w", 2), cache.epoch)
+    ungrouped: FdCache[int] = FdCache(4)
+    noted = ungrouped.epoch
+    ungrouped.invalidate(9)
+    handle = ungrouped.put(1, os.open(path, os.O_RDONLY), noted)
+    ungrouped.release(handle)
+    assert handle.closed  # without groups, any invalidation since refuses it

@@ -17,8 +17,9 @@ import pytest
 from procfs import deleted_open_files
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.storage import uring
 from shufflefs.storage.layout import parse_chunk_file_name
-from shufflefs.storage.local_read import LocalTarget
+from shufflefs.storage.local_read import LocalPlan, LocalTarget
 from shufflefs.storage.protocol import chunk_id
 from shufflefs.storage.store import ChunkStore
 
@@ -183,4 +184,58 @@ def test_a_busy_fd_is_closed_by_its_last_user(tmp_path: Path) -> None:
     assert os.pread(handle.fd, 3, 0) == b"yyy"
     local._fds.release(handle)
     assert deleted_open_files("self", tmp_path) == []
+    local.close()
+
+
+@pytest.mark.skipif(not uring.available(), reason="no io_uring here")
+async def test_cold_plans_open_their_chunk_files_elsewhere(tmp_path: Path) -> None:
+    """`plan_cold` opens nothing: a chunk file not open here is named by its
+    path, opened in the ring (`open_and_read`) and adopted (`opened`, then
+    cached: the next plan has its fd); the bytes are the committed ones,
+    verified; a chunk file gone between the plan and the open, or a damaged
+    block, is None (the daemon answers), never wrong bytes."""
+    store = open_store(tmp_path / "t")
+    data = {k: os.urandom(3000 + k) for k in range(3)}
+    for k, blob in data.items():
+        store.write(chunk_id(20 + k, 0), 0, CS, blob)
+    store.close()
+    ring = uring.for_this_run()
+    assert ring is not None
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+
+    async def cold_read(k: int, off: int, n: int) -> memoryview | None:
+        plan = local.plan_cold(chunk_id(20 + k, 0), off, n)
+        assert isinstance(plan, LocalPlan) and isinstance(plan.buf, bytearray)
+        what = plan.path if plan.handle is None else plan.handle.fd
+        ((fd, got),) = await ring.open_and_read([(what, plan.buf, plan.start)])
+        if plan.handle is None and not local.opened(plan, fd):
+            return None
+        return local.finish(plan, got)
+
+    first = local.plan_cold(chunk_id(20, 0), 0, 10)
+    assert isinstance(first, LocalPlan) and first.handle is None and first.path
+    local.finish(first, OSError(errno.ECANCELED, "not read"))
+    got = await cold_read(0, 100, 2000)
+    assert got is not None and bytes(got) == data[0][100:2100]
+    again = local.plan_cold(chunk_id(20, 0), 0, 10)
+    assert isinstance(again, LocalPlan) and again.handle is not None  # cached now
+    local.finish(again, 10)
+    # gone between the plan and the open (a new generation replaced it)
+    plan = local.plan_cold(chunk_id(21, 0), 0, 100)
+    assert isinstance(plan, LocalPlan) and plan.handle is None
+    os.rename(plan.path, plan.path + ".moved")
+    ((fd, _),) = await ring.open_and_read([(plan.path, plan.buf, plan.start)])
+    assert isinstance(fd, OSError) and not local.opened(plan, fd)
+    os.rename(plan.path + ".moved", plan.path)
+    got = await cold_read(1, 0, 100)  # looked up afresh: fine again
+    assert got is not None and bytes(got) == data[1][:100]
+    # a damaged block is never returned
+    with open(chunk_file(tmp_path / "t", chunk_id(22, 0)), "r+b") as f:
+        f.seek(600)
+        b = f.read(1)
+        f.seek(600)
+        f.write(bytes([b[0] ^ 1]))
+    assert await cold_read(2, 512, 100) is None
+    assert await cold_read(2, 0, 100) is not None
+    assert local.plan_cold(chunk_id(99, 0), 0, 10) == b""  # absent: a hole
     local.close()

@@ -146,3 +146,65 @@ async def test_cold_reads_through_the_ring_are_verified(store: ChunkStore) -> No
         reply = await read(bad)
         assert reply.result["lengths"] == [-errno.EIO, 512]
         assert b"".join(bytes(p) for p in reply.payload) == blobs[2][:512]  # type: ignore[union-attr]
+
+
+async def test_open_and_read_opens_each_path_then_reads_it(tmp_path: Path) -> None:
+    """Paths are opened in the ring and each read follows its own open; an
+    fd is read as it is; a path that cannot be opened fails its request
+    alone (the open's error for both); more requests than the ring holds
+    wait for room; the callback form answers on the loop with the same."""
+    ring = uring.for_this_run()
+    assert ring is not None
+    contents = {}
+    for k in range(uring.ENTRIES + 30):
+        contents[k] = os.urandom(1000 + k)
+        (tmp_path / f"f{k}").write_bytes(contents[k])
+    held = os.open(tmp_path / "f0", os.O_RDONLY)
+    requests: list[uring.FileRead] = [
+        (str(tmp_path / f"f{k}"), bytearray(2000), 7) for k in range(uring.ENTRIES + 30)
+    ]
+    requests += [(held, bytearray(50), 100), (str(tmp_path / "missing"), bytearray(10), 0)]
+    opens = ring.opens
+    outcomes = await ring.open_and_read(requests)
+    assert ring.opens - opens == uring.ENTRIES + 31
+    for k in range(uring.ENTRIES + 30):
+        fd, got = outcomes[k]
+        assert isinstance(fd, int) and isinstance(got, int), outcomes[k]
+        assert bytes(requests[k][1][:got]) == contents[k][7:]
+        assert os.pread(fd, 5, 0) == contents[k][:5]  # the caller's fd, open
+        os.close(fd)
+    assert outcomes[-2] == (held, 50) and bytes(requests[-2][1]) == contents[0][100:150]
+    fd, got = outcomes[-1]
+    assert isinstance(fd, OSError) and fd.errno == errno.ENOENT
+    assert isinstance(got, OSError) and got.errno == errno.ENOENT
+    assert ring._in_flight == {}
+
+    done = trio.Event()
+    seen: list[list[uring.FileOutcome]] = []
+
+    def then(results: list[uring.FileOutcome]) -> None:
+        seen.append(results)
+        done.set()
+
+    buf = bytearray(300)
+    assert ring.submit([(str(tmp_path / "f3"), buf, 0), (held, bytearray(4), 0)], then)
+    await done.wait()
+    (fd, got), second = seen[0]
+    assert isinstance(fd, int) and got == 300 and bytes(buf) == contents[3][:300]
+    assert second == (held, 4)
+    os.close(fd)
+    os.close(held)
+
+
+async def test_a_cancelled_open_and_read_finishes_before_returning(tmp_path: Path) -> None:
+    ring = uring.for_this_run()
+    assert ring is not None
+    data = os.urandom(50_000)
+    (tmp_path / "f").write_bytes(data)
+    buf = bytearray(50_000)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        ((fd, got),) = await ring.open_and_read([(str(tmp_path / "f"), buf, 0)])
+    assert isinstance(fd, int) and got == 50_000 and bytes(buf) == data
+    os.close(fd)
+    assert ring._in_flight == {}
