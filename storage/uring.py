@@ -73,19 +73,22 @@ FileOutcome = tuple[int | OSError, int | OSError]
 
 @dataclass(eq=False)
 class _Batch:
-    """Reads submitted together; their waiter wakes once all are done (or,
-    submitted by `submit`, their callback is called)."""
+    """Reads submitted together (`open_and_read`); their waiter wakes once
+    all are done (or, submitted by `submit`, their callback is called)."""
 
-    bufs: list[bytearray]  # referenced until the completions: the kernel writes into them
+    # referenced until the completions: the kernel writes into the buffers
+    # and reads the paths
+    requests: list[FileRead]
+    # per request: the fd (a path's once opened; -1 while it is opening) or
+    # the open's error
+    fds: list[int | OSError]
     results: list[int | OSError]
     remaining: int
     done: trio.Event = field(default_factory=trio.Event)
-    then: Callable[[list[int | OSError]], None] | None = None
-    # called with (ident, index, result) before a completion counts: True if
-    # it submitted the request's next step under the same ident instead
-    # (`open_and_read`: an open's completion submits its read)
-    follow: Callable[[int, int, int | OSError], bool] | None = None
-    paths: list[str] = field(default_factory=list)  # referenced until done, as the buffers
+    then: Callable[[list[FileOutcome]], None] | None = None
+
+    def outcomes(self) -> list[FileOutcome]:
+        return list(zip(self.fds, self.results, strict=True))
 
 
 class UringReads:
@@ -152,7 +155,7 @@ class UringReads:
         when it failed). Opening a file that is not open yet waits for the
         disk (its directory entry, its inode): here the kernel's workers wait,
         not this thread."""
-        batch, fds = self._file_batch(requests, extra=1)
+        batch = self._batch(requests, extra=1)
         unsubmitted = 0
         try:
             for k, request in enumerate(requests):
@@ -174,7 +177,7 @@ class UringReads:
                 batch.done.set()
             with trio.CancelScope(shield=True):  # the kernel owns the buffers until done
                 await batch.done.wait()
-        return list(zip(fds, batch.results, strict=True))
+        return batch.outcomes()
 
     def submit(self, requests: list[FileRead], then: Callable[[list[FileOutcome]], None]) -> bool:
         """`open_and_read` without waiting (code on the loop that cannot
@@ -184,42 +187,37 @@ class UringReads:
         untouched until then."""
         if not requests or self._room.value < len(requests):
             return False
-        batch, fds = self._file_batch(requests, extra=0)
-        batch.then = lambda results: then(list(zip(fds, results, strict=True)))
+        batch = self._batch(requests, extra=0)
+        batch.then = then
         for k, request in enumerate(requests):
             self._room.acquire_nowait()
             self._prep_file(batch, k, request)
         _uring.io_uring_submit(self._ring)
         return True
 
-    def _file_batch(
-        self, requests: list[FileRead], extra: int
-    ) -> tuple[_Batch, list[int | OSError]]:
+    def _batch(self, requests: list[FileRead], extra: int) -> _Batch:
         """The batch of `open_and_read` (its count of *extra* holds it open
-        while it is submitted), and the list its opens' outcomes go in."""
+        while it is submitted)."""
         fds: list[int | OSError] = [r[0] if isinstance(r[0], int) else -1 for r in requests]
-        opening = [not isinstance(r[0], int) for r in requests]
-        batch = _Batch([buf for _, buf, _ in requests], [0] * len(requests), extra)
-        batch.paths = [r[0] for r in requests if isinstance(r[0], str)]
+        return _Batch(requests, fds, [0] * len(requests), extra)
 
-        def follow(ident: int, k: int, result: int | OSError) -> bool:
-            if not opening[k]:
-                return False
-            opening[k] = False
-            self.opens += 1
-            fds[k] = result
-            if isinstance(result, OSError):
-                return False  # the read's outcome is the open's error
-            _, buf, offset = requests[k]
-            sqe = _uring.io_uring_get_sqe(self._ring)
-            _uring.io_uring_prep_read(sqe, result, buf, offset)
-            sqe.user_data = ident
-            self._in_flight[ident] = (batch, k)
-            self._followed += 1
-            return True
-
-        batch.follow = follow
-        return batch, fds
+    def _follow(self, batch: _Batch, ident: int, k: int, result: int | OSError) -> bool:
+        """A completion of request *k* of *batch*, before it counts: True if
+        it was an open whose read is now submitted under the same *ident*
+        (and slot of the ring) instead."""
+        if batch.fds[k] != -1 or not isinstance(batch.requests[k][0], str):
+            return False
+        self.opens += 1
+        batch.fds[k] = result
+        if isinstance(result, OSError):
+            return False  # the read's outcome is the open's error
+        _, buf, offset = batch.requests[k]
+        sqe = _uring.io_uring_get_sqe(self._ring)
+        _uring.io_uring_prep_read(sqe, result, buf, offset)
+        sqe.user_data = ident
+        self._in_flight[ident] = (batch, k)
+        self._followed += 1
+        return True
 
     def _prep_file(self, batch: _Batch, k: int, request: FileRead) -> None:
         """The first step of request *k* of *batch* (its open, or its read
@@ -258,7 +256,7 @@ class UringReads:
                         result: int | OSError = entry.res  # the binding raises for a negative one
                     except OSError as exc:
                         result = exc
-                    if batch.follow is not None and batch.follow(entry.user_data, k, result):
+                    if self._follow(batch, entry.user_data, k, result):
                         continue  # its next step is in flight, in the same slot
                     batch.results[k] = result
                     self.reads += 1
@@ -267,7 +265,7 @@ class UringReads:
                     if batch.remaining == 0:
                         batch.done.set()
                         if batch.then is not None:
-                            _call(batch.then, batch.results)
+                            _call(batch.then, batch.outcomes())
                 if seen:
                     _uring.io_uring_cq_advance(self._ring, seen)
                 if self._followed:
@@ -278,7 +276,7 @@ class UringReads:
             os.close(self._eventfd)
 
 
-def _call(then: Callable[[list[int | OSError]], None], results: list[int | OSError]) -> None:
+def _call(then: Callable[[list[FileOutcome]], None], results: list[FileOutcome]) -> None:
     """A `submit` callback: its failure is its caller's bug, never the reaper's end."""
     try:
         then(results)
