@@ -2,10 +2,11 @@
 to its successor (the CRAQ-style write path, docs/storage.md "Chain
 replication").
 
-A replica forwards an update only after staging it itself, and commits only
-after its successor acknowledged: so the tail commits first and the head
-last. A successor that cannot be reached is reported to mgmtd (which checks
-for itself and takes it out of the chain) and the caller gets ESTALE: it
+A replica forwards an update while it stages and flushes it itself, and
+commits only once both are done (its own copy durable, its successor's
+acknowledgement in): so the tail commits first and the head last. A
+successor that cannot be reached is reported to mgmtd (which checks for
+itself and takes it out of the chain) and the caller gets ESTALE: it
 retries once the chain changed. A forward to a chain that changes meanwhile
 is cancelled at once (`routing_changed`) rather than waiting for its timeout.
 
@@ -21,6 +22,7 @@ import contextlib
 import errno
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -36,13 +38,25 @@ from shufflefs.storage.protocol import (
     StorageStub,
     chain_call_timeout,
 )
-from shufflefs.storage.staging import Staged
-from shufflefs.storage.store import ChunkStore
 
 log = logging.getLogger("shufflefs.storage.forwarding")
 
 REPORT_TIMEOUT = 8.0  # telling mgmtd a successor is unreachable, and refreshing routing after
 BARRIER_POLL = 0.005  # seconds between looks at the updates a barrier waits out
+
+
+@dataclass(frozen=True)
+class ForwardedUpdate:
+    """What a replica is told of an update: the chunk, where its bytes go,
+    the version it makes of which base version (*full*: the bytes are the
+    whole chunk, whatever the replica holds)."""
+
+    cid: bytes
+    offset: int
+    chunk_size: int
+    version: int
+    base_version: int
+    full: bool
 
 
 class Forwarding:
@@ -214,17 +228,15 @@ class Forwarding:
 
     async def forward_update(
         self,
-        store: ChunkStore,
-        staged: Staged,
+        update: ForwardedUpdate,
         place: Place,
-        offset: int,
-        chunk_size: int,
         data: bytes | bytearray,
-        full: bool,
+        whole_chunk: Callable[[], Awaitable[bytes]],
     ) -> None:
-        """Send an update staged here to our successor (`replicate`): the
-        delta, or the whole new chunk if *full* or if the successor answers
-        `NEED_FULL` (it does not hold the update's base version)."""
+        """Send an update to our successor (`replicate`): the delta, or the
+        whole new chunk if *update* is full or if the successor answers
+        `NEED_FULL` (it does not hold the update's base version), which
+        *whole_chunk* gives (the update as staged here)."""
         succ = place.successor
         assert succ is not None
 
@@ -234,24 +246,24 @@ class Forwarding:
                     succ["id"],
                     place.chain,
                     place.version,
-                    staged.cid,
-                    0 if full else offset,
-                    chunk_size,
-                    staged.version,
-                    staged.base_version,
-                    full,
+                    update.cid,
+                    0 if update.full else update.offset,
+                    update.chunk_size,
+                    update.version,
+                    update.base_version,
+                    update.full,
                     data,
                 )
             except FsError as exc:
-                if exc.code != NEED_FULL or full:
+                if exc.code != NEED_FULL or update.full:
                     raise
-                content = await self.node.io(store.staged_content, staged)
+                content = await whole_chunk()
                 self.full_resends += 1
                 log.info(
                     "replica needs the whole chunk target=%d chunk=%s version=%d bytes=%d: %s",
                     succ["id"],
-                    staged.cid.hex(),
-                    staged.version,
+                    update.cid.hex(),
+                    update.version,
                     len(content),
                     exc.message,
                 )
@@ -259,11 +271,11 @@ class Forwarding:
                     succ["id"],
                     place.chain,
                     place.version,
-                    staged.cid,
+                    update.cid,
                     0,
-                    chunk_size,
-                    staged.version,
-                    staged.base_version,
+                    update.chunk_size,
+                    update.version,
+                    update.base_version,
                     True,
                     content,
                 )

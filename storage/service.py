@@ -26,7 +26,7 @@ from shufflefs.rpc.framing import DEFAULT_LIMITS
 from shufflefs.storage.capacity import CapacityFigures
 from shufflefs.storage.chain import Place
 from shufflefs.storage.context import NodeContext, RoutingSource
-from shufflefs.storage.forwarding import Forwarding
+from shufflefs.storage.forwarding import ForwardedUpdate, Forwarding
 from shufflefs.storage.layout import check_chunk_id, check_chunk_size
 from shufflefs.storage.protocol import (
     FORWARD_TIMEOUT,
@@ -68,6 +68,55 @@ def _stage_forwarded(
         if exc.code != errno.EIO:
             raise
         raise FsError(NEED_FULL, f"{exc.message}: send the whole chunk") from None
+
+
+class OwnCopyDamaged(FsError):
+    """The head's own copy could not stage a write (EIO: a damaged block
+    under a partial overwrite). Raised in the worker thread, so that the
+    loop tells it from the same errno of a flush or a commit (a disk
+    failing, not one chunk to repair)."""
+
+
+def _stage_at_head(
+    store: ChunkStore, chunk: bytes, offset: int, data: bytes | bytearray, chunk_size: int
+) -> Staged:
+    """A client's write staged at the head, its flush deferred (in a worker
+    thread)."""
+    try:
+        return store.stage_write(chunk, offset, data, chunk_size, None, False)
+    except FsError as exc:
+        if exc.code != errno.EIO:
+            raise
+        raise OwnCopyDamaged(exc.code, exc.message) from None
+
+
+def _head_update(
+    store: ChunkStore, chunk: bytes, offset: int, chunk_size: int, length: int
+) -> ForwardedUpdate | None:
+    """What the head's write of *length* bytes at *offset* tells its
+    successor: the next version of the chunk's committed record (read here,
+    under the chunk's lock, so it holds until the commit). None when
+    nothing is forwarded: a zero-length write changes nothing, and one that
+    stage refuses (it does not fit the chunk, the chunk has another chunk
+    size, the disk is full) fails here alone."""
+    try:
+        check_chunk_size(chunk_size)
+    except FsError:
+        return None
+    if length == 0 or offset < 0 or offset + length > chunk_size:
+        return None
+    rec = store.committed(chunk)
+    if rec is not None and rec.chunk_size != chunk_size:
+        return None
+    old_length = rec.length if rec is not None else 0
+    if rec is None or offset >= old_length:  # in place: the growth
+        needed = offset + length - old_length
+    else:  # a new generation of the whole chunk
+        needed = max(old_length, offset + length)
+    if not store.room_for(needed):
+        return None
+    current = rec.version if rec is not None else 0
+    return ForwardedUpdate(chunk, offset, chunk_size, current + 1, current, False)
 
 
 class StorageService(ReadHandlers):
@@ -119,8 +168,8 @@ class StorageService(ReadHandlers):
         chunk_size: int,
         payload: bytearray | None,
     ) -> WriteResult:
-        """A client's write, at the chain's head: stage, forward along the
-        chain, commit after the successor acknowledged."""
+        """A client's write, at the chain's head: stage it here while it is
+        forwarded along the chain, commit once both are done."""
         node = self.node
         store = node.store(target)
         check_chunk_id(chunk)
@@ -131,25 +180,32 @@ class StorageService(ReadHandlers):
         ):
             if place is not None:
                 place = await self.forwarding.check_min_replicas(place, target, head=True)
-            alone = place is None or place.successor is None
-            try:
-                stage = partial(store.stage_write, chunk, offset, data, chunk_size, None, False)
-                if alone:
-                    # nothing to forward: stage, flush and commit in one step
-                    # (the steps `_forward_then_commit` takes, in its order)
+            stage = partial(_stage_at_head, store, chunk, offset, data, chunk_size)
+            update = None
+            if place is not None and place.successor is not None:
+                update = _head_update(store, chunk, offset, chunk_size, len(data))
+            if update is None or place is None:
+                # nothing to forward (a lone replica, a zero-length write, or
+                # one that stage refuses): stage, flush and commit in one step
+                try:
                     return await node.updates(store).write(chunk, stage)
-                staged = await node.updates(store).stage(chunk, stage)
-            except FsError as exc:
-                if exc.code == errno.EIO and node.other_serving(target):
-                    self.repairs.schedule(target, chunk)
-                    raise FsError(
-                        errno.EAGAIN,
-                        f"{exc.message}; the chunk is being repaired from another replica, retry",
-                    ) from None
-                raise
-            return await self._forward_then_commit(
-                store, staged, place, offset, chunk_size, data, False
+                except FsError as exc:
+                    raise self._damaged_here(target, chunk, exc) from None
+            return await self._stage_forward_commit(
+                store, update, place, data, stage, partial(self._damaged_here, target, chunk)
             )
+
+    def _damaged_here(self, target: int, chunk: bytes, exc: FsError) -> FsError:
+        """A head's own copy could not take a write (`OwnCopyDamaged`):
+        it is repaired from another replica and the client retries
+        (EAGAIN); any other error as it is."""
+        if isinstance(exc, OwnCopyDamaged) and self.node.other_serving(target):
+            self.repairs.schedule(target, chunk)
+            return FsError(
+                errno.EAGAIN,
+                f"{exc.message}; the chunk is being repaired from another replica, retry",
+            )
+        return exc
 
     @rpc_method
     async def replicate(
@@ -166,9 +222,9 @@ class StorageService(ReadHandlers):
         payload: bytearray | None,
     ) -> WriteResult:
         """An update forwarded by this target's predecessor in the chain:
-        stage it, forward it to our successor, commit after its ack. A delta
-        applies only on *base_version* (else `NEED_FULL`); ``full`` carries
-        the whole new chunk."""
+        stage it while forwarding it to our successor, commit once both are
+        done. A delta applies only on *base_version* (else `NEED_FULL`);
+        ``full`` carries the whole new chunk."""
         node = self.node
         store = node.store(target)
         check_chunk_id(chunk)
@@ -183,15 +239,13 @@ class StorageService(ReadHandlers):
         ):
             sync = self.resyncer.state_at(target, place)
             stage = partial(_stage_forwarded, store, chunk, offset, chunk_size, version, full, data)
-            if place is None or place.successor is None:
-                # the tail: nothing to forward, so stage, flush and commit in
-                # one step (the steps of `_forward_then_commit`, in its order)
+            if place is None or place.successor is None or not store.room_for(len(data)):
+                # the tail (nothing to forward), or a full disk here (refused
+                # here alone): stage, flush and commit in one step
                 result = await node.updates(store).write(chunk, stage)
             else:
-                staged = await node.updates(store).stage(chunk, stage)
-                result = await self._forward_then_commit(
-                    store, staged, place, offset, chunk_size, data, full
-                )
+                update = ForwardedUpdate(chunk, offset, chunk_size, version, base_version, full)
+                result = await self._stage_forward_commit(store, update, place, data, stage)
             if sync is not None:
                 # whole, new (it applied on version 0: we had none either), or
                 # built on a verified chunk: equal to the chain's copy. A delta
@@ -204,59 +258,65 @@ class StorageService(ReadHandlers):
                 sync.forwarded += 1
             return result
 
-    async def _forward_then_commit(
+    async def _stage_forward_commit(
         self,
         store: ChunkStore,
-        staged: Staged,
-        place: Place | None,
-        offset: int,
-        chunk_size: int,
+        update: ForwardedUpdate,
+        place: Place,
         data: bytes | bytearray,
-        full: bool,
+        stage: Callable[[], Staged],
+        stage_error: Callable[[FsError], FsError] | None = None,
     ) -> WriteResult:
-        """The rest of an update once staged here (written, not yet flushed):
-        flush it here while forwarding it (if this target has a successor),
-        so the replicas' flushes overlap; commit once both are done; on any
-        failure abort, so nothing is committed here that is not durable here
-        and acknowledged by the rest of the chain."""
+        """An update with a successor: staged and flushed here (one worker
+        thread step) while it is forwarded, so this replica's disk work
+        overlaps the rest of the chain's; committed once both are done. On
+        any failure it is aborted here, so nothing is committed here that is
+        not durable here and acknowledged by the rest of the chain. A
+        successor may have taken an update that then fails here (a full
+        disk): it is a version ahead, and the next update of the chunk
+        finds it so (`NEED_FULL`) and resends the whole chunk as staged
+        here. *stage_error* maps an error of this replica's stage."""
+        updates = self.node.updates(store)
+        staged: Staged | None = None
+        local_error: list[FsError] = []
+        local_done = trio.Event()
+
+        async def stage_here() -> None:
+            nonlocal staged
+            try:
+                staged = await updates.stage_durably(update.cid, stage)
+            except FsError as exc:
+                local_error.append(stage_error(exc) if stage_error is not None else exc)
+            finally:
+                local_done.set()
+
+        async def whole_chunk() -> bytes:
+            await local_done.wait()
+            if staged is None:
+                raise FsError(local_error[0].code, local_error[0].message)
+            return await self.node.io(store.staged_content, staged)
+
         try:
-            if place is not None and place.successor is not None and staged.new is not None:
-                await self._flush_while(
-                    store,
-                    staged,
-                    self.forwarding.forward_update(
-                        store, staged, place, offset, chunk_size, data, full
-                    ),
-                )
-            return await self.node.updates(store).commit(staged)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(stage_here)
+                    await self.forwarding.forward_update(update, place, data, whole_chunk)
+            except BaseExceptionGroup as group:
+                if local_error:
+                    raise local_error[0] from None
+                if len(group.exceptions) == 1:
+                    raise group.exceptions[0] from None
+                raise
+            if local_error:
+                raise local_error[0]
+            assert staged is not None
+            return await updates.commit(staged)
         except BaseException:
             with trio.CancelScope(shield=True):
-                await self.node.io(store.abort, staged)
+                await local_done.wait()  # (its step runs to its end, shielded)
+                if staged is not None:
+                    await self.node.io(store.abort, staged)
             raise
-
-    async def _flush_while(
-        self, store: ChunkStore, staged: Staged, forward: Awaitable[None]
-    ) -> None:
-        """Flush *staged* here while *forward* runs; raise the first error
-        of either (unwrapped from the nursery's group)."""
-        flush_error: list[FsError] = []
-
-        async def flush() -> None:
-            try:
-                await self.node.updates(store).flush(staged)
-            except FsError as exc:
-                flush_error.append(exc)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(flush)
-                await forward
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
-        if flush_error:
-            raise flush_error[0]
 
     # ---- truncate and remove, along the chain ----------------------------------
 

@@ -367,6 +367,13 @@ class Target:
 
     # ---- space and errors ------------------------------------------------
 
+    def room_for(self, needed: int) -> bool:
+        """Would *needed* more bytes leave the reserve alone? (What a
+        stage checks first; a replica asks before it forwards an update,
+        so that a full disk fails the update on every replica alike.)"""
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize - self.reserve_bytes >= needed
+
     def _check_space(self, needed: int) -> None:
         """Refuse a write up front if it would eat into the reserve."""
         st = os.statvfs(self.path)

@@ -43,8 +43,7 @@ MAX_BATCH = 256
 class Then(enum.Enum):
     """What an update's step does after staging (if it stages)."""
 
-    STAGE = "stage"  # nothing: the staged update is returned (its flush deferred)
-    FLUSH = "flush"  # make its bytes durable
+    FLUSH = "flush"  # make its bytes durable; the staged update is returned
     COMMIT = "commit"  # flush what is owed, then commit its record
 
 
@@ -68,7 +67,7 @@ class Step:
         if exc is None:
             return self.outcome
         if isinstance(exc, FsError):  # a fresh one per caller: tracebacks are not shared
-            raise FsError(exc.code, exc.message)
+            raise type(exc)(exc.code, exc.message)
         raise exc
 
 
@@ -82,8 +81,7 @@ def run_steps(store: ChunkStore, steps: list[Step]) -> None:
                 step.staged = step.stage()
             except Exception as exc:
                 step.error = exc
-    live = [(s, s.staged) for s in steps if s.error is None and s.staged is not None]
-    owed = [(s, staged) for s, staged in live if s.then is not Then.STAGE]
+    owed = [(s, s.staged) for s in steps if s.error is None and s.staged is not None]
     flushed = store.flush_many([staged for _, staged in owed])
     committing: list[tuple[Step, Staged]] = []
     for (step, staged), error in zip(owed, flushed, strict=True):
@@ -91,8 +89,7 @@ def run_steps(store: ChunkStore, steps: list[Step]) -> None:
             if step.then is Then.COMMIT:
                 committing.append((step, staged))
             continue
-        if step.then is Then.COMMIT:
-            store.abort(staged)  # (a FLUSH's caller aborts its own)
+        store.abort(staged)  # (a FLUSH's update never reached its caller)
         step.error = error
     updates = [staged for _, staged in committing]
     try:
@@ -106,8 +103,8 @@ def run_steps(store: ChunkStore, steps: list[Step]) -> None:
             step.error = result
         else:
             step.outcome = result
-    for step, staged in live:
-        if step.then is Then.STAGE:
+    for step, staged in owed:
+        if step.then is Then.FLUSH and step.error is None:
             step.outcome = staged
 
 
@@ -131,15 +128,11 @@ class UpdateQueue:
         self.batches = 0  # thread calls made (tests, stats)
         self.steps = 0  # steps they carried
 
-    async def stage(self, cid: bytes, stage: Callable[[], Staged]) -> Staged:
-        """Stage an update (its flush deferred); returns it staged."""
-        staged: Staged = await self._run(Step(cid, Then.STAGE, stage=stage))
+    async def stage_durably(self, cid: bytes, stage: Callable[[], Staged]) -> Staged:
+        """Stage an update and flush it in one step; returns it staged and
+        durable, not committed (aborted here if the flush fails)."""
+        staged: Staged = await self._run(Step(cid, Then.FLUSH, stage=stage))
         return staged
-
-    async def flush(self, staged: Staged) -> None:
-        """Make a staged update's bytes durable (on an error the caller
-        aborts it)."""
-        await self._run(Step(staged.cid, Then.FLUSH, staged=staged))
 
     async def commit(self, staged: Staged) -> WriteResult:
         """Flush (if still owed) and commit a staged update; aborted if

@@ -131,10 +131,8 @@ def batched(store: ChunkStore, log: int, seed: int) -> None:
             )
             if rng.random() < 0.5:
                 await queue.write(cid, stage)
-            else:  # as a chain replica: stage, flush (while forwarding), commit
-                staged = await queue.stage(cid, stage)
-                if rng.random() < 0.5:
-                    await queue.flush(staged)
+            else:  # as a chain replica: stage and flush (while forwarding), commit
+                staged = await queue.stage_durably(cid, stage)
                 await queue.commit(staged)
             log_line(log, f"A {w}.{seq} {queue.batches} {queue.steps}")
 

@@ -140,6 +140,72 @@ async def test_replica_behind_gets_the_whole_chunk(cluster: ChainCluster) -> Non
     assert await cluster.read_all(tail, [cid]) == {cid: expected}
 
 
+async def test_a_write_the_head_fails_after_forwarding_is_healed_by_the_next(
+    cluster: ChainCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head forwards a write while it stages it: when its own stage
+    then fails (its disk filled after it checked for room), the client gets
+    the error and the replicas behind may be a version ahead; the next write
+    of the chunk finds them so (NEED_FULL), resends the whole chunk as the
+    head has it, and the chain is identical again."""
+    [chain] = cluster.chain_ids()
+    head, _, _ = cluster.members(chain)
+    cid = chunk_id(15, 0)
+    await cluster.write(chain, cid, 0, blob(1, 3000))
+    store = cluster.node_of(head).store(head)
+
+    def disk_filled(*args: object, **kwargs: object) -> None:
+        raise FsError(errno.ENOSPC, "injected: no space left")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "stage_write", disk_filled)
+        with pytest.raises(FsError) as info:
+            await cluster.write(chain, cid, 3000, blob(2, 500))
+        assert info.value.errno == errno.ENOSPC
+    assert (await cluster.info(head, cid) or {}).get("version") == 1  # nothing here
+    resends = cluster.node_of(head).service.forwarding.full_resends
+    assert (await cluster.write(chain, cid, 3000, blob(3, 100)))["version"] == 2
+    assert cluster.node_of(head).service.forwarding.full_resends == resends + 1
+    state = await cluster.assert_identical(chain)
+    assert state[cid][:2] == (2, 3100)
+    assert await cluster.read_all(head, [cid]) == {cid: blob(1, 3000) + blob(3, 100)}
+
+
+async def test_the_heads_damaged_copy_is_repaired_and_the_write_retried(
+    cluster: ChainCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partial overwrite at a head whose own copy is damaged there: EAGAIN
+    while the copy is repaired from another replica (the replicas behind
+    took the forwarded write meanwhile), then the retry lands; the damage
+    is never sent on, and every replica ends with the acknowledged bytes."""
+    [chain] = cluster.chain_ids()
+    head, _, _ = cluster.members(chain)
+    cid = chunk_id(16, 0)
+    await cluster.write(chain, cid, 0, blob(1, 3000))
+    path = cluster.chunk_file(head, cid)
+    with open(path, "r+b") as f:  # a flipped byte in the head's first block
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    repairs = cluster.node_of(head).service.repairs
+    scheduled: list[tuple[int, bytes]] = []
+    schedule = repairs.schedule
+
+    def recorded(target: int, chunk: bytes) -> None:
+        scheduled.append((target, chunk))
+        schedule(target, chunk)
+
+    monkeypatch.setattr(repairs, "schedule", recorded)
+    await cluster.write(chain, cid, 5, b"new")  # EAGAIN until repaired, retried
+    assert (head, cid) in scheduled
+    state = await cluster.assert_identical(chain)
+    assert state[cid][1] == 3000
+    expected = blob(1, 5) + b"new" + blob(1, 3000)[8:]
+    for target in cluster.members(chain):
+        assert await cluster.read_all(target, [cid]) == {cid: expected}
+
+
 async def test_dead_successor_fails_transiently_and_is_reported(cluster: ChainCluster) -> None:
     [chain] = cluster.chain_ids()
     head, middle, tail = cluster.members(chain)

@@ -67,6 +67,17 @@ def stage(store: ChunkStore, cid: bytes, offset: int, data: bytes) -> Callable[[
     return partial(store.stage_write, cid, offset, data, CS, None, False)
 
 
+def fail_flushes_of(store: ChunkStore, cid: bytes) -> None:
+    """Every flush of chunk *cid*'s files fails (EIO) from now on."""
+
+    def sync_file(fd: int, new: bool) -> None:
+        if cid.hex() in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "injected")
+        (os.fsync if new else os.fdatasync)(fd)
+
+    store._file_sync = FileSync(sync_file)
+
+
 async def run_all(calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
     """Start *calls* in order (each queued before the next starts)."""
     outcomes: list[Any] = [None] * len(calls)
@@ -115,13 +126,7 @@ def test_a_failed_step_fails_only_its_update(store: ChunkStore) -> None:
     nothing, neither record nor file."""
     good, refused, unflushable = chunk_id(1, 0), chunk_id(2, 0), chunk_id(3, 0)
     store.write(refused, 0, CS, b"r" * 100)
-
-    def sync_file(fd: int, new: bool) -> None:
-        if unflushable.hex() in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.EIO, "injected")
-        (os.fsync if new else os.fdatasync)(fd)
-
-    store._file_sync = FileSync(sync_file)
+    fail_flushes_of(store, unflushable)
     queue = held_queue(store, 3)
     first = chunk_id(4, 0)
 
@@ -177,15 +182,13 @@ def test_two_steps_of_one_chunk_never_share_a_batch(store: ChunkStore) -> None:
 
 
 def test_stage_flush_commit_as_the_chain_takes_them(store: ChunkStore) -> None:
-    """A replica's steps (stage with the flush deferred, flush while
-    forwarding, commit): invisible until the commit, durable after."""
+    """A replica's steps (stage and flush while forwarding, then commit):
+    invisible until the commit, durable after."""
     cid = chunk_id(7, 0)
     queue = held_queue(store, 0)
 
     async def main() -> WriteResult:
-        staged = await queue.stage(cid, stage(store, cid, 0, b"z" * 900))
-        assert staged.unflushed is not None and store.read(cid, 0, CS) == b""
-        await queue.flush(staged)
+        staged = await queue.stage_durably(cid, stage(store, cid, 0, b"z" * 900))
         assert staged.unflushed is None and store.read(cid, 0, CS) == b""
         return await queue.commit(staged)
 
@@ -197,6 +200,36 @@ def test_stage_flush_commit_as_the_chain_takes_them(store: ChunkStore) -> None:
         assert reopened.read(cid, 0, CS) == b"z" * 900
     finally:
         reopened.close()
+
+
+def test_a_staged_update_whose_flush_fails_is_aborted_in_its_step(store: ChunkStore) -> None:
+    """`stage_durably` (a replica's stage and flush while it forwards): a
+    flush that fails leaves nothing (its caller never holds the update to
+    abort it), and the other updates of the batch are returned staged and
+    durable."""
+    good, unflushable = chunk_id(1, 0), chunk_id(2, 0)
+    fail_flushes_of(store, unflushable)
+    queue = held_queue(store, 2)
+    first = chunk_id(3, 0)
+
+    async def main() -> list[Any]:
+        return await run_all(
+            [
+                partial(queue.write, first, stage(store, first, 0, b"f" * 10)),
+                partial(queue.stage_durably, unflushable, stage(store, unflushable, 0, b"u" * 50)),
+                partial(queue.stage_durably, good, stage(store, good, 0, b"g" * 70)),
+            ]
+        )
+
+    results = trio.run(main)
+    assert isinstance(results[1], FsError) and results[1].code == errno.EIO
+    staged = results[2]
+    assert isinstance(staged, Staged) and staged.unflushed is None
+    assert queue.batches == 2
+    assert store.committed(unflushable) is None
+    assert unflushable.hex() not in " ".join(chunk_files(store))
+    assert trio.run(queue.commit, staged) == {"version": 1, "length": 70}
+    assert store.read(good, 0, CS) == b"g" * 70
 
 
 def test_a_cancelled_caller_still_sees_its_update_through(store: ChunkStore) -> None:
