@@ -38,6 +38,8 @@ import trio
 from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.length_reports import (
+    BEHIND_LINGER,
+    RELEASE_LINGER,
     Closes,
     lay_owed,
     owe_attrs,
@@ -500,18 +502,23 @@ class FileSystem(NamespaceCalls, PathOps):
         f = self.file(fh)
         await self.drain(f.ino)
         st = self.inodes.get(f.ino)
-        if st is not None and st.dirty:
+        if st is None or not (st.dirty or st.owed) or await self.closes.report(f.ino, st):
+            return
+        if st.dirty:
             await report_length(self.meta, f.ino, st)
-        if st is not None and st.owed:
+        if st.owed:
             await self.setattr(f.ino)  # what was set behind, durable and seen by others now
 
     async def fsync(self, fh: int) -> None:
         # data is durable once a write is acknowledged; what remains is the length
         await self.flush(fh)
 
-    async def release(self, fh: int, behind: bool = False) -> None:
+    async def release(self, fh: int, behind: bool = False, unwaited: bool = False) -> None:
         """Close handle *fh* (a written file: its length reported, `Closes`);
-        *behind*: nobody waits for it (a writeback mount's close)."""
+        *behind*: nobody waits for it (a writeback mount's close), nor, when
+        *unwaited*, for a release that owes nothing (the kernel's RELEASE
+        after its FLUSH reported): each waits a while for others to share
+        its call."""
         f = self.files.get(fh)
         if f is None:
             return
@@ -527,7 +534,11 @@ class FileSystem(NamespaceCalls, PathOps):
                 # the length report owed and the release in one call, with
                 # the closes that overlap it (`Closes`)
                 closed = True
-                await self.closes.close(f.ino, f.handle, self.inodes.get(f.ino), behind)
+                st = self.inodes.get(f.ino)
+                linger = BEHIND_LINGER if behind else 0.0
+                if unwaited and (st is None or not (st.dirty or st.owed)):
+                    linger = RELEASE_LINGER  # for the next flush's report to carry it
+                await self.closes.close(f.ino, f.handle, st, linger)
             else:
                 await self.flush(fh)
         finally:

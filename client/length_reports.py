@@ -32,6 +32,9 @@ log = logging.getLogger("shufflefs.client.length_reports")
 
 # a close carried out behind waits this long for others to share its call
 BEHIND_LINGER = 0.003
+# a release nobody waits for that owes nothing (the kernel's RELEASE after a
+# FLUSH that reported): this long, for the writer's next flush to carry it
+RELEASE_LINGER = 0.05
 
 
 async def report_length(meta: MetaClient, ino: int, st: InodeState) -> None:
@@ -71,15 +74,16 @@ class Closes:
         self.batch: Batcher[WrittenClose, ClosedFile] = Batcher(self._one, self._many, "close")
         self._close_files_supported = True  # until a metadata server answers ENOSYS
         self._attrs_in_close = True  # until one refuses `attrs` (a server of before them)
+        self.reports_in_close = True  # until one refuses handle 0 (`report`)
 
     async def close(
-        self, ino: int, handle: int, st: InodeState | None, behind: bool = False
+        self, ino: int, handle: int, st: InodeState | None, linger: float = 0.0
     ) -> None:
         """Report *ino*'s length if *st* has writes unreported, and give
         *handle* back (also if the report failed); raise that file's error.
-        A close carried out *behind* (nobody waits for it: a writeback
-        mount's) waits up to `BEHIND_LINGER` for others to share its call."""
-        linger = BEHIND_LINGER if behind else 0.0
+        A close nobody waits for (a writeback mount's, carried out behind;
+        the kernel's RELEASE) waits up to *linger* seconds for others to
+        share its call (`BEHIND_LINGER`, `RELEASE_LINGER`)."""
         if st is None or not (st.dirty or st.owed):
             closed = await self.batch.get(
                 {"ino": ino, "handle": handle, "length": None, "mtime": None}, linger
@@ -101,7 +105,26 @@ class Closes:
             if closed["attr"] is not None:
                 _reported(st, generation, closed["attr"])
         if closed["error"] is not None:
-            raise FsError.from_wire(closed["error"])
+            error = FsError.from_wire(closed["error"])
+            if handle == 0 and error.code == errno.EINVAL and "handle number 0" in error.message:
+                # a server of before reports in `close_files` took the
+                # report, then refused to give handle 0 back
+                self.reports_in_close = False
+                return
+            raise error
+
+    async def report(self, ino: int, st: InodeState) -> bool:
+        """A flush of a file with writes unreported (or attributes set
+        behind): its report as a close that gives no handle back (handle 0),
+        in one call with the closes that overlap it (a previous file's
+        release waiting out `RELEASE_LINGER`), so a writer's flush and the
+        release before it share a call and a group commit. False, and
+        nothing done, for a server of before such reports: the caller
+        reports alone."""
+        if not self.reports_in_close:
+            return False
+        await self.close(ino, 0, st)
+        return True
 
     async def _many(self, files: list[WrittenClose]) -> list[ClosedFile | None]:
         if not self._attrs_in_close:
@@ -169,7 +192,8 @@ class Closes:
                     "setattr", _setattr_call(f["ino"], f["attrs"])
                 )
         finally:
-            await self.release(f["ino"], f["handle"])
+            if f["handle"]:
+                await self.release(f["ino"], f["handle"])
         return {"attr": attr, "error": None}
 
 

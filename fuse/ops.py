@@ -481,7 +481,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             if f.writable and self.writeback is not None:
                 await self.writeback.close(fh, f.ino)
                 return
-        await self.fs.release(fh)
+        await self.fs.release(fh, unwaited=True)  # (close(2) returned after the FLUSH)
 
     # ---- directories ------------------------------------------------------------------
 

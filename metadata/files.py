@@ -194,7 +194,8 @@ class FileOps:
         asked), the attributes set behind (a writeback mount's chmod, chown
         or utime of the file while open: `setattr`, if any), then its
         `release` (also if the report failed, as a client's
-        close gives its handle back whatever happened), each in its own
+        close gives its handle back whatever happened; none for handle 0:
+        a flush's report, with the closes it goes with), each in its own
         nested transaction: a file that fails is answered its error, the
         others stand."""
         closed: list[ClosedFile] = []
@@ -210,7 +211,8 @@ class FileOps:
             except FsError as exc:
                 error = exc  # the handle is given back all the same
             try:
-                freed = self.release(f["ino"], f["handle"], session) or freed
+                if f["handle"]:  # (0: a flush's report, its handle stays open)
+                    freed = self.release(f["ino"], f["handle"], session) or freed
             except FsError as exc:
                 error = error or exc
             closed.append({"attr": attr, "error": None if error is None else error.to_wire()})

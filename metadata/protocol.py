@@ -147,7 +147,7 @@ class WrittenClose(TypedDict):
     """One close of a handle open for writing, in `close_files`."""
 
     ino: int
-    handle: int
+    handle: int  # given back last (0: none, a flush's report of a handle still open)
     length: int | None  # reported first, as `update_length` does (None: no report)
     mtime: int | None  # with the length: the time of the writes (ns), or None to keep it
     attrs: NotRequired[OwedAttrs]  # then set, as `setattr` does (absent: none)

@@ -80,6 +80,35 @@ def test_a_create_spares_its_directory_getattr(single: ProcessCluster, other: Pa
     assert sorted(os.listdir(other / "spared")) == sorted(f"{i}.bin" for i in range(1, 20))
 
 
+def test_a_writers_flush_carries_the_release_of_its_previous_file(
+    single: ProcessCluster, other: Path
+) -> None:
+    """One writer's files one after another: each close's length report is
+    a `close_files` entry that keeps its handle (no `update_length`), and
+    the kernel's RELEASE of the previous file, which waits for it, goes in
+    the same call; each length is seen by the other mount at once."""
+    meta = next(n["metrics"] for n in single.status()["nodes"] if n["kind"] == "meta")
+    d = single.mountpoint / "carried"
+    d.mkdir()
+
+    def calls() -> tuple[float, float]:
+        return (
+            total(meta, "shufflefs_rpc_requests", method="update_length"),
+            total(meta, "shufflefs_rpc_requests", method="close_files"),
+        )
+
+    before = calls()
+    files = 30
+    for i in range(files):
+        with open(d / f"{i}.bin", "wb") as f:
+            f.write(content(i, 5000 + i))
+        assert (other / "carried" / f"{i}.bin").stat().st_size == 5000 + i
+    wait_until("the reports", lambda: calls()[1] - before[1] >= files)
+    after = calls()
+    assert after[0] == before[0]  # no update_length
+    assert files <= after[1] - before[1] < 2 * files  # releases rode with reports
+
+
 def test_many_concurrent_writers_then_fsck(single: ProcessCluster, other: Path) -> None:
     root = single.mountpoint / "storm"
     writers, files = 8, 25

@@ -96,3 +96,23 @@ async def test_attributes_set_behind_apply_after_the_length_and_a_bad_one_fails_
             env.session,
         )
     assert info.value.code == errno.EINVAL
+
+
+async def test_handle_0_is_a_flush_report_that_keeps_the_handle(env: Env) -> None:
+    """A flush's length report goes in `close_files` as handle 0 (with the
+    releases that overlap it): the length lands, no handle is given back,
+    and the file, unlinked meanwhile, lives until its real close."""
+    a, ha = await env.create(ROOT, b"a")
+    handles = env.store.read_only.count()
+    closed = await env.meta.close_files([close(a, 0, 700, 6_000_000_000)], env.session)
+    assert closed[0]["error"] is None and closed[0]["attr"] is not None
+    assert (closed[0]["attr"]["size"], closed[0]["attr"]["mtime"]) == (700, 6_000_000_000)
+    assert env.store.read_only.count() == handles  # still open
+    await env.meta.unlink(ROOT, b"a")
+    assert (await env.meta.getattr(a))["nlink"] == 0  # held by its handle
+    assert await env.meta.close_files([close(a, ha, None)], env.session) == [
+        {"attr": None, "error": None}
+    ]
+    with pytest.raises(FsError) as info:
+        await env.meta.getattr(a)
+    assert info.value.code == errno.ENOENT
