@@ -52,10 +52,15 @@ class NamespaceCalls:
     async def readlink(self, ino: int) -> bytes:
         return await self.meta.call_read("readlink", lambda m: m.readlink(ino))
 
-    async def unlink(self, parent: int, name: bytes) -> None:
+    async def unlink(self, parent: int, name: bytes) -> Attr | None:
+        """The directory's attributes after it (None from a server of
+        before them)."""
         self._dirs_changing(parent)
-        await self.meta.call_at_most_once("unlink", lambda m: m.unlink(parent, name))
+        parent_attr: Attr | None = await self.meta.call_at_most_once(
+            "unlink", lambda m: m.unlink(parent, name)
+        )
         self._attrs_changed()
+        return parent_attr
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         self._dirs_changing(parent)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 import pyfuse3
+import trio
 
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.metadata.protocol import Attr
@@ -40,8 +41,9 @@ CHANGED_DIRS: dict[str, tuple[int, ...]] = {
 
 
 class DirChanges:
-    """Directory attributes a create's reply carried (`created_in`: they
-    answer the one getattr of the directory that the create causes), and the
+    """Directory attributes a create's or an unlink's reply carried
+    (`replied`: they answer the one getattr of the directory that the
+    change causes), and the
     mutations begun or ended per directory while any of it is in flight, so
     that a create overlapped by another mutation of *its* directory leaves
     none (its reply may predate that mutation), while creates in other
@@ -49,9 +51,9 @@ class DirChanges:
     mutation in flight."""
 
     def __init__(self) -> None:
-        # directory inode -> (its attributes from our last create in it,
-        # trio time until which they answer the one getattr that create causes)
-        self.created_in: dict[int, tuple[Attr, float]] = {}
+        # directory inode -> (its attributes from our last create or unlink
+        # in it, trio time until which they answer the one getattr it causes)
+        self.replied: dict[int, tuple[Attr, float]] = {}
         self._changes: dict[int, int] = {}  # directory -> mutations begun or ended
         self._busy: dict[int, int] = {}  # directory -> mutations in flight
         self._everywhere = 0  # mutations of any directory begun or ended
@@ -61,11 +63,11 @@ class DirChanges:
         creates left for them is dropped (a create whose reply comes later
         and records again was overlapped by this one, and `alone` says so)."""
         if dirs is None:
-            self.created_in.clear()
+            self.replied.clear()
             self._everywhere += 1
             return
         for d in dirs:
-            self.created_in.pop(d, None)
+            self.replied.pop(d, None)
             self._changes[d] = self._changes.get(d, 0) + 1
             self._busy[d] = self._busy.get(d, 0) + 1
 
@@ -88,6 +90,16 @@ class DirChanges:
     def alone(self, directory: int, stamp: tuple[int, int]) -> bool:
         """No other mutation of *directory* began or ended since *stamp*."""
         return self.stamp(directory) == stamp
+
+    def reply_carried(
+        self, directory: int, attr: Attr | None, stamp: tuple[int, int], timeout: float
+    ) -> None:
+        """A mutation of *directory* (which took *stamp*) answered with its
+        attributes after it: unless another mutation of it overlapped (the
+        reply may predate that one), they answer the kernel's next getattr
+        of it for *timeout* seconds (its attr_timeout)."""
+        if attr is not None and timeout > 0 and self.alone(directory, stamp):
+            self.replied[directory] = (attr, trio.current_time() + timeout)
 
 
 class Mutable(Protocol):

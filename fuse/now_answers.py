@@ -99,12 +99,13 @@ class NowAnswers:
     def getattr_now(self, inode: int) -> pyfuse3.EntryAttributes | None:
         """GETATTR answered with no round trip (also in libfuse's callback,
         fuse/fast_answers.py), or None."""
-        # A create makes the kernel drop the directory's cached attributes,
-        # and the next lookup or create in it (permission checks) asks for
-        # them again: one metadata round trip per file written into a
-        # directory. The create's reply carried them, as fresh as any the
-        # kernel caches for attr_timeout; they answer that one getattr.
-        fresh = self.dir_changes.created_in.pop(inode, None)
+        # A create or an unlink makes the kernel drop the directory's cached
+        # attributes, and the next lookup, create or unlink in it
+        # (permission checks) asks for them again: one metadata round trip
+        # per file written into a directory, or removed from it. The
+        # change's reply carried them, as fresh as any the kernel caches for
+        # attr_timeout; they answer that one getattr.
+        fresh = self.dir_changes.replied.pop(inode, None)
         if fresh is not None and fresh[1] > trio.current_time():
             return self.entry(fresh[0])
         if self.watched is not None and (known := self.watched.attributes(inode)) is not None:

@@ -186,7 +186,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
                 self.no_caps.pop(ino, None)
                 self.parents.pop(ino, None)
                 self.regular.discard(ino)
-                self.dir_changes.created_in.pop(ino, None)
+                self.dir_changes.replied.pop(ino, None)
 
     @fuse_errors
     @stale_when_gone
@@ -300,7 +300,9 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
     @fuse_errors
     @mutation
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.fs.unlink(parent_inode, name)
+        stamp = self.dir_changes.stamp(parent_inode)
+        parent_attr = await self.fs.unlink(parent_inode, name)
+        self.dir_changes.reply_carried(parent_inode, parent_attr, stamp, self.options.attr_timeout)
         self.prefetch.name_changed(parent_inode, name)
 
     @fuse_errors
@@ -404,11 +406,9 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             await self.fs.cache_watch.learn_names(parent_inode)
         if f.created:  # a new file has no security.capability: spare the write's getxattr
             self.no_caps[attr["ino"]] = trio.current_time() + self.options.attr_timeout
-        # no other mutation of the directory overlapped it
-        alone = self.dir_changes.alone(parent_inode, stamp)
-        if f.parent_attr is not None and self.options.attr_timeout > 0 and alone:
-            until = trio.current_time() + self.options.attr_timeout
-            self.dir_changes.created_in[parent_inode] = (f.parent_attr, until)
+        self.dir_changes.reply_carried(
+            parent_inode, f.parent_attr, stamp, self.options.attr_timeout
+        )
         entry = self.remember(attr)  # first, so file_info sees the kernel is told these
         return self.file_info(f.fh, attr, flags), entry
 

@@ -37,6 +37,7 @@ from shufflefs.metadata.protocol import (
     Layout,
     ReaddirLayoutsPage,
     ReaddirPage,
+    Unlinked,
 )
 from shufflefs.metadata.records import (
     C_INO,
@@ -318,13 +319,14 @@ class NameOps:
 
     # ---- removing and renaming ----------------------------------------------
 
-    def unlink(self, parent: int, name: bytes) -> bool:
-        """Returns whether the inode was freed (it may have a GC job now)."""
+    def unlink(self, parent: int, name: bytes) -> Unlinked:
+        """Whether the inode was freed (it may have a GC job now), and the
+        directory's attributes after it."""
         check_name(name)
         if name in DOTS:
             raise FsError(errno.EISDIR, f"{name!r} is a directory")
 
-        def body(tx: Tx) -> bool:
+        def body(tx: Tx) -> Unlinked:
             prec = tx.directory(parent)
             ino = existing_entry(tx, parent, name)
             rec = tx.inode(ino)
@@ -332,7 +334,8 @@ class NameOps:
                 raise FsError(errno.EISDIR, f"{name[:64]!r} is a directory")
             tx.remove_entry(parent, name)
             tx.touch_dir(prec)
-            return drop_name(tx, prec, ino, rec)
+            freed = drop_name(tx, prec, ino, rec)
+            return {"freed": freed, "parent_attr": attr_of(parent, prec)}
 
         return self.txns.write(body)
 

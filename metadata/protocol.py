@@ -79,6 +79,13 @@ class OpenResult(TypedDict):
     parent_attr: NotRequired[Attr]
 
 
+class Unlinked(TypedDict):
+    """What an unlink did (the store's answer; the RPC answers *parent_attr*)."""
+
+    freed: bool  # the last name of an inode nobody holds: freed (a GC job now)
+    parent_attr: Attr  # the directory after it (the kernel asks for it next)
+
+
 class ReaddirPage(TypedDict):
     entries: list[tuple[bytes, Attr]]  # in name order, '.' and '..' not included
     more: bool  # another page follows: call again with after = the last name
@@ -438,8 +445,11 @@ class MetaStub:
         call; ENOSYS from a server of before it."""
         await self._call("release_read_only", handles=handles, session=session)
 
-    async def unlink(self, parent: int, name: bytes) -> None:
-        await self._call("unlink", parent=parent, name=name)
+    async def unlink(self, parent: int, name: bytes) -> Attr | None:
+        """The directory's attributes after it (None from a server of
+        before them)."""
+        result: Attr | None = await self._call("unlink", parent=parent, name=name)
+        return result
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         await self._call("rmdir", parent=parent, name=name)

@@ -80,6 +80,25 @@ def test_a_create_spares_its_directory_getattr(single: ProcessCluster, other: Pa
     assert sorted(os.listdir(other / "spared")) == sorted(f"{i}.bin" for i in range(1, 20))
 
 
+def test_an_unlink_spares_its_directory_getattr(single: ProcessCluster, other: Path) -> None:
+    """As a create: the kernel drops a directory's cached attributes on
+    every unlink in it and asks for them before the next one (``rm -r``: a
+    round trip per file); the unlink's reply carried them, and they are the
+    directory's as the server has them."""
+    meta = next(n["metrics"] for n in single.status()["nodes"] if n["kind"] == "meta")
+    d = single.mountpoint / "removed"
+    d.mkdir()
+    for i in range(20):
+        (d / f"{i}.bin").write_bytes(content(i, 100))
+    os.listdir(d)
+    before = total(meta, "shufflefs_rpc_requests", method="getattr")
+    for i in range(20):
+        os.unlink(d / f"{i}.bin")
+    assert total(meta, "shufflefs_rpc_requests", method="getattr") - before < 10
+    assert d.stat().st_mtime_ns == (other / "removed").stat().st_mtime_ns
+    assert os.listdir(other / "removed") == []
+
+
 def test_a_writers_flush_carries_the_release_of_its_previous_file(
     single: ProcessCluster, other: Path
 ) -> None:

@@ -17,13 +17,13 @@ def test_a_create_in_another_directory_does_not_spoil_it() -> None:
     d.begin((6,))  # creates in 6 start and end meanwhile
     d.end((6,))
     assert d.alone(5, stamp)
-    d.created_in[5] = (ATTR, 1.0)  # what our create left
+    d.replied[5] = (ATTR, 1.0)  # what our create left
     d.end((5,))
     d.begin((6,))
     d.end((6,))
-    assert 5 in d.created_in
+    assert 5 in d.replied
     d.begin((5,))  # the next mutation of 5 drops them
-    assert 5 not in d.created_in
+    assert 5 not in d.replied
 
 
 def test_a_mutation_of_the_same_directory_spoils_it() -> None:
@@ -40,11 +40,11 @@ def test_a_mutation_of_the_same_directory_spoils_it() -> None:
 def test_a_rename_anywhere_spoils_every_directory() -> None:
     assert "rename" not in CHANGED_DIRS and "rmdir" not in CHANGED_DIRS
     d = DirChanges()
-    d.created_in[7] = (ATTR, 1.0)
+    d.replied[7] = (ATTR, 1.0)
     d.begin((5,))
     stamp = d.stamp(5)
     d.begin(None)
-    assert d.created_in == {}
+    assert d.replied == {}
     d.end(None)
     assert not d.alone(5, stamp)
 

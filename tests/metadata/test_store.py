@@ -373,12 +373,14 @@ def test_unlink(ns: NamespaceStore, fs: Fs) -> None:
     ns.setxattr(ino, b"user.a", b"1")
     before = ns.getattr(ino)
     root_before = ns.getattr(ROOT)
-    assert not ns.unlink(ROOT, b"f")
+    unlinked = ns.unlink(ROOT, b"f")
+    assert not unlinked["freed"]
+    assert unlinked["parent_attr"] == ns.getattr(ROOT)  # the directory after it
     after = ns.getattr(ino)
     assert after["nlink"] == 1 and after["ctime"] > before["ctime"]
     assert ns.getattr(ROOT)["mtime"] > root_before["mtime"]
     assert code(lambda: ns.unlink(ROOT, b"f")) == errno.ENOENT
-    assert ns.unlink(ROOT, b"g")  # the last name: freed
+    assert ns.unlink(ROOT, b"g")["freed"]  # the last name: freed
     assert code(lambda: ns.getattr(ino)) == errno.ENOENT
     assert [j["ino"] for j in ns.gc_jobs()] == [ino]
     assert ns.gc_jobs()[0]["layout"] == fs.layout()
@@ -386,7 +388,7 @@ def test_unlink(ns: NamespaceStore, fs: Fs) -> None:
     fs.dir(ROOT, b"d")
     assert code(lambda: ns.unlink(ROOT, b"d")) == errno.EISDIR
     fifo = ns.mknod(ROOT, b"p", stat.S_IFIFO | 0o600, 0, 0, 0, no_layout)["ino"]
-    assert ns.unlink(ROOT, b"p")
+    assert ns.unlink(ROOT, b"p")["freed"]
     assert code(lambda: ns.getattr(fifo)) == errno.ENOENT
     assert ns.gc_jobs() == []  # nothing on storage for a FIFO
     env = ns.env
