@@ -104,6 +104,7 @@ class OpenFile:
     cached: CachedOpen | None = None  # its handle is the open cache's (client/open_cache.py)
     created: bool = False  # made by this open (so it has no xattrs yet)
     parent_attr: Attr | None = None  # made by this open: its directory's attributes after it
+    releasing: bool = False  # its release has begun: the session renewal no longer reports it
 
     @property
     def readable(self) -> bool:
@@ -184,7 +185,13 @@ class FileSystem(NamespaceCalls, PathOps):
     def _read_only_handles(self) -> list[list[int]]:
         """What the session renewal reports: [ino, handle] of each open file
         whose handle the metadata server holds in memory only."""
-        held = {(f.ino, f.handle) for f in self.files.values() if is_read_only_handle(f.handle)}
+        # (not one being given back: a renewal reporting it again after its
+        # release reached a restarted server would hold it there for good)
+        held = {
+            (f.ino, f.handle)
+            for f in self.files.values()
+            if is_read_only_handle(f.handle) and not f.releasing
+        }
         held.update(self.open_cache.handles())
         return [[ino, handle] for ino, handle in held]
 
@@ -522,6 +529,7 @@ class FileSystem(NamespaceCalls, PathOps):
         f = self.files.get(fh)
         if f is None:
             return
+        f.releasing = True
         st = self.inodes.get(f.ino)
         if st is not None and f.writable and f.cached is None:
             # released by the kernel: what is set from now on is not this
