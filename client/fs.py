@@ -542,7 +542,6 @@ class FileSystem(NamespaceCalls, PathOps):
                 # the length report owed and the release in one call, with
                 # the closes that overlap it (`Closes`)
                 closed = True
-                st = self.inodes.get(f.ino)
                 linger = BEHIND_LINGER if behind else 0.0
                 if unwaited and (st is None or not (st.dirty or st.owed)):
                     linger = RELEASE_LINGER  # for the next flush's report to carry it

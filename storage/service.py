@@ -42,7 +42,7 @@ from shufflefs.storage.read_service import ReadHandlers
 from shufflefs.storage.repair import RepairWorker
 from shufflefs.storage.resync import ResyncWorker
 from shufflefs.storage.scrub import ScrubWorker
-from shufflefs.storage.staging import Staged
+from shufflefs.storage.staging import Staged, space_needed
 from shufflefs.storage.store import ChunkStore
 
 log = logging.getLogger("shufflefs.storage")
@@ -97,8 +97,9 @@ def _head_update(
     successor: the next version of the chunk's committed record (read here,
     under the chunk's lock, so it holds until the commit). None when
     nothing is forwarded: a zero-length write changes nothing, and one that
-    stage refuses (it does not fit the chunk, the chunk has another chunk
-    size, the disk is full) fails here alone."""
+    stage refuses (it does not fit the chunk, or the chunk has another chunk
+    size) fails here alone. ENOSPC without room for it here (never staged
+    here alone: it would commit on this replica only)."""
     try:
         check_chunk_size(chunk_size)
     except FsError:
@@ -108,13 +109,7 @@ def _head_update(
     rec = store.committed(chunk)
     if rec is not None and rec.chunk_size != chunk_size:
         return None
-    old_length = rec.length if rec is not None else 0
-    if rec is None or offset >= old_length:  # in place: the growth
-        needed = offset + length - old_length
-    else:  # a new generation of the whole chunk
-        needed = max(old_length, offset + length)
-    if not store.room_for(needed):
-        return None
+    store.check_room(space_needed(rec, offset, length))
     current = rec.version if rec is not None else 0
     return ForwardedUpdate(chunk, offset, chunk_size, current + 1, current, False)
 
@@ -239,11 +234,12 @@ class StorageService(ReadHandlers):
         ):
             sync = self.resyncer.state_at(target, place)
             stage = partial(_stage_forwarded, store, chunk, offset, chunk_size, version, full, data)
-            if place is None or place.successor is None or not store.room_for(len(data)):
-                # the tail (nothing to forward), or a full disk here (refused
-                # here alone): stage, flush and commit in one step
+            if place is None or place.successor is None:
+                # the tail: nothing to forward, so stage, flush and commit in
+                # one step
                 result = await node.updates(store).write(chunk, stage)
             else:
+                store.check_room(len(data))  # a full disk here: forward nothing
                 update = ForwardedUpdate(chunk, offset, chunk_size, version, base_version, full)
                 result = await self._stage_forward_commit(store, update, place, data, stage)
             if sync is not None:

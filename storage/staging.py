@@ -106,6 +106,16 @@ COW = "cow"  # an overwrite: a new generation file holding the whole new chunk
 REPLACE = "replace"  # whole-chunk content from another replica: a new generation file
 
 
+def space_needed(rec: ChunkRecord | None, offset: int, length: int) -> int:
+    """The bytes a write of *length* at *offset* takes on disk before its
+    commit: an append (at or past the committed length) only its growth, in
+    place; an overwrite a new generation of the whole chunk."""
+    old_len = rec.length if rec is not None else 0
+    if rec is None or offset >= old_len:
+        return offset + length - old_len
+    return max(old_len, offset + length)
+
+
 @dataclass(eq=False)
 class Staged:
     """An update that is durable on disk (once flushed: see `unflushed`) but
@@ -361,7 +371,7 @@ class WritableTarget(WholeFiles):
     ) -> Staged:
         old_len = rec.length if rec is not None else 0
         new_len = offset + len(data)
-        self._check_space(new_len - old_len)
+        self._check_space(space_needed(rec, offset, len(data)))
         handle: FdHandle | None = None
         if rec is None:
             generation = next(self._next_gen)
@@ -421,7 +431,7 @@ class WritableTarget(WholeFiles):
     ) -> Staged:
         end = offset + len(data)
         new_len = max(rec.length, end)
-        self._check_space(new_len)
+        self._check_space(space_needed(rec, offset, len(data)))
         try:
             old = self._acquire_fd(cid, rec.generation)
         except FileNotFoundError:

@@ -90,7 +90,9 @@ class Target:
         self.path = Path(path).absolute()
         self.fsync = fsync
         self.reserve_bytes = max(0, reserve_bytes)
+        self._last_available = 0  # bytes available, as the last statvfs saw it
         info = self._open_or_format(block_size)
+        self._available()
         self.block_size: int = info["block_size"]
         self.target_id: int | None = info.get("target_id")
         self.cluster_id: str | None = info.get("cluster_id")
@@ -367,17 +369,28 @@ class Target:
 
     # ---- space and errors ------------------------------------------------
 
-    def room_for(self, needed: int) -> bool:
-        """Would *needed* more bytes leave the reserve alone? (What a
-        stage checks first; a replica asks before it forwards an update,
-        so that a full disk fails the update on every replica alike.)"""
+    def check_room(self, needed: int) -> None:
+        """ENOSPC if *needed* more bytes would eat into the reserve, as far
+        as the last look at the disk tells. A replica asks before it
+        forwards an update, so that a full disk fails the update on every
+        replica alike; on the event loop, so no statvfs here: every stage
+        looks (in a worker thread) and checks again, and so do the capacity
+        figures each second."""
+        if self._last_available - self.reserve_bytes < needed:
+            raise FsError(
+                errno.ENOSPC,
+                f"target {self.label}: {self._last_available} bytes available, "
+                f"{self.reserve_bytes} reserved, the write needs {needed}",
+            )
+
+    def _available(self) -> int:
         st = os.statvfs(self.path)
-        return st.f_bavail * st.f_frsize - self.reserve_bytes >= needed
+        self._last_available = st.f_bavail * st.f_frsize
+        return self._last_available
 
     def _check_space(self, needed: int) -> None:
         """Refuse a write up front if it would eat into the reserve."""
-        st = os.statvfs(self.path)
-        avail = st.f_bavail * st.f_frsize
+        avail = self._available()
         if avail - self.reserve_bytes < needed:
             raise FsError(
                 errno.ENOSPC,
@@ -386,8 +399,7 @@ class Target:
             )
 
     def _nearly_full(self) -> bool:
-        st = os.statvfs(self.path)
-        return st.f_bavail * st.f_frsize <= self.reserve_bytes + (1 << 20)
+        return self._available() <= self.reserve_bytes + (1 << 20)
 
     def _os_error(self, exc: OSError, what: str) -> FsError:
         if exc.errno in NO_SPACE:
@@ -479,7 +491,8 @@ class Target:
         """(capacity, free) of the target's filesystem; free is what the
         target may still use: available minus the reserve, never negative."""
         st = os.statvfs(self.path)
-        return st.f_blocks * st.f_frsize, max(0, st.f_bavail * st.f_frsize - self.reserve_bytes)
+        self._last_available = st.f_bavail * st.f_frsize
+        return st.f_blocks * st.f_frsize, max(0, self._last_available - self.reserve_bytes)
 
     def stats(self) -> TargetStats:
         capacity, free = self.capacity()
