@@ -153,6 +153,7 @@ class FastAnswerCounts:
     setattr: int = 0  # -o writeback: owner, mode, times of a file open for writing
     getxattr: int = 0  # security.capability before a write, known absent (ENODATA)
     ioctl: int = 0  # taken while draining the queue: libfuse answers them (ENOSYS)
+    hint: int = 0  # prefetch hints by name, queued by a task of their own (fuse/fast_hints.py)
 
     def collect(self) -> Iterable[Metric]:
         yield counts_family(
@@ -163,7 +164,11 @@ class FastAnswerCounts:
         )
 
 
-class FastAnswers:
+class CallbackAnswers:
+    """What answers requests in libfuse's callback works with: the
+    operations, the trampolines' hooks, a nursery for what it answers later,
+    the kernel's queue (drained behind what it takes) and its counts."""
+
     def __init__(
         self,
         ops: ShuffleOps,
@@ -178,7 +183,10 @@ class FastAnswers:
         self.queue = queue
         self.libfuse = queue.libfuse
         self.counts = counts
-        self._warned = False
+
+
+class FastAnswers(CallbackAnswers):
+    _warned = False  # a failed answer was logged (once)
 
     def install(self) -> None:
         self.hooks.fast_open = self.open

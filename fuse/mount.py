@@ -27,6 +27,7 @@ from shufflefs.cluster.metrics_client import read_counter, start_client_metrics
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.fuse.fast_answers import FastAnswerCounts, FastAnswers
+from shufflefs.fuse.fast_hints import FastHints
 from shufflefs.fuse.fast_reads import FastReadCounts, FastReads
 from shufflefs.fuse.libfuse import KernelQueue, SpinCounts
 from shufflefs.fuse.mount_options import MountOptions, parse_options
@@ -116,6 +117,8 @@ async def run_mount(
         READ_INODES.dir_flags = ops.listings.flags if keeps_listings else None
         fast_answers = options.fast_answers and not options.immutable  # (immutable: no OPENs)
         READ_INODES.answering = fast_answers
+        fast_hints = options.fast_answers and ops.prefetch.running
+        READ_INODES.hinting = fast_hints
         wanted = options.immutable or options.fast_reads or keeps_listings or fast_answers
         hooked = wanted and READ_INODES.install()
         if hooked and not options.immutable and not options.fast_reads:
@@ -133,6 +136,10 @@ async def run_mount(
         if queue is not None and fast_answers:
             answers = FastAnswers(ops, READ_INODES, nursery, queue, answer_counts)
             answers.install()
+        hints = None
+        if queue is not None and fast_hints:
+            hints = FastHints(ops, READ_INODES, nursery, queue, answer_counts)
+            hints.install()
         log.info(
             "mounted %s (mode %s%s; kernel options %s)",
             mountpoint,
@@ -148,6 +155,8 @@ async def run_mount(
             with trio.CancelScope(shield=True):
                 if answers is not None:
                     answers.close()
+                if hints is not None:
+                    hints.close()
                 if fast is not None:
                     fast.close()
                 if queue is not None:

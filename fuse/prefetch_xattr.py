@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shufflefs.fuse")
 
 NAMED_PREFIX = PREFETCH_XATTR + b"/"  # getxattr names that carry paths (`hint_named`)
+QUEUED = b"queued"  # a hinting getxattr's value
 
 
 async def hint_by_getxattr(ops: ShuffleOps, inode: int, name: bytes) -> bytes:
@@ -27,7 +28,7 @@ async def hint_by_getxattr(ops: ShuffleOps, inode: int, name: bytes) -> bytes:
     file: hint it; ``user.shufflefs.prefetch/PATHS`` of the root: hint those."""
     if name != PREFETCH_XATTR:
         await refused_as_is(hint_named(ops, inode, name))
-        return b"queued"
+        return QUEUED
     known = ops.reported.get(inode)
     if ops.options.read_only and known is not None and inode in ops.regular:
         # a file as the kernel was told of it: queued with no round trip

@@ -167,6 +167,7 @@ FastRead = Callable[[int, int, int, int, int], bool]  # (req, ino, size, off, fi
 FastAnswer = Callable[[int, int, int], bool]
 FastWrite = Callable[[int, int, int, int, int], bool]  # (req, ino, bufv, off, fi) -> answered?
 FastSetattr = Callable[[int, int, int, int], bool]  # (req, ino, struct stat *, to_set)
+FastHint = Callable[[int, int, int, int], bool]  # (req, ino, name, size) -> taken?
 # offsetof(struct fuse_file_info, fh) in libfuse 3 (an int of flags, two
 # 32-bit words of bit fields, then the 64-bit handle). Not trusted blindly:
 # `ReadInodes.confirm` checks it against pyfuse3's own reading first.
@@ -203,6 +204,9 @@ class ReadInodes:
     fast_flush: FastAnswer | None = None
     fast_setattr: FastSetattr | None = None  # ... and SETATTR, as GETATTR
     fast_getxattr: FastAnswer | None = None  # ... and GETXATTR: (req, ino, name) -> answered?
+    # set before `install`: GETXATTR gets its trampoline (for `fast_hint`)
+    hinting: bool = False
+    fast_hint: FastHint | None = None  # tried first on every GETXATTR (fuse/fast_hints.py)
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
@@ -337,6 +341,7 @@ class ReadInodes:
             patches[slots[SETATTR]] = SETATTR_CALLBACK(
                 self._setattr(PYFUSE3_SETATTR(address[SETATTR]))
             )
+        if self.answering or self.hinting:
             patches[slots[GETXATTR]] = GETXATTR_CALLBACK(
                 self._getxattr(PYFUSE3_GETXATTR(address[GETXATTR]))
             )
@@ -401,9 +406,13 @@ class ReadInodes:
 
     def _getxattr(self, original: Callable[..., None]) -> Callable[..., None]:
         def trampoline(req: int, ino: int, name: int, size: int) -> None:
-            fast = self.fast_getxattr
-            if fast is not None and name and fast(req, ino, name):
-                return
+            if name:
+                hint = self.fast_hint
+                if hint is not None and hint(req, ino, name, size):
+                    return
+                fast = self.fast_getxattr
+                if fast is not None and fast(req, ino, name):
+                    return
             original(req, ino, name, size)
 
         return trampoline

@@ -69,6 +69,8 @@ def _outcomes(bufs: list[bytearray], results: list[int | OSError]) -> list[bytea
 # outcome: (the fd, or the open's error; bytes read, or the error)
 FileRead = tuple[int | str, bytearray, int]
 FileOutcome = tuple[int | OSError, int | OSError]
+# a write of `write_many`: (fd, the buffers written in order, as one writev)
+Write = tuple[int, list[Any]]
 
 
 @dataclass(eq=False)
@@ -77,8 +79,8 @@ class _Batch:
     all are done (or, submitted by `submit`, their callback is called)."""
 
     # referenced until the completions: the kernel writes into the buffers
-    # and reads the paths
-    requests: list[FileRead]
+    # and reads the paths (a write's: (fd, its iovec, 0))
+    requests: list[tuple[int | str, Any, int]]
     # per request: the fd (a path's once opened; -1 while it is opening) or
     # the open's error
     fds: list[int | OSError]
@@ -155,10 +157,34 @@ class UringReads:
         when it failed). Opening a file that is not open yet waits for the
         disk (its directory entry, its inode): here the kernel's workers wait,
         not this thread."""
-        batch = self._batch(requests, extra=1)
+        batch = self._batch(list(requests), extra=1)
+        await self._submit_all(batch, self._prep_file)
+        return batch.outcomes()
+
+    async def write_many(self, requests: list[Write]) -> list[int | OSError]:
+        """Each (fd, buffers) written as one ``writev``, all in flight
+        together and waited for together: the bytes written or the error.
+        The writes go to the kernel's io-wq workers at once (IOSQE_ASYNC,
+        never tried on this thread): a write that must wait (a FUSE device's
+        ``notify_store``, for a page a READ holds locked until this loop
+        answers it) makes a kernel worker wait, not this thread, and no
+        Python thread or GIL hand-off is involved (fuse/page_store.py).
+        Buffers must be bytes or bytearrays: the binding's ``Iovec`` keeps
+        a memoryview's buffer exported for good (its memory never freed)."""
+        writes: list[tuple[int | str, Any, int]] = [
+            (fd, _uring.Iovec(buffers), 0) for fd, buffers in requests
+        ]
+        batch = _Batch(writes, [fd for fd, _ in requests], [0] * len(requests), 1)
+        await self._submit_all(batch, self._prep_write)
+        return batch.results
+
+    async def _submit_all(self, batch: _Batch, prep: Callable[[_Batch, int], None]) -> None:
+        """Each request of *batch* prepared by *prep* and submitted, as the
+        ring has room; back once all are done (shielded: the kernel owns the
+        buffers until then)."""
         unsubmitted = 0
         try:
-            for k, request in enumerate(requests):
+            for k in range(len(batch.requests)):
                 try:
                     self._room.acquire_nowait()
                 except trio.WouldBlock:
@@ -167,7 +193,7 @@ class UringReads:
                         unsubmitted = 0
                     with trio.CancelScope(shield=True):  # what was submitted must finish
                         await self._room.acquire()
-                self._prep_file(batch, k, request)
+                prep(batch, k)
                 unsubmitted += 1
         finally:
             if unsubmitted:
@@ -177,7 +203,6 @@ class UringReads:
                 batch.done.set()
             with trio.CancelScope(shield=True):  # the kernel owns the buffers until done
                 await batch.done.wait()
-        return batch.outcomes()
 
     def submit(self, requests: list[FileRead], then: Callable[[list[FileOutcome]], None]) -> bool:
         """`open_and_read` without waiting (code on the loop that cannot
@@ -187,15 +212,15 @@ class UringReads:
         untouched until then."""
         if not requests or self._room.value < len(requests):
             return False
-        batch = self._batch(requests, extra=0)
+        batch = self._batch(list(requests), extra=0)
         batch.then = then
-        for k, request in enumerate(requests):
+        for k in range(len(requests)):
             self._room.acquire_nowait()
-            self._prep_file(batch, k, request)
+            self._prep_file(batch, k)
         _uring.io_uring_submit(self._ring)
         return True
 
-    def _batch(self, requests: list[FileRead], extra: int) -> _Batch:
+    def _batch(self, requests: list[tuple[int | str, Any, int]], extra: int) -> _Batch:
         """The batch of `open_and_read` (its count of *extra* holds it open
         while it is submitted)."""
         fds: list[int | OSError] = [r[0] if isinstance(r[0], int) else -1 for r in requests]
@@ -219,15 +244,27 @@ class UringReads:
         self._followed += 1
         return True
 
-    def _prep_file(self, batch: _Batch, k: int, request: FileRead) -> None:
+    def _prep_file(self, batch: _Batch, k: int) -> None:
         """The first step of request *k* of *batch* (its open, or its read
         of an open fd), in the submission queue; a slot of the ring taken."""
-        what, buf, offset = request
+        what, buf, offset = batch.requests[k]
         sqe = _uring.io_uring_get_sqe(self._ring)
         if isinstance(what, str):
             _uring.io_uring_prep_openat2(sqe, what, self._how)
         else:
             _uring.io_uring_prep_read(sqe, what, buf, offset)
+        self._track(sqe, batch, k)
+
+    def _prep_write(self, batch: _Batch, k: int) -> None:
+        """Write *k* of *batch* in the submission queue, for an io-wq worker."""
+        fd, iovec, _ = batch.requests[k]
+        sqe = _uring.io_uring_get_sqe(self._ring)
+        _uring.io_uring_prep_writev(sqe, fd, iovec)
+        _uring.io_uring_sqe_set_flags(sqe, _uring.IOSQE_ASYNC)
+        self._track(sqe, batch, k)
+
+    def _track(self, sqe: Any, batch: _Batch, k: int) -> None:
+        """*sqe* is request *k* of *batch*: its completion finds it."""
         sqe.user_data = ident = self._next_id
         self._next_id += 1
         self._in_flight[ident] = (batch, k)

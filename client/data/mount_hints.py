@@ -178,17 +178,16 @@ class MountHints:
         find them with no round trip; it keeps other files' bytes itself
         (also those past the first LIST_MAX entries of a directory: a huge
         flat directory is not listed whole by every process)."""
+        todo = []
         for i in items:
             directory = os.path.dirname(self.paths[i])
             if directory not in self._listed:
                 self._listed.add(directory)
-                try:
-                    with os.scandir(directory) as entries:
-                        for n, _ in enumerate(entries, 1):
-                            if n >= LIST_MAX:
-                                break  # (a huge flat directory: the rest stay with the mount)
-                except OSError as exc:  # the hints go anyway (the mount keeps those bytes)
-                    log.debug("listing %s for prefetch hints: %s", directory, exc)
+                todo.append(directory)
+        if len(todo) > 1:  # each waits for the mount's loop: several at once
+            list(self._threads().map(_list_directory, todo))
+        elif todo:
+            _list_directory(todo[0])
 
     def _send_files(self, items: list[int]) -> None:
         lines = [os.fsencode(self.relative[i]) for i in items]
@@ -224,12 +223,16 @@ class MountHints:
         if len(names) == 1:
             os.getxattr(self.root, names[0])
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(NAMED_IN_FLIGHT, thread_name_prefix="shufflefs-hint")
-        futures = [self._pool.submit(os.getxattr, self.root, name) for name in names]
+        pool = self._threads()
+        futures = [pool.submit(os.getxattr, self.root, name) for name in names]
         errors = [exc for exc in (f.exception() for f in futures) if exc is not None]
         if errors:
             raise errors[0]
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(NAMED_IN_FLIGHT, thread_name_prefix="shufflefs-hint")
+        return self._pool
 
     @staticmethod
     def _nameable(line: bytes) -> bool:
@@ -305,3 +308,15 @@ def lookahead(
             queued -= size(first)
             yield first
     yield from waiting
+
+
+def _list_directory(directory: str) -> None:
+    """List *directory* (its first LIST_MAX entries: a huge flat directory's
+    rest stay with the mount) so that the kernel knows its files."""
+    try:
+        with os.scandir(directory) as entries:
+            for n, _ in enumerate(entries, 1):
+                if n >= LIST_MAX:
+                    break
+    except OSError as exc:  # the hints went anyway (the mount keeps those bytes)
+        log.debug("listing %s for prefetch hints: %s", directory, exc)

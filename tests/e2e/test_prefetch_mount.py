@@ -35,8 +35,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from clusters import ProcessCluster, chain_places, chunk_files, mount_pid, storage_stopped
+from clusters import (
+    ProcessCluster,
+    chain_places,
+    chunk_files,
+    mount_metrics_url,
+    mount_pid,
+    storage_stopped,
+)
 from harness import flip, shufflefs
+from opsworld import total
 from procfs import open_files
 
 # they drop the kernel's caches, or count what those spare: one at a time on the machine
@@ -420,6 +428,34 @@ def test_named_hints_get_an_error_and_change_nothing(mnt: Path, dmnt: Path) -> N
     after = status(dmnt)
     for key in ("hinted", "pending", "fetched"):
         assert after[key] == before[key], key
+
+
+def test_named_hints_are_taken_in_libfuses_callback(
+    mounted: ProcessCluster, mnt: Path, dmnt: Path
+) -> None:
+    """A getxattr carrying hints is taken before pyfuse3 sees it (a task of
+    its own queues them, then answers: fuse/fast_hints.py), with the value
+    and errnos it always had; a size probe (size 0) goes the usual way."""
+    d = mnt / "fasthints"
+    d.mkdir()
+    write_files(d, 3)
+    url = mount_metrics_url(mounted, dmnt)
+    before = total(url, "shufflefs_client_fast_answers", op="hint")
+    state = status(dmnt)
+    assert os.getxattr(dmnt, f"{XATTR}/{mnt.name}/fasthints/f0") == b"queued"
+    with pytest.raises(OSError) as info:
+        os.getxattr(dmnt, f"{XATTR}/{mnt.name}/fasthints/missing")
+    assert info.value.errno == errno.ENOENT
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"{XATTR}/{mnt.name}/fasthints/f1".encode()
+    assert libc.getxattr(bytes(dmnt), name, None, 0) == len(b"queued")
+    assert total(url, "shufflefs_client_fast_answers", op="hint") == before + 2
+    s = wait_fetched(dmnt, taken(state) + 2)
+    assert s["hinted"] == state["hinted"] + 2, s
+    for i in range(2):  # read: the mount holds nothing of them any more
+        assert (dmnt / mnt.name / "fasthints" / f"f{i}").stat().st_size == SIZE
+        assert read_in_child([dmnt / mnt.name / "fasthints" / f"f{i}"], timeout=20)
+    wait_status(dmnt, lambda s: s["held_bytes"] == state["held_bytes"], "read", 10)
 
 
 def test_a_loader_hints_a_read_only_mount_by_name(mnt: Path, dmnt: Path) -> None:
