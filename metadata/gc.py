@@ -48,6 +48,12 @@ CHAIN_RETRY_BUDGET = 30.0
 # waits, with backoff, until a replica serves again); the reply path says EIO
 NO_SERVING_TARGET = errno.EIO
 J = TypeVar("J", GcJob, TruncateJob)
+GC_BATCH = 256  # freed files per `remove_files` (at most MAX_FILES_REMOVED)
+
+
+def _span(inos: list[int]) -> str:
+    """The inodes of a batch, for its log line (a debugging job's grep)."""
+    return ",".join(map(str, inos)) if len(inos) <= 8 else f"{min(inos)}..{max(inos)}"
 
 
 def _all_jobs(fetch: Callable[..., list[J]]) -> Iterator[J]:
@@ -134,8 +140,18 @@ class StorageJobs:
             nursery.start_soon(self._guarded, runner, slots)
 
         async with trio.open_nursery() as nursery:
+            batch: list[GcJob] = []
             for job in _all_jobs(self.store.gc_jobs):
-                await start("gc", job["ino"], functools.partial(self._gc, job))
+                key = ("gc", job["ino"])
+                seen.add(key)
+                due = self._backoff.get(key)
+                if due is None or due[0] <= now:
+                    batch.append(job)
+                if len(batch) == GC_BATCH:
+                    await start("gc-batch", 0, functools.partial(self._gc_batch, batch))
+                    batch = []
+            if batch:
+                await start("gc-batch", 0, functools.partial(self._gc_batch, batch))
             for tjob in _all_jobs(self.store.truncate_jobs):
                 await start("truncate", tjob["ino"], functools.partial(self._truncate, tjob))
         for key in set(self._backoff) - seen:  # the job is gone (done, or its file freed)
@@ -153,6 +169,44 @@ class StorageJobs:
             slots.release()
 
     # ---- GC: a freed file's chunks ----------------------------------------------
+
+    async def _gc_batch(self, jobs: list[GcJob]) -> None:
+        """Free a batch of files' chunks: one `remove_files` per chain (the
+        files of the batch on it), all chains at once, and one commit of the
+        jobs done. Per file, a `remove_file` on each chain of its layout cost
+        every replica an RPC and a worker-thread call per chain (most of the
+        storage daemons' CPU while `rm -r` ran). A storage daemon of before
+        the batch call (ENOSYS) gets the files one by one."""
+        inos = [job["ino"] for job in jobs]
+        on_chain: dict[int, list[int]] = {}
+        for job in jobs:
+            for chain in dict.fromkeys(job["layout"]["chains"]):
+                on_chain.setdefault(chain, []).append(job["ino"])
+        try:
+            removed, chains = await self._on_chain_list(
+                list(on_chain),
+                lambda stub, head, chain, version: stub.remove_files(
+                    head, chain, version, on_chain[chain]
+                ),
+            )
+        except FsError as exc:
+            if exc.code == errno.ENOSYS:
+                for job in jobs:
+                    await self._gc(job)
+                return
+            for ino in inos:
+                self._failed(("gc", ino), f"gc ino={ino} (of a batch of {len(inos)})", exc)
+            return
+        await self.writer(self.store.gc_done_all, inos)
+        for ino in inos:
+            self._backoff.pop(("gc", ino), None)
+        log.info(
+            "gc files=%d inos=%s removed chunks=%d chains=%d",
+            len(inos),
+            _span(inos),
+            removed,
+            chains,
+        )
 
     async def _gc(self, job: GcJob) -> None:
         ino = job["ino"]
@@ -240,14 +294,17 @@ class StorageJobs:
     # ---- shared -----------------------------------------------------------------------
 
     async def _on_chains(self, layout: Layout, call: ChainCall) -> tuple[int, int]:
-        """Run *call* once per chain of *layout*, at the chain's head, all
+        """`_on_chain_list` of *layout*'s chains."""
+        return await self._on_chain_list(list(dict.fromkeys(layout["chains"])), call)
+
+    async def _on_chain_list(self, chains: list[int], call: ChainCall) -> tuple[int, int]:
+        """Run *call* once per chain of *chains*, at the chain's head, all
         chains in parallel. Returns (sum of the results, number of chains);
         raises if any chain failed. A chain without a serving target fails at
         once (the job waits until one serves). A chain that is changing (a
         replica died: the head answers ESTALE, or the head itself is gone) is
         retried on the new chain, like a client's write: the dead head is
         reported to mgmtd, which takes it out, and the routing map refreshed."""
-        chains = list(dict.fromkeys(layout["chains"]))
         results: dict[int, int] = {}
         errors: dict[int, FsError] = {}
 

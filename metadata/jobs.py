@@ -111,6 +111,15 @@ class JobQueue:
     def gc_done(self, ino: int) -> None:
         self.txns.write(lambda tx: tx.delete(DB_GC, u64(ino)))
 
+    def gc_done_all(self, inos: list[int]) -> None:
+        """`gc_done` of a batch, in one transaction."""
+
+        def body(tx: Tx) -> None:
+            for ino in inos:
+                tx.delete(DB_GC, u64(ino))
+
+        self.txns.write(body)
+
     def truncate_job(self, ino: int) -> TruncateJob | None:
         def body(tx: Tx) -> TruncateJob | None:
             raw = tx.get_raw(DB_TRUNCATES, u64(ino))

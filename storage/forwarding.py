@@ -300,6 +300,16 @@ class Forwarding:
 
         await self.call_successor(place, send)
 
+    async def forward_files_removal(self, place: Place, inos: list[int]) -> None:
+        """Send a removal of files *inos* on to our successor."""
+        succ = place.successor
+        assert succ is not None
+
+        async def send(stub: StorageStub) -> None:
+            await stub.replicate_remove_files(succ["id"], place.chain, place.version, inos)
+
+        await self.call_successor(place, send)
+
     async def call_successor(
         self, place: Place, call: Callable[[StorageStub], Awaitable[None]]
     ) -> None:

@@ -4,10 +4,10 @@ A chunk is identified by (inode, chunk index), packed as 12 bytes big-endian;
 its hex form names the chunk's file on a target. Bulk bytes always travel as
 the frame's raw payload, never inside msgpack.
 
-Clients send `write`, and the metadata server `truncate_file`/`remove_file`,
-to the head of a chain; replicas forward them with `replicate` /
-`replicate_truncate` / `replicate_remove` (the protocol: docs/storage.md,
-"Chain replication"). Errors a caller acts on:
+Clients send `write`, and the metadata server `truncate_file`/`remove_file`/
+`remove_files`, to the head of a chain; replicas forward them with `replicate` /
+`replicate_truncate` / `replicate_remove` / `replicate_remove_files` (the
+protocol: docs/storage.md, "Chain replication"). Errors a caller acts on:
 
 * ``ESTALE``: the chain version is not the daemon's (the caller refreshes its
   routing map and retries), the target is not where the call belongs in the
@@ -67,6 +67,9 @@ ReadItem = tuple[int, bytes, int, int]
 # Items one `read` request may carry (EMSGSIZE past it: split the request);
 # keeps a request's body well under the frame's 1 MiB (~30 bytes an item).
 MAX_READ_ITEMS = 8192
+# Files one `remove_files` may name (EINVAL past it); the metadata server's
+# garbage collection sends freed files in batches of up to this many
+MAX_FILES_REMOVED = 1024
 
 
 class WriteResult(TypedDict):
@@ -233,10 +236,31 @@ class StorageStub:
         """Remove every chunk of file *ino* on *chain*, on every replica (sent
         to the chain's head, *target*; garbage collection after the last
         unlink and close). Returns how many chunks the head removed."""
-        result = await self._call(
+        return await self._removed(
             "remove_file", target=target, chain=chain, chain_version=chain_version, ino=ino
         )
-        return int(result["removed"])
+
+    async def remove_files(
+        self, target: int, chain: int, chain_version: int, inos: list[int]
+    ) -> int:
+        """`remove_file` of each of *inos* (at most MAX_FILES_REMOVED) in one
+        call: what garbage collection sends for a batch of freed files.
+        Returns how many chunks the head removed."""
+        return await self._removed(
+            "remove_files", target=target, chain=chain, chain_version=chain_version, inos=inos
+        )
+
+    async def replicate_remove_files(
+        self, target: int, chain: int, chain_version: int, inos: list[int]
+    ) -> int:
+        """Storage to storage: `remove_files` on the next replica of the chain."""
+        return await self._removed(
+            "replicate_remove_files",
+            target=target,
+            chain=chain,
+            chain_version=chain_version,
+            inos=inos,
+        )
 
     async def replicate_truncate(
         self, target: int, chain: int, chain_version: int, ino: int, size: int, chunk_size: int
@@ -255,10 +279,9 @@ class StorageStub:
 
     async def replicate_remove(self, target: int, chain: int, chain_version: int, ino: int) -> int:
         """Storage to storage: `remove_file` on the next replica of the chain."""
-        result = await self._call(
+        return await self._removed(
             "replicate_remove", target=target, chain=chain, chain_version=chain_version, ino=ino
         )
-        return int(result["removed"])
 
     async def read_chunk(
         self, target: int, chunk: bytes, timeout: float | None = None
@@ -320,6 +343,10 @@ class StorageStub:
     async def stats(self) -> list[TargetStats]:
         result = await self._call("stats")
         return list(result["targets"])
+
+    async def _removed(self, method: str, **args: Any) -> int:
+        """A removal's call: how many chunks it removed."""
+        return int((await self._call(method, **args))["removed"])
 
     async def _call(self, method: str, **args: Any) -> Any:
         return await self.rpc.call(self.address, method, args, timeout=self.timeout)

@@ -11,6 +11,7 @@ described once, in docs/storage.md. The read methods are its base,
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -30,6 +31,7 @@ from shufflefs.storage.forwarding import ForwardedUpdate, Forwarding
 from shufflefs.storage.layout import check_chunk_id, check_chunk_size
 from shufflefs.storage.protocol import (
     FORWARD_TIMEOUT,
+    MAX_FILES_REMOVED,
     NEED_FULL,
     SYNC_BARRIER_TIMEOUT,
     ChunkInfo,
@@ -345,6 +347,49 @@ class StorageService(ReadHandlers):
     ) -> dict[str, int]:
         """`remove_file` forwarded by our predecessor."""
         return {"removed": await self._file_op(target, chain, chain_version, ino, None, 0, False)}
+
+    @rpc_method
+    async def remove_files(
+        self, target: int, chain: int, chain_version: int, inos: list[int]
+    ) -> dict[str, int]:
+        """`remove_file` of each of *inos* on *chain*, on every replica, in
+        one call per hop (garbage collection's batches of freed files)."""
+        return {"removed": await self._files_removed(target, chain, chain_version, inos, True)}
+
+    @rpc_method
+    async def replicate_remove_files(
+        self, target: int, chain: int, chain_version: int, inos: list[int]
+    ) -> dict[str, int]:
+        """`remove_files` forwarded by our predecessor."""
+        return {"removed": await self._files_removed(target, chain, chain_version, inos, False)}
+
+    async def _files_removed(
+        self, target: int, chain: int, chain_version: int, inos: list[int], head: bool
+    ) -> int:
+        """`_file_op`'s removal for many files: every file's lock held
+        (taken in inode order, as any two batches take them), the successor
+        first, then this replica, in one worker-thread call."""
+        node = self.node
+        store = node.store(target)
+        if len(inos) > MAX_FILES_REMOVED:
+            raise FsError(errno.EINVAL, f"{len(inos)} files to remove > {MAX_FILES_REMOVED}")
+        for ino in inos:
+            if not 0 <= ino < 1 << 64:
+                raise FsError(errno.EINVAL, f"inode {ino} out of range")
+        files = sorted(set(inos))
+        async with contextlib.AsyncExitStack() as held:
+            for ino in files:
+                await held.enter_async_context(node.locks.whole_file(target, ino))
+            async with self.forwarding.admitted(target, chain, chain_version, head=head) as place:
+                if place is not None and place.successor is not None:
+                    await self.forwarding.forward_files_removal(place, files)
+                n = await node.io(store.remove_files, files)
+                sync = self.resyncer.state_at(target, place)
+                if sync is not None:
+                    for ino in files:
+                        sync.touch_file(ino)
+                    sync.forwarded += 1
+        return n
 
     async def _file_op(
         self,

@@ -79,6 +79,11 @@ class WholeFiles(Target):
         _check_ino(ino)
         return self._each_batch(ino, self._remove_batch)
 
+    def remove_files(self, inos: list[int]) -> int:
+        """`remove_file` of each of *inos* (one call from the event loop for
+        a batch of freed files); returns how many chunks."""
+        return sum(self.remove_file(ino) for ino in inos)
+
     def _each_batch(self, ino: int, apply: Callable[[list[bytes]], int]) -> int:
         prefix = ino.to_bytes(8, "big")
         changed = 0

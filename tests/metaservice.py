@@ -87,7 +87,7 @@ class RoutingHolder:
 
 
 class FakeStorage:
-    """The two storage methods the metadata server calls, at a chain's head
+    """The storage methods the metadata server calls, at a chain's head
     (a real chain of storage daemons: tests/metadata/test_storage_jobs.py)."""
 
     def __init__(self) -> None:
@@ -111,6 +111,16 @@ class FakeStorage:
         assert target == CHAINS[chain][0], "sent to a chain's head only"
         self.calls.append(("remove", target, ino))
         return {"removed": 3}
+
+    @rpc_method
+    async def remove_files(
+        self, target: int, chain: int, chain_version: int, inos: list[int]
+    ) -> Any:
+        if target in self.broken:
+            raise FsError(errno.EIO, f"target {target} is broken")
+        assert target == CHAINS[chain][0], "sent to a chain's head only"
+        self.calls.extend(("remove", target, ino) for ino in inos)
+        return {"removed": 3 * len(inos)}
 
     def targets_called(self, kind: str, ino: int) -> set[int]:
         return {c[1] for c in self.calls if c[0] == kind and c[2] == ino}

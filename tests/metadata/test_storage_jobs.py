@@ -6,17 +6,21 @@ are made consistent by resync when they return."""
 
 from __future__ import annotations
 
+import errno
 import stat
 from pathlib import Path
+from typing import Any
 
+import pytest
 import trio
 from clusters import CS, ChainCluster, eventually
 
-from shufflefs.metadata.gc import StorageJobs
+from shufflefs.metadata.gc import GC_BATCH, StorageJobs
 from shufflefs.metadata.protocol import ROOT_INODE
 from shufflefs.metadata.store import NamespaceStore
 from shufflefs.metadata.writer import Writer
-from shufflefs.storage.protocol import chunk_id
+from shufflefs.rpc.errors import FsError
+from shufflefs.storage.protocol import StorageStub, chunk_id
 
 
 def storage_jobs(cluster: ChainCluster, ns: NamespaceStore) -> StorageJobs:
@@ -28,6 +32,55 @@ def storage_jobs(cluster: ChainCluster, ns: NamespaceStore) -> StorageJobs:
         refresh_routing=cluster.routing.refresh,
         base_delay=0.0,  # every pass retries every job: the tests run the passes
     )
+
+
+async def test_freed_files_are_removed_in_batches(
+    cluster: ChainCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many freed files: one `remove_files` per chain and batch (not a call
+    per file and chain), every replica emptied of them, one commit of the
+    jobs; a storage daemon without the batch call gets them one by one."""
+    [chain] = cluster.chain_ids()
+    ns = NamespaceStore(tmp_path / "ns", map_size=64 << 20, sync=False)
+    calls: list[tuple[str, int]] = []
+    for method in ("remove_file", "remove_files"):
+        real = getattr(StorageStub, method)
+
+        async def counted(self: StorageStub, *args: Any, _r: Any = real, _m: str = method) -> int:
+            calls.append((_m, len(args[3]) if _m == "remove_files" else 1))
+            return int(await _r(self, *args))
+
+        monkeypatch.setattr(StorageStub, method, counted)
+    try:
+        jobs = storage_jobs(cluster, ns)
+        layout = {"chunk_size": CS, "chains": [chain]}
+        n = GC_BATCH + 20
+        inos = [
+            ns.mknod(ROOT_INODE, b"f%d" % i, stat.S_IFREG | 0o644, 0, 0, 0, lambda: layout)["ino"]
+            for i in range(n)
+        ]
+        keep = inos.pop()
+        for ino in [*inos, keep]:
+            await cluster.write(chain, chunk_id(ino, 0), 0, b"x" * 100)
+        for i in range(n - 1):
+            ns.unlink(ROOT_INODE, b"f%d" % i)
+        await jobs.run_once()
+        assert ns.gc_jobs() == []
+        assert sorted(calls) == [("remove_files", 20 - 1), ("remove_files", GC_BATCH)]
+        state = await cluster.assert_identical(chain)
+        assert list(state) == [chunk_id(keep, 0)]
+
+        async def unknown(self: StorageStub, *args: Any) -> int:
+            raise FsError(errno.ENOSYS, "unknown method 'remove_files'")
+
+        monkeypatch.setattr(StorageStub, "remove_files", unknown)
+        calls.clear()
+        ns.unlink(ROOT_INODE, b"f%d" % (n - 1))
+        await jobs.run_once()
+        assert ns.gc_jobs() == [] and calls == [("remove_file", 1)]
+        assert await cluster.assert_identical(chain) == {}
+    finally:
+        ns.close()
 
 
 async def test_shrink_and_gc_reach_every_replica(cluster: ChainCluster, tmp_path: Path) -> None:

@@ -263,6 +263,29 @@ async def test_truncate_and_remove_travel_the_chain(cluster: ChainCluster) -> No
     assert list(state) == [chunk_id(ino + 1, 0)]
 
 
+async def test_a_batch_of_files_is_removed_on_every_replica(cluster: ChainCluster) -> None:
+    """`remove_files` (garbage collection's batches): every named file's
+    chunks gone on every replica, the others kept; idempotent; only the
+    head takes it, at the chain's version."""
+    [chain] = cluster.chain_ids()
+    head, middle, _ = cluster.members(chain)
+    for ino in range(30, 40):
+        for idx in range(2):
+            await cluster.write(chain, chunk_id(ino, idx), 0, blob(idx, 1000))
+    version = cluster.routing.current.chain(chain)["version"]
+    stub = cluster.stub_for(head)
+    batch = [31, 33, 35, 37, 39, 33, 999]  # (a duplicate, a file with no chunk here)
+    assert await stub.remove_files(head, chain, version, batch) == 10
+    state = await cluster.assert_identical(chain)
+    assert sorted({int.from_bytes(c[:8], "big") for c in state}) == [30, 32, 34, 36, 38]
+    assert await stub.remove_files(head, chain, version, batch) == 0
+    for where, ver in ((middle, version), (head, 0)):  # not the head; an old version
+        with pytest.raises(FsError) as info:
+            await cluster.stub_for(where).remove_files(where, chain, ver, [30])
+        assert info.value.errno == errno.ESTALE
+    assert len(await cluster.assert_identical(chain)) == 10
+
+
 async def test_truncate_is_ordered_with_writes(cluster: ChainCluster) -> None:
     """Writes to new chunks of a file race with truncations of it: every
     replica ends up with the same chunks, whichever came first. No cut

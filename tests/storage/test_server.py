@@ -159,6 +159,11 @@ async def test_bad_requests_get_errors_and_the_server_keeps_serving(
         await fails(errno.EINVAL, "truncate_file", {**file_op, "size": -1, "chunk_size": CS})
         await fails(errno.EINVAL, "truncate_file", {**file_op, "size": 0, "chunk_size": 3000})
         await fails(errno.EINVAL, "remove_file", {**file_op, "ino": -1})
+        files_op = {"target": 1, "chain": 0, "chain_version": 0}
+        await fails(errno.EINVAL, "remove_files", {**files_op, "inos": [4, -1]})
+        await fails(errno.EINVAL, "remove_files", {**files_op, "inos": [4, "5"]})
+        await fails(errno.EINVAL, "remove_files", {**files_op, "inos": 4})
+        await fails(errno.EINVAL, "remove_files", {**files_op, "inos": list(range(1025))})
         await fails(errno.EINVAL, "list_chunks", {"target": 1, "limit": 0})
         await fails(errno.EINVAL, "stats", {"_payload": b"unexpected"})
         await fails(errno.EMSGSIZE, "read", {"items": [[1, cid, 0, 600_000], [1, cid, 0, 600_000]]})
