@@ -8,7 +8,8 @@ times: set with its close) on ``-o writeback``.
 A warm sample read through a read-write or ``-o ro`` mount costs the mount
 its OPEN and its RELEASE (the kernel answers the READs from its page cache),
 and on a read-write mount now and then a LOOKUP or GETATTR of a name whose
-kernel entry expired; none needs a round trip when the client's open cache
+kernel entry expired (on ``cache=immutable``, where the kernel sends no OPEN
+or RELEASE, the LOOKUPs of a cold epoch); none needs a round trip when the client's open cache
 and cache watch answer it (client/open_cache.py, fuse/watched_entries.py).
 Handled as pyfuse3 handles any request, each still cost a task of its own
 on the trio loop: pyfuse3's callback, its coroutine, our handler, the

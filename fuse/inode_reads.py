@@ -94,9 +94,7 @@ class InodeReads:
         finally:
             del self._opening[ino]
             done.set()
-        while len(self.handles) > self.limit:
-            old, _ = next(iter(self.handles.items()))
-            await self.drop(old)
+        await self._trim()
         return f.fh
 
     def read_unopened(self, ino: int, off: int, size: int) -> memoryview | None:
@@ -148,6 +146,40 @@ class InodeReads:
             await self.fs.release(held[0])
         except FsError as exc:  # a handle the server lost with its session is gone anyway
             log.debug("release of inode %d: %s", ino, exc)
+
+    def ready_now(self, attr: Attr, nursery: trio.Nursery) -> bool:
+        """`ready` when it needs no wait (the handle taken from the open
+        cache, or none to take): True; else False and nothing done (a LOOKUP
+        answered in libfuse's callback, fuse/fast_answers.py)."""
+        ino = attr["ino"]
+        if ino in self._opening:
+            return False
+        if ino in self.handles or not stat.S_ISREG(attr["mode"]):
+            return True
+        cached = self.fs.open_cache.entries.get(ino)
+        if cached is None:
+            return True  # nothing to take: its first READ opens it
+        if cached.attr["nlink"] == 0:
+            return False  # (`handle` gives it back and says ESTALE)
+        hit = self.fs.open_now(ino, os.O_RDONLY)
+        if hit is None:
+            return False
+        f, opened = hit
+        self._opened(opened)
+        self.handles[ino] = (f.fh, trio.current_time())
+        if len(self.handles) > self.limit:
+            nursery.start_soon(self._trim)
+        return True
+
+    async def _trim(self) -> None:
+        while len(self.handles) > self.limit:
+            old, _ = next(iter(self.handles.items()))
+            await self.drop(old)
+
+    def current(self, attr: Attr) -> bool:
+        """Are the kernel's pages of the file (if any) of *attr*'s version?
+        (`pages_current` has nothing to do.)"""
+        return self.view.cached.get(attr["ino"], version_of(attr)) == version_of(attr)
 
     def _opened(self, attr: Attr) -> None:
         self.view.kernel_opened(attr)  # as an OPEN would (no stale size, pages tracked)

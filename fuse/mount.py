@@ -115,7 +115,7 @@ async def run_mount(
         READ_INODES.noflush_read_only = not options.read_only
         keeps_listings = not options.immutable and (options.read_only or fs.cache_watch is not None)
         READ_INODES.dir_flags = ops.listings.flags if keeps_listings else None
-        fast_answers = options.fast_answers and not options.immutable  # (immutable: no OPENs)
+        fast_answers = options.fast_answers
         READ_INODES.answering = fast_answers
         fast_hints = options.fast_answers and ops.prefetch.running
         READ_INODES.hinting = fast_hints

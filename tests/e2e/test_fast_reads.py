@@ -348,6 +348,37 @@ def test_what_the_caches_answer_is_answered_in_libfuses_callback(
                 path.write_bytes(data)
 
 
+def test_a_dataset_mounts_cached_lookups_are_answered_in_libfuses_callback(
+    mounted: ProcessCluster, fast: FastMount, tmp_path: Path
+) -> None:
+    """cache=immutable: once a directory's first lookup listed it and opened
+    its files ahead (fuse/dir_ahead.py), the LOOKUPs of its other names are
+    answered in libfuse's callback, each file's handle taken from the open
+    cache there: counted, no metadata call, the bytes right; and a LOOKUP the
+    caches cannot answer goes the usual way."""
+    d = fast.mountpoint / "imm-lookups"
+    d.mkdir()
+    files = {f"s{i}": os.urandom(5000 + i) for i in range(12)}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    (tmp_path / "imm").mkdir()
+    for m in mount(mounted, tmp_path / "imm", "ro,cache=immutable"):
+        here = m.mountpoint / "imm-lookups"
+        assert (here / "s0").read_bytes() == files["s0"]  # the first: asks, lists, opens ahead
+        lookups = total(m.metrics, ANSWERS, op="lookup")
+        before = mounted.meta_calls()
+        for name, data in files.items():
+            if name != "s0":
+                assert (here / name).read_bytes() == data
+        after = mounted.meta_calls()
+        for method in ("open", "lookup", "lookup_open", "getattr"):
+            assert after.get(method, 0) == before.get(method, 0), method
+        assert total(m.metrics, ANSWERS, op="lookup") >= lookups + len(files) - 1
+        with pytest.raises(FileNotFoundError):  # not cached: the usual way, ENOENT
+            (here / "missing").stat()
+        assert mounted.meta_calls().get("lookup_open", 0) > after.get("lookup_open", 0)
+
+
 SPINS = "shufflefs_client_fuse_spins"
 
 
