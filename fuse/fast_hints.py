@@ -29,7 +29,8 @@ import logging
 import pyfuse3
 
 from shufflefs.fuse.fast_answers import CallbackAnswers
-from shufflefs.fuse.prefetch_xattr import NAMED_PREFIX, QUEUED, hint_named
+from shufflefs.fuse.prefetch import QUEUED
+from shufflefs.fuse.prefetch_xattr import NAMED_PREFIX, hint_named
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse")
@@ -47,7 +48,7 @@ class FastHints(CallbackAnswers):
         """Take a GETXATTR that carries hints (True), or leave it (False,
         nothing done): only the named form on the mount root, asked with
         room for the answer (a size probe, size 0, goes the usual way)."""
-        if ino != pyfuse3.ROOT_INODE or size < len(QUEUED):
+        if ino != pyfuse3.ROOT_INODE or size < len(QUEUED):  # (`HELD` is shorter)
             return False
         value = ctypes.string_at(name)
         if not value.startswith(NAMED_PREFIX):
@@ -59,7 +60,7 @@ class FastHints(CallbackAnswers):
 
     async def _hint(self, req: int, ino: int, name: bytes) -> None:
         try:
-            await hint_named(self.ops, ino, name)
+            value = await hint_named(self.ops, ino, name)
         except FsError as exc:
             log.info("prefetch hint refused: %s", exc.message)
             self.libfuse.reply_err(req, exc.code)
@@ -67,4 +68,4 @@ class FastHints(CallbackAnswers):
             log.exception("prefetch hint of %r failed", name[:80])
             self.libfuse.reply_err(req, errno.EIO)
         else:
-            self.libfuse.reply_buf(req, QUEUED, len(QUEUED))
+            self.libfuse.reply_buf(req, value, len(value))

@@ -38,7 +38,9 @@ and the reader's reads never reach the mount; any other waits in a bounded
 cache of our own (the kernel takes stored pages only for inodes it knows).
 
 Warm epochs: a hint for a file the kernel's page cache holds is skipped
-(fuse/prefetch_resident.py).
+(fuse/prefetch_resident.py), and a getxattr whose every file was so answers
+`HELD` instead of `QUEUED` (a loader then sends fewer:
+client/data/mount_hints.py).
 
 Bounded: fetched plus in-flight bytes never exceed the budget (mount option
 ``prefetch_memory=``); queued hints beyond MAX_PENDING push out the oldest
@@ -85,6 +87,8 @@ from shufflefs.rpc.errors import FsError
 log = logging.getLogger("shufflefs.fuse.prefetch")
 
 PREFETCH_XATTR = b"user.shufflefs.prefetch"
+QUEUED = b"queued"  # a hinting getxattr's value: taken
+HELD = b"held"  # ... every hinted file is in the kernel's page cache already (a warm epoch)
 DEFAULT_MEMORY = 256 << 20
 MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
 FETCHERS = 8  # ranges read concurrently
@@ -188,15 +192,16 @@ class Prefetcher:
             return
         await self.hint_paths(parse_hint(value))
 
-    async def hint_paths(self, items: list[tuple[bytes, int, int | None]]) -> None:
-        """(path, offset, length) items: checked and resolved all, then queued all."""
+    async def hint_paths(self, items: list[tuple[bytes, int, int | None]]) -> bool:
+        """(path, offset, length) items: checked and resolved all, then queued
+        all; whether the kernel held every one (`_queue`)."""
         self._check_enabled()
         for _, _, length in items:
             if length is not None and length > self.budget:
                 raise FsError(
                     errno.E2BIG, f"prefetch hint: a range of {length} bytes > budget {self.budget}"
                 )
-        self._queue(await self.resolver.resolve(items))
+        return self._queue(await self.resolver.resolve(items))
 
     async def hint_file(self, attr: Attr) -> bytes:
         """getxattr on an inode: a directory answers the state, a file is queued."""
@@ -210,8 +215,7 @@ class Prefetcher:
     def hint_inode(self, ino: int, version: Version) -> bytes:
         """Queue the whole file *ino* (of *version* as last seen)."""
         self._check_enabled()
-        self._queue([Hint(ino, 0, None, version=version)])
-        return b"queued"
+        return HELD if self._queue([Hint(ino, 0, None, version=version)]) else QUEUED
 
     def status(self) -> bytes:
         state = {
@@ -227,9 +231,10 @@ class Prefetcher:
         if not self.running:
             raise FsError(errno.EOPNOTSUPP, "prefetch is off on this mount (prefetch_memory=0)")
 
-    def _queue(self, hints: list[Hint]) -> None:
+    def _queue(self, hints: list[Hint]) -> bool:
         """Queue *hints*, skipping at once those the kernel holds (a warm
-        epoch wakes no fetcher), and wake the fetchers once."""
+        epoch wakes no fetcher), and wake the fetchers once; whether every
+        one was skipped so (what a hinting getxattr answers: `HELD`)."""
         now = time.monotonic()
         queued = False
         for hint in hints:
@@ -245,6 +250,7 @@ class Prefetcher:
             queued = True
         if queued:
             self._notify()
+        return bool(hints) and not queued
 
     def _notify(self) -> None:
         self._wake.set()

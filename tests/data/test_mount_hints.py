@@ -68,3 +68,30 @@ def test_a_directory_that_cannot_be_listed_does_not_stop_the_hints(
     hints.close()
     assert sent == [[0, 1]]
     assert hints._listed == {str(tmp_path / "gone"), str(big)}
+
+
+def test_a_warm_epoch_sends_one_batch_in_a_few(tmp_path: Path) -> None:
+    """Once the mount answered HELD (the kernel holds every hinted file) for
+    HELD_STREAK sends in a row, one send in PROBE_EVERY goes; a probe it
+    answers otherwise (a cold file again) brings every send back."""
+    paths = [str(tmp_path / f"f{i}") for i in range(400)]
+    hints = MountHints(str(tmp_path), paths, whole_files=True)
+    hints.read_only = True  # (a read-only mount: hints go by getxattr names)
+    answers = [mount_hints.HELD]
+    sent: list[int] = []
+
+    def get_all(names: list[str]) -> list[bytes]:
+        sent.append(len(sent))
+        return answers * len(names)
+
+    hints._get_all = get_all  # type: ignore[method-assign]
+    for i in range(mount_hints.HELD_STREAK + 2 * mount_hints.PROBE_EVERY):
+        hints._send_files([i])
+    assert len(sent) == mount_hints.HELD_STREAK + 2  # then two probes
+    answers[0] = b"queued"
+    for i in range(mount_hints.PROBE_EVERY):  # the next probe is answered "queued"
+        hints._send_files([i])
+    assert len(sent) == mount_hints.HELD_STREAK + 3
+    for i in range(5):
+        hints._send_files([i])
+    assert len(sent) == mount_hints.HELD_STREAK + 8  # every send again
