@@ -177,36 +177,38 @@ class StorageJobs:
         every replica an RPC and a worker-thread call per chain (most of the
         storage daemons' CPU while `rm -r` ran). A storage daemon of before
         the batch call (ENOSYS) gets the files one by one."""
-        inos = [job["ino"] for job in jobs]
         on_chain: dict[int, list[int]] = {}
         for job in jobs:
             for chain in dict.fromkeys(job["layout"]["chains"]):
                 on_chain.setdefault(chain, []).append(job["ino"])
-        try:
-            removed, chains = await self._on_chain_list(
-                list(on_chain),
-                lambda stub, head, chain, version: stub.remove_files(
-                    head, chain, version, on_chain[chain]
-                ),
-            )
-        except FsError as exc:
-            if exc.code == errno.ENOSYS:
-                for job in jobs:
-                    await self._gc(job)
-                return
-            for ino in inos:
-                self._failed(("gc", ino), f"gc ino={ino} (of a batch of {len(inos)})", exc)
-            return
-        await self.writer(self.store.gc_done_all, inos)
-        for ino in inos:
-            self._backoff.pop(("gc", ino), None)
-        log.info(
-            "gc files=%d inos=%s removed chunks=%d chains=%d",
-            len(inos),
-            _span(inos),
-            removed,
-            chains,
+        results, errors = await self._each_chain(
+            list(on_chain),
+            lambda stub, head, chain, version: stub.remove_files(
+                head, chain, version, on_chain[chain]
+            ),
         )
+        # a file is done once every chain of its layout is; one on a chain
+        # that failed waits (backoff), the others of the batch do not
+        failed = {ino: exc for chain, exc in errors.items() for ino in on_chain[chain]}
+        done = [job["ino"] for job in jobs if job["ino"] not in failed]
+        if done:
+            await self.writer(self.store.gc_done_all, done)
+            for ino in done:
+                self._backoff.pop(("gc", ino), None)
+            log.info(
+                "gc files=%d inos=%s removed chunks=%d chains=%d",
+                len(done),
+                _span(done),
+                sum(results.values()),
+                len(results),
+            )
+        if any(exc.code == errno.ENOSYS for exc in errors.values()):
+            for job in jobs:  # a storage daemon of before `remove_files`
+                if job["ino"] in failed:
+                    await self._gc(job)
+            return
+        for ino, exc in failed.items():
+            self._failed(("gc", ino), f"gc ino={ino} (of a batch of {len(jobs)})", exc)
 
     async def _gc(self, job: GcJob) -> None:
         ino = job["ino"]
@@ -294,17 +296,28 @@ class StorageJobs:
     # ---- shared -----------------------------------------------------------------------
 
     async def _on_chains(self, layout: Layout, call: ChainCall) -> tuple[int, int]:
-        """`_on_chain_list` of *layout*'s chains."""
-        return await self._on_chain_list(list(dict.fromkeys(layout["chains"])), call)
+        """Run *call* once per chain of *layout* (`_each_chain`). Returns
+        (sum of the results, number of chains); raises if any chain failed."""
+        chains = list(dict.fromkeys(layout["chains"]))
+        results, errors = await self._each_chain(chains, call)
+        if errors:
+            chain, exc = min(errors.items())
+            raise FsError(
+                exc.code,
+                f"{len(errors)} of {len(chains)} chains failed, chain {chain}: {exc.message}",
+            )
+        return sum(results.values()), len(chains)
 
-    async def _on_chain_list(self, chains: list[int], call: ChainCall) -> tuple[int, int]:
+    async def _each_chain(
+        self, chains: list[int], call: ChainCall
+    ) -> tuple[dict[int, int], dict[int, FsError]]:
         """Run *call* once per chain of *chains*, at the chain's head, all
-        chains in parallel. Returns (sum of the results, number of chains);
-        raises if any chain failed. A chain without a serving target fails at
-        once (the job waits until one serves). A chain that is changing (a
-        replica died: the head answers ESTALE, or the head itself is gone) is
-        retried on the new chain, like a client's write: the dead head is
-        reported to mgmtd, which takes it out, and the routing map refreshed."""
+        chains in parallel: each chain's result, and each failed chain's
+        error. A chain without a serving target fails at once (the job
+        waits until one serves). A chain that is changing (a replica died:
+        the head answers ESTALE, or the head itself is gone) is retried on
+        the new chain, like a client's write: the dead head is reported to
+        mgmtd, which takes it out, and the routing map refreshed."""
         results: dict[int, int] = {}
         errors: dict[int, FsError] = {}
 
@@ -322,13 +335,7 @@ class StorageJobs:
         async with trio.open_nursery() as nursery:
             for chain in chains:
                 nursery.start_soon(one, chain)
-        if errors:
-            chain, exc = min(errors.items())
-            raise FsError(
-                exc.code,
-                f"{len(errors)} of {len(chains)} chains failed, chain {chain}: {exc.message}",
-            )
-        return sum(results.values()), len(chains)
+        return results, errors
 
     async def _at_head(self, chain: int, call: ChainCall) -> int:
         routing = self.routing()

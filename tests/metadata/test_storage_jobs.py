@@ -70,6 +70,23 @@ async def test_freed_files_are_removed_in_batches(
         state = await cluster.assert_identical(chain)
         assert list(state) == [chunk_id(keep, 0)]
 
+        # a chain of the batch fails (here: one the routing map does not
+        # know, retried for a second): its files wait, the batch's others are done
+        jobs.retry_budget = 1.0
+        broken = {"chunk_size": CS, "chains": [chain, 999]}
+        more = {
+            name: ns.mknod(ROOT_INODE, name, stat.S_IFREG | 0o644, 0, 0, 0, lambda lay=lay: lay)[
+                "ino"
+            ]
+            for name, lay in ((b"g0", layout), (b"g1", broken), (b"g2", layout), (b"g3", broken))
+        }
+        for name in more:
+            ns.unlink(ROOT_INODE, name)
+        await jobs.run_once()
+        assert sorted(j["ino"] for j in ns.gc_jobs()) == sorted([more[b"g1"], more[b"g3"]])
+        for name in more:  # (the remaining ones, layouts made whole, for what follows)
+            ns.gc_done(more[name])
+
         async def unknown(self: StorageStub, *args: Any) -> int:
             raise FsError(errno.ENOSYS, "unknown method 'remove_files'")
 
