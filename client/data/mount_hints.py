@@ -345,5 +345,5 @@ def _list_directory(directory: str) -> None:
             for n, _ in enumerate(entries, 1):
                 if n >= LIST_MAX:
                     break
-    except OSError as exc:  # the hints went anyway (the mount keeps those bytes)
+    except OSError as exc:  # the hints go anyway (the mount keeps those bytes itself)
         log.debug("listing %s for prefetch hints: %s", directory, exc)
