@@ -29,7 +29,7 @@ import logging
 import pyfuse3
 
 from shufflefs.fuse.fast_answers import CallbackAnswers
-from shufflefs.fuse.prefetch import QUEUED
+from shufflefs.fuse.prefetch_hints import QUEUED
 from shufflefs.fuse.prefetch_xattr import NAMED_PREFIX, hint_named
 from shufflefs.rpc.errors import FsError
 

@@ -44,7 +44,7 @@ import errno
 import functools
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import pyfuse3
@@ -146,10 +146,9 @@ class KernelPages:
         for ino, _, chunks in files:
             if skip(ino):
                 continue
-            for off, data in chunks:
-                for at in range(0, max(len(data), 1), PIECE):
-                    writes.append((device, [store_message(ino, off + at, data[at : at + PIECE])]))
-                    owners.append(ino)
+            for offset, piece in pieces(chunks):
+                writes.append((device, [store_message(ino, offset, piece)]))
+                owners.append(ino)
         failed = set()
         for ino, result in zip(owners, await ring.write_many(writes), strict=True):
             if isinstance(result, OSError):
@@ -171,10 +170,8 @@ class KernelPages:
             if skip(ino):
                 continue
             try:
-                for off, data in chunks:
-                    for at in range(0, max(len(data), 1), PIECE):
-                        piece: bytes = data[at : at + PIECE]  # type: ignore[assignment]
-                        pyfuse3.notify_store(ino, off + at, piece)  # (any buffer)
+                for offset, piece in pieces(chunks):
+                    pyfuse3.notify_store(ino, offset, piece)  # type: ignore[arg-type]  # (any buffer)
             except OSError as exc:
                 self._failed(ino, exc)
                 if not self.enabled:
@@ -182,6 +179,14 @@ class KernelPages:
                 continue
             done.add(ino)
         return done
+
+
+def pieces(chunks: list[tuple[int, memoryview]]) -> Iterator[tuple[int, memoryview]]:
+    """A file's fetched *chunks* cut into notifications of up to PIECE bytes:
+    (offset, bytes) each (an empty chunk: one empty piece)."""
+    for off, data in chunks:
+        for at in range(0, max(len(data), 1), PIECE):
+            yield off + at, data[at : at + PIECE]
 
 
 def store_message(ino: int, offset: int, data: memoryview) -> bytearray:

@@ -3,30 +3,13 @@
 
 A loader that knows its upcoming order hands it to the mount as an extended
 attribute; the mount reads the hinted bytes ahead from the storage daemons
-(through `FileSystem.read_into`, the one read path) into a bounded cache of
-its own, which `read` consults before going to storage. Two forms:
-
-* ``setxattr(<mount root>, "user.shufflefs.prefetch", value)``: a batch of
-  hints. *value* is newline-separated paths (relative to the mount root), or
-  a JSON array whose items are a path or ``[path, offset, length]``. The
-  batch is checked and resolved whole before anything is queued (the
-  kernel caps a value at 64 KiB, XATTR_SIZE_MAX: larger is E2BIG): a
-  malformed one is EINVAL, one with too many items or a range larger than
-  the budget E2BIG, a path that does not exist ENOENT, a directory EISDIR,
-  and then nothing changed. An empty value cancels the queued hints and
-  drops what is held (an epoch's end, a loader restarted).
-* ``getxattr(<mount root>, "user.shufflefs.prefetch/" + paths)``: the batch
-  form of a read-only mount, where the kernel refuses every setxattr with
-  EROFS before the mount sees it: whole files, the paths (newline-separated)
-  in the attribute's name, up to the kernel's 255 bytes (fuse/prefetch_xattr.py).
-  The kernel looks none of them up; the mount answers the reader's LOOKUP
-  of a hinted file it holds (`entry_of`), and on cache=immutable its READs
-  with no open (`InodeReads.read_unopened`).
-* ``getxattr(<file>, "user.shufflefs.prefetch")``: hint that one whole file
-  (also on a read-only mount, after the kernel's lookup of its path).
-* ``getxattr(<directory>, "user.shufflefs.prefetch")``: the cache's state as
-  JSON (budget, bytes held, counters); what a loader probes to know that a
-  path is on a shufflefs mount.
+(through `FileSystem.read_into`, the one read path). The interface (the
+xattr forms: batches by setxattr on the mount root, or by getxattr with the
+paths in the name on a read-only mount; one file by getxattr on it; the
+state as JSON on a directory), its values and its errnos are described once,
+in docs/training-data.md; fuse/prefetch_xattr.py takes them, and a batch is
+checked and resolved whole (fuse/prefetch_hints.py) before anything is
+queued here.
 
 Why an xattr and not a control file: a control file would need a fake inode
 that lookup, getattr, readdir, open and release all special-case (the cache
@@ -70,7 +53,9 @@ import trio
 from shufflefs.client.fs import FileSystem
 from shufflefs.fuse.page_store import Fetched
 from shufflefs.fuse.prefetch_hints import (
+    HELD,
     LISTING_TTL,
+    QUEUED,
     Hint,
     HintResolver,
     Version,
@@ -86,9 +71,6 @@ from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse.prefetch")
 
-PREFETCH_XATTR = b"user.shufflefs.prefetch"
-QUEUED = b"queued"  # a hinting getxattr's value: taken
-HELD = b"held"  # ... every hinted file is in the kernel's page cache already (a warm epoch)
 DEFAULT_MEMORY = 256 << 20
 MAX_PENDING = 65536  # queued ranges, beyond which the oldest are dropped
 FETCHERS = 8  # ranges read concurrently

@@ -29,6 +29,9 @@ from shufflefs.client.fs import FileSystem
 from shufflefs.metadata.protocol import READDIR_MAX, Attr, Layout
 from shufflefs.rpc.errors import FsError
 
+PREFETCH_XATTR = b"user.shufflefs.prefetch"  # the hint interface (docs/training-data.md)
+QUEUED = b"queued"  # a hinting getxattr's value: taken
+HELD = b"held"  # ... every hinted file is in the kernel's page cache already (a warm epoch)
 MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
 MAX_PARALLEL_RESOLVES = 64
 LISTING_TTL = 30.0  # s a directory listing is kept to resolve hinted names

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import pyfuse3
 
-from shufflefs.fuse.prefetch import HELD, PREFETCH_XATTR, QUEUED
+from shufflefs.fuse.prefetch_hints import HELD, PREFETCH_XATTR, QUEUED
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import trio
 from shufflefs.client.fs import FileSystem
 from shufflefs.fuse.handler_guards import DirChanges, fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.mount_options import MountOptions
-from shufflefs.fuse.prefetch import PREFETCH_XATTR
+from shufflefs.fuse.prefetch_hints import PREFETCH_XATTR
 from shufflefs.fuse.prefetch_xattr import hint_by_getxattr, hint_by_setxattr
 from shufflefs.rpc.errors import FsError
 

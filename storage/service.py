@@ -366,30 +366,18 @@ class StorageService(ReadHandlers):
     async def _files_removed(
         self, target: int, chain: int, chain_version: int, inos: list[int], head: bool
     ) -> int:
-        """`_file_op`'s removal for many files: every file's lock held
-        (taken in inode order, as any two batches take them), the successor
-        first, then this replica, in one worker-thread call."""
-        node = self.node
-        store = node.store(target)
+        """`_file_op`'s removal for many files, in one worker-thread call."""
+        store = self.node.store(target)
         if len(inos) > MAX_FILES_REMOVED:
             raise FsError(errno.EINVAL, f"{len(inos)} files to remove > {MAX_FILES_REMOVED}")
-        for ino in inos:
-            if not 0 <= ino < 1 << 64:
-                raise FsError(errno.EINVAL, f"inode {ino} out of range")
         files = sorted(set(inos))
-        async with contextlib.AsyncExitStack() as held:
-            for ino in files:
-                await held.enter_async_context(node.locks.whole_file(target, ino))
-            async with self.forwarding.admitted(target, chain, chain_version, head=head) as place:
-                if place is not None and place.successor is not None:
-                    await self.forwarding.forward_files_removal(place, files)
-                n = await node.io(store.remove_files, files)
-                sync = self.resyncer.state_at(target, place)
-                if sync is not None:
-                    for ino in files:
-                        sync.touch_file(ino)
-                    sync.forwarded += 1
-        return n
+
+        async def forward(place: Place) -> None:
+            await self.forwarding.forward_files_removal(place, files)
+
+        return await self._whole_files_op(
+            target, chain, chain_version, files, head, forward, lambda: store.remove_files(files)
+        )
 
     async def _file_op(
         self,
@@ -402,30 +390,54 @@ class StorageService(ReadHandlers):
         head: bool,
     ) -> int:
         """Truncate (*size* given) or remove a file's chunks here and down the
-        chain, holding the file's lock exclusively: the successor first, this
-        replica after its ack (like a write). Every call is idempotent."""
-        node = self.node
-        store = node.store(target)
-        if not 0 <= ino < 1 << 64:
-            raise FsError(errno.EINVAL, f"inode {ino} out of range")
+        chain (`_whole_files_op`)."""
+        store = self.node.store(target)
         if size is not None:
             check_chunk_size(chunk_size)
             if size < 0:
                 raise FsError(errno.EINVAL, f"negative size {size}")
-        async with (
-            node.locks.whole_file(target, ino),
-            self.forwarding.admitted(target, chain, chain_version, head=head) as place,
-        ):
-            if place is not None and place.successor is not None:
-                await self.forwarding.forward_file_op(place, ino, size, chunk_size)
+
+        async def forward(place: Place) -> None:
+            await self.forwarding.forward_file_op(place, ino, size, chunk_size)
+
+        def apply() -> int:
             if size is None:
-                n = await node.io(store.remove_file, ino)
-            else:
-                n = await node.io(store.truncate_file, ino, size, chunk_size)
-            sync = self.resyncer.state_at(target, place)
-            if sync is not None:
-                sync.touch_file(ino)
-                sync.forwarded += 1
+                return store.remove_file(ino)
+            return store.truncate_file(ino, size, chunk_size)
+
+        return await self._whole_files_op(target, chain, chain_version, [ino], head, forward, apply)
+
+    async def _whole_files_op(
+        self,
+        target: int,
+        chain: int,
+        chain_version: int,
+        inos: list[int],
+        head: bool,
+        forward: Callable[[Place], Awaitable[None]],
+        apply: Callable[[], int],
+    ) -> int:
+        """An operation on whole files here and down the chain, holding each
+        file's lock exclusively (taken in the order of *inos*, sorted by the
+        callers, so that two batches never wait for each other): the
+        successor first (*forward*), this replica after its ack (*apply*, in
+        a worker thread), like a write. Every call is idempotent."""
+        node = self.node
+        for ino in inos:
+            if not 0 <= ino < 1 << 64:
+                raise FsError(errno.EINVAL, f"inode {ino} out of range")
+        async with contextlib.AsyncExitStack() as held:
+            for ino in inos:
+                await held.enter_async_context(node.locks.whole_file(target, ino))
+            async with self.forwarding.admitted(target, chain, chain_version, head=head) as place:
+                if place is not None and place.successor is not None:
+                    await forward(place)
+                n = await node.io(apply)
+                sync = self.resyncer.state_at(target, place)
+                if sync is not None:
+                    for ino in inos:
+                        sync.touch_file(ino)
+                    sync.forwarded += 1
         return n
 
     # ---- inspection and scrub ------------------------------------------------
