@@ -17,7 +17,8 @@ The watch keeps directory listings too (`watched_dir`, after the server's
 kernel holds of the directory (``FOPEN_CACHE_DIR``) and the directory's
 attributes are current. A change of it named by a reply ends that, once
 (`dir_changed` is told, to drop the kernel's listing): the next listing
-watches it again.
+watches it again. So does a change of it by this client other than a
+create (`changing`; the kernel drops its own listing then).
 
 And the names of a watched directory whose listing came whole in one page
 (`names`): while the watch holds, a name not among them is absent, so the
@@ -30,7 +31,7 @@ change that session alone made by a create (metadata/cache_watch.py), and
 the create's reply, which carries the directory's attributes after it,
 adds the name (`created`) when those are the next change after the ones
 held (else every change between is not known to be ours: dropped). Any
-other change of the directory by this client drops them (`forget_names`),
+other change of the directory by this client drops them (`changing`),
 as does any change by another, which the watch names before that change is
 acknowledged. The kernel holds a directory's lock across a LOOKUP in it and
 exclusively across a change of it, so the listing and this client's own
@@ -213,6 +214,13 @@ class CacheWatch:
             names.add(name)
             self._names_held += 1
             self._bound_names()
+
+    def changing(self, dirs: Iterable[int]) -> None:
+        """This client changes *dirs* otherwise than by a create: what was
+        listed of them is not current from here (the server tells the watch
+        too, but its reply may come after the change is acknowledged)."""
+        for ino in dirs:
+            self._drop_dir(ino)
 
     def forget_names(self, dirs: Iterable[int] | None) -> None:
         """This client changes *dirs* (None: any directory) otherwise than

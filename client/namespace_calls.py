@@ -118,10 +118,10 @@ class NamespaceCalls:
 
     def _dirs_changing(self, *dirs: int) -> None:
         """This client changes *dirs* (not by a create, or a create whose
-        outcome is not known): the names the cache watch held of them may
-        be wrong from here (`CacheWatch.forget_names`)."""
+        outcome is not known): the listings and names the cache watch held
+        of them may be wrong from here (`CacheWatch.changing`)."""
         if self.cache_watch is not None:
-            self.cache_watch.forget_names(dirs)
+            self.cache_watch.changing(dirs)
 
     def _attrs_changed(self) -> None:
         """A change by this client that no reply told of (an unlink's nlink,

@@ -29,6 +29,7 @@ class DirHandle:
     pending: list[tuple[bytes, Attr]] = field(default_factory=list)  # fetched, not yet taken
     pending_after: bytes | None = None
     pending_more: bool = False
+    age: float = 0.0  # s the page being handed out waited before its listing (list_ahead)
     next_id: int = 3  # 1 and 2 are '.' and '..'
     # this listing's last page said "no more" after this entry (None: an
     # empty directory): the kernel's next READDIR, from there, is answered

@@ -42,6 +42,14 @@ def no_longer_than(entry: pyfuse3.EntryAttributes, keep: float) -> pyfuse3.Entry
     return entry
 
 
+def aged(entry: pyfuse3.EntryAttributes, age: float) -> pyfuse3.EntryAttributes:
+    """*entry*, read *age* seconds ago, kept by the kernel that much less:
+    the mode's bound on seeing a change made elsewhere runs from the read."""
+    entry.entry_timeout = max(0.0, entry.entry_timeout - age)
+    entry.attr_timeout = max(0.0, entry.attr_timeout - age)
+    return entry
+
+
 def setattr_fields(entry: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields) -> OwedAttrs:
     """What a SETATTR sets, but the size (mode: its permission bits)."""
     attrs = OwedAttrs()

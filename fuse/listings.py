@@ -39,8 +39,10 @@ import pyfuse3
 import trio
 
 from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
+from shufflefs.fuse.entry_attrs import aged
 from shufflefs.fuse.page_store import invalidate_pages
 from shufflefs.fuse.read_inode import CACHE_DIR_BIT, KEEP_CACHE_BIT, READ_INODES
+from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:
@@ -77,6 +79,7 @@ class Listings:
         """The watch was told of a change of directory *ino*: drop what the
         kernel keeps of it (in a thread: dropping a listing waits for its
         pages, which a listing in progress may hold)."""
+        self.ops.list_ahead.changed(ino)
         if self._nursery is not None:
             self._nursery.start_soon(trio.to_thread.run_sync, invalidate_pages, ino)
 
@@ -144,14 +147,13 @@ class Listings:
             if h.pending and h.pending_after == after:
                 entries, more = h.pending, h.pending_more
             else:
-                # a first page is read by the cache watch, which keeps the listing
-                page = await ops.fs.readdir(
-                    h.ino, after, READDIR_PAGE, watch=self.watch is not None
-                )
-                entries, more = page["entries"], page["more"]
+                entries, more, h.age = await self._page(h.ino, after)
+                ops.list_ahead.listed(h.ino, after is None, entries)
             for i, (name, attr) in enumerate(entries):
                 next_id = h.next_id
                 entry = ops.entry(attr)
+                if h.age:
+                    aged(entry, h.age)
                 if ops.watched is not None:
                     ops.watched.extend(entry, h.ino, name)
                 if not pyfuse3.readdir_reply(token, name, entry, next_id):
@@ -165,3 +167,19 @@ class Listings:
             if not more or not entries:
                 h.ended, h.end_after = True, after
                 return
+
+    async def _page(
+        self, ino: int, after: bytes | None
+    ) -> tuple[list[tuple[bytes, Attr]], bool, float]:
+        """A page of directory *ino*'s listing after *after*, whether more
+        follow, and the page's age in seconds (a first page read ahead:
+        fuse/list_ahead.py)."""
+        if after is None:
+            await self.ops.list_ahead.arriving(ino)
+            held = self.ops.list_ahead.take(ino)
+            if held is not None:
+                page, age = held
+                return page["entries"], page["more"], age
+        # a first page is read by the cache watch, which keeps the listing
+        page = await self.ops.fs.readdir(ino, after, READDIR_PAGE, watch=self.watch is not None)
+        return page["entries"], page["more"], 0.0

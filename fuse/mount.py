@@ -101,6 +101,7 @@ async def run_mount(
                 answer_counts.collect,
                 spin_counts.collect,
                 ops.dir_ahead.counts.collect,
+                ops.list_ahead.counts.collect,
                 *writeback,
                 *watch,
             ],

@@ -37,6 +37,8 @@ from shufflefs.cluster.preflight import parse_size
 from shufflefs.fuse.dir_ahead import DEFAULT_ENTRIES as DIR_AHEAD
 from shufflefs.fuse.dir_ahead import MAX_ENTRIES as MAX_DIR_AHEAD
 from shufflefs.fuse.libfuse import SPIN
+from shufflefs.fuse.list_ahead import DEFAULT_DIRS as LIST_AHEAD
+from shufflefs.fuse.list_ahead import MAX_DIRS as MAX_LIST_AHEAD
 from shufflefs.fuse.prefetch import DEFAULT_MEMORY
 from shufflefs.metadata.protocol import MountInfo
 from shufflefs.rpc.errors import FsError
@@ -74,6 +76,7 @@ VALUED = (
     "cache",
     "spin_us",
     "dir_ahead",
+    "list_ahead",
 )
 MAX_SPIN_US = 10_000
 
@@ -104,6 +107,7 @@ class MountOptions:
     prefetch_memory: int = DEFAULT_MEMORY  # bytes read ahead on hints (fuse/prefetch.py)
     spin: float = SPIN  # s the FUSE thread polls its empty queue before sleeping (libfuse.py)
     dir_ahead: int = DIR_AHEAD  # entries of a directory opened ahead on a lookup miss (0: off)
+    list_ahead: int = LIST_AHEAD  # subdirectories listed ahead of a walk (0: off)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
     debug: bool = False
 
@@ -192,6 +196,8 @@ def parse_options(items: list[str]) -> MountOptions:
         options.prefetch_memory = _size(given["prefetch_memory"])
     if "dir_ahead" in given:
         options.dir_ahead = _whole("dir_ahead", given["dir_ahead"], 0, MAX_DIR_AHEAD)
+    if "list_ahead" in given:
+        options.list_ahead = _whole("list_ahead", given["list_ahead"], 0, MAX_LIST_AHEAD)
     if "spin_us" in given:
         options.spin = _whole("spin_us", given["spin_us"], 0, MAX_SPIN_US, "microseconds") / 1e6
     return options
@@ -210,6 +216,8 @@ def _usage(key: str) -> str:
         return f"needs a value: spin_us=MICROSECONDS (0..{MAX_SPIN_US}, 0: off)"
     if key == "dir_ahead":
         return f"needs a value: dir_ahead=ENTRIES (0..{MAX_DIR_AHEAD}, 0: off)"
+    if key == "list_ahead":
+        return f"needs a value: list_ahead=DIRECTORIES (0..{MAX_LIST_AHEAD}, 0: off)"
     if key == "max_tasks":
         return f"needs a value: max_tasks=N (1..{MAX_TASKS})"
     return f"needs a value: {key}=SECONDS"

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from shufflefs.fuse.dir_ahead import DirAhead
     from shufflefs.fuse.handler_guards import DirChanges
     from shufflefs.fuse.inode_reads import InodeReads
+    from shufflefs.fuse.list_ahead import ListAhead
     from shufflefs.fuse.mount_options import MountOptions
     from shufflefs.fuse.prefetch import Prefetcher
     from shufflefs.fuse.watched_entries import WatchedEntries
@@ -36,6 +37,7 @@ class NowAnswers:
         watched: WatchedEntries | None
         prefetch: Prefetcher
         dir_ahead: DirAhead
+        list_ahead: ListAhead
         dir_changes: DirChanges
         writeback: WritebackCloses | None
         append_direct: set[int]
@@ -98,13 +100,16 @@ class NowAnswers:
         """A name's attributes from this mount's caches, with no round trip,
         and how long the kernel may keep them at most: a name the cache
         watch keeps fresh (read-write), a hinted file whose bytes are held,
-        or a name a listing brought (read-only: fuse/dir_ahead.py)."""
+        or a name a listing brought (read-only: fuse/dir_ahead.py for
+        files, fuse/list_ahead.py for directories)."""
         if self.watched is not None:
             attr = self.watched.lookup(parent_inode, name)
         elif self.options.read_only:
             attr = self.prefetch.entry_of(parent_inode, name, self.options.entry_timeout)
             if attr is None:
-                return self.dir_ahead.lookup(parent_inode, name)
+                return self.dir_ahead.lookup(parent_inode, name) or self.list_ahead.lookup(
+                    parent_inode, name
+                )
         else:
             return None
         return None if attr is None else (attr, math.inf)

@@ -51,6 +51,7 @@ from shufflefs.fuse.entry_attrs import (
 )
 from shufflefs.fuse.handler_guards import DirChanges, fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
+from shufflefs.fuse.list_ahead import HOLD, ListAhead
 from shufflefs.fuse.listings import Listings
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.fuse.now_answers import NowAnswers
@@ -101,6 +102,17 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         self.dir_ahead = DirAhead(
             fs, self.watched, self.options.dir_ahead, self.options.entry_timeout
         )
+        # the listings of the subdirectories after the one being listed
+        self.list_ahead = ListAhead(
+            fs,
+            fs.cache_watch,
+            self.watched,
+            self.options.list_ahead,
+            self._list_hold(),
+            min(self.options.entry_timeout, self.options.attr_timeout)
+            if self.options.read_only
+            else 0.0,
+        )
         self._nursery: trio.Nursery | None = None
         self.writeback = WritebackCloses(fs) if self.options.writeback else None
 
@@ -109,6 +121,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         if self.writeback is not None:
             self.writeback.start(nursery)
         self.listings.start(nursery)
+        self.list_ahead.start(nursery)
         await self.prefetch.start(nursery)
 
     def serve_by_inode(self) -> None:
@@ -117,6 +130,11 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         assert self._nursery is not None, "start() first"
         self.inode_reads = InodeReads(self, self.options.handle_linger)
         self._nursery.start_soon(self.inode_reads.sweep)
+
+    def _list_hold(self) -> float:
+        """How long a listing read ahead may wait (fuse/list_ahead.py): no
+        longer than the mode lets the kernel keep what it brings."""
+        return min(HOLD, self.options.attr_timeout, self.options.entry_timeout)
 
     # ---- conversions ----------------------------------------------------------
 

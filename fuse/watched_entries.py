@@ -58,7 +58,7 @@ class WatchedEntries:
         """A LOOKUP reply: for a regular file the watch keeps fresh, the
         kernel keeps name and attributes until the watch's lease ends."""
         if stat.S_ISDIR(entry.st_mode):
-            self._directory(entry.st_ino, parent, name)
+            self.directory(entry.st_ino, parent, name)
             return
         if not stat.S_ISREG(entry.st_mode):
             return
@@ -76,8 +76,9 @@ class WatchedEntries:
         self.names.setdefault(ino, set()).add((parent, name))
         self.by_name[(parent, name)] = ino
 
-    def _directory(self, ino: int, parent: int, name: bytes) -> None:
-        """A directory whose listing the watch keeps: its name is as current
+    def directory(self, ino: int, parent: int, name: bytes) -> None:
+        """A directory whose listing the watch keeps (told by a LOOKUP reply
+        or a listing, or read ahead: fuse/list_ahead.py): its name is as current
         as its attributes (a rename or removal of it changes its inode
         record, and ends the watch), so a later LOOKUP of the name is
         answered from them while the watch holds (the kernel is not told

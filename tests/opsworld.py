@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,28 @@ def metered_mount(
         yield MeteredMount(where, metrics, family, label)
     finally:
         shufflefs("umount", str(where))
+
+
+@contextmanager
+def metered_mounts(
+    cluster: ProcessCluster,
+    factory: pytest.TempPathFactory,
+    prefix: str,
+    options: dict[str, str],
+    family: str,
+    label: str,
+) -> Iterator[dict[str, MeteredMount]]:
+    """A `metered_mount` of *cluster* per name in *options* (its mount
+    options), each in a directory of its own; all unmounted after."""
+    with ExitStack() as stack:
+        yield {
+            name: stack.enter_context(
+                contextmanager(metered_mount)(
+                    cluster, factory.mktemp(f"{prefix}-{name}"), opts, family, label
+                )
+            )
+            for name, opts in options.items()
+        }
 
 
 def chromium(url: str, *args: str, budget_ms: int = 3000) -> str:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 from clusters import ProcessCluster, wait_until
 from harness import read_whole as read
-from opsworld import MeteredMount, metered_mount
+from opsworld import MeteredMount, metered_mounts
 
 # they drop the kernel's caches, or count what those spare: one at a time on the machine
 pytestmark = pytest.mark.usefixtures("kernel_caches")
@@ -45,15 +44,8 @@ def mounts(
         "E": "dir_ahead=8",
         "N": "dir_ahead=0",
     }
-    with ExitStack() as stack:
-        yield {
-            name: stack.enter_context(
-                contextmanager(metered_mount)(
-                    mounted, tmp_path_factory.mktemp(f"dir-ahead-{name}"), opts, FAMILY, "what"
-                )
-            )
-            for name, opts in options.items()
-        }
+    with metered_mounts(mounted, tmp_path_factory, "dir-ahead", options, FAMILY, "what") as mounts:
+        yield mounts
 
 
 def content(i: int) -> bytes:

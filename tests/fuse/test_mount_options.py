@@ -60,6 +60,12 @@ def test_spin_us_is_microseconds_the_fuse_thread_polls_before_sleeping() -> None
     assert parse_options(["ro,spin_us=10000"]).spin == 0.01
 
 
+def test_list_ahead_is_subdirectories_listed_ahead() -> None:
+    assert parse_options([]).list_ahead == parse_options(["ro"]).list_ahead == 8
+    assert parse_options(["list_ahead=0"]).list_ahead == 0
+    assert parse_options(["cache=immutable,list_ahead=1024"]).list_ahead == 1024
+
+
 def test_dir_ahead_is_entries_of_a_directory_opened_ahead() -> None:
     assert parse_options([]).dir_ahead == parse_options(["ro"]).dir_ahead == 1024
     assert parse_options(["dir_ahead=0"]).dir_ahead == 0
@@ -94,6 +100,9 @@ def test_info_is_what_the_session_reports() -> None:
         ("spin_us=10001", "microseconds from 0 to 10000"),
         ("spin_us=0.5", "spin_us=0.5"),
         ("spin_us", "spin_us=MICROSECONDS"),
+        ("list_ahead=-1", "list_ahead=-1"),
+        ("list_ahead=1025", "a whole number from 0 to 1024"),
+        ("list_ahead", "list_ahead=DIRECTORIES"),
         ("dir_ahead=-1", "dir_ahead=-1"),
         ("dir_ahead=65537", "a whole number from 0 to 65536"),
         ("dir_ahead=all", "dir_ahead=all"),
