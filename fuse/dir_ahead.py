@@ -25,8 +25,8 @@ held that long); N entries of it at most; only while the open cache is under
 half its limit (each handle is the metadata server's memory, and a file
 removed elsewhere keeps its space while a handle of it is held: the linger
 bounds both, as for any cached open). On cache=immutable the handle a
-learned name's lookup finds in the open cache is the one its READs take
-(`InodeReads.ready`), as after a lookup that asked.
+learned name finds in the open cache is the one its first READ takes
+(`InodeReads.take_now`), as after a lookup that asked.
 """
 
 from __future__ import annotations

@@ -214,7 +214,10 @@ class FastReads:
                 if ahead is not None:  # prefetched: no handle needed
                     self._reply(req, ahead, started)
                     return True
-                # its first READ here: opened on the loop, then read here
+                fh = ops.inode_reads.take_now(ino, self.nursery)
+            if fh is None:
+                # its first READ here, not in the open cache: opened on the
+                # loop, then read here
                 self.nursery.start_soon(self._open_then_read, req, ino, size, off)
                 return True
         elif READ_INODES.fh_confirmed and fi:

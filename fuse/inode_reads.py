@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 from collections import OrderedDict
 from typing import Protocol
 
@@ -120,22 +119,6 @@ class InodeReads:
             return self.read_unopened(ino, off, size)
         return None
 
-    async def ready(self, attr: Attr) -> None:
-        """After a lookup of a regular file whose read-only handle the open
-        cache holds (`FileSystem.lookup_open`): its handle taken now, with no
-        round trip, so that the first READ goes straight to the fast path
-        (fuse/fast_reads.py) instead of through the loop. A failure is left
-        for that READ to meet."""
-        ino = attr["ino"]
-        if ino in self.handles or ino not in self.fs.open_cache.entries:
-            return
-        if not stat.S_ISREG(attr["mode"]):
-            return
-        try:
-            await self.handle(ino)
-        except FsError as exc:
-            log.debug("handle of inode %d after its lookup: %s", ino, exc.message)
-
     async def drop(self, ino: int) -> None:
         """Give *ino*'s handle back (if any)."""
         held = self.handles.pop(ino, None)
@@ -147,29 +130,28 @@ class InodeReads:
         except FsError as exc:  # a handle the server lost with its session is gone anyway
             log.debug("release of inode %d: %s", ino, exc)
 
-    def ready_now(self, attr: Attr, nursery: trio.Nursery) -> bool:
-        """`ready` when it needs no wait (the handle taken from the open
-        cache, or none to take): True; else False and nothing done (a LOOKUP
-        answered in libfuse's callback, fuse/fast_answers.py)."""
-        ino = attr["ino"]
-        if ino in self._opening:
-            return False
-        if ino in self.handles or not stat.S_ISREG(attr["mode"]):
-            return True
+    def take_now(self, ino: int, nursery: trio.Nursery) -> int | None:
+        """The handle that reads *ino*, or on its first READ here one taken
+        from the open cache with no wait (the cached open a lookup or a
+        listing brought, `FileSystem.lookup_open`, fuse/dir_ahead.py), so the
+        READ stays on the fast path (fuse/fast_reads.py); None: `handle`
+        must open it. Taken by the READ, not by the lookup: a lookup or stat
+        that no READ follows costs no handle."""
+        fh = self.held(ino)
+        if fh is not None or ino in self._opening:
+            return fh
         cached = self.fs.open_cache.entries.get(ino)
-        if cached is None:
-            return True  # nothing to take: its first READ opens it
-        if cached.attr["nlink"] == 0:
-            return False  # (`handle` gives it back and says ESTALE)
+        if cached is None or cached.attr["nlink"] == 0:
+            return None  # (`handle` gives a removed one back and says ESTALE)
         hit = self.fs.open_now(ino, os.O_RDONLY)
         if hit is None:
-            return False
+            return None
         f, opened = hit
         self._opened(opened)
         self.handles[ino] = (f.fh, trio.current_time())
         if len(self.handles) > self.limit:
             nursery.start_soon(self._trim)
-        return True
+        return f.fh
 
     async def _trim(self) -> None:
         while len(self.handles) > self.limit:

@@ -58,28 +58,14 @@ class NowAnswers:
         cached = self._cached_entry(parent_inode, name)
         reads = self.inode_reads
         if reads is not None:
-            # cache=immutable: the kernel's pages must be of these attributes,
-            # and the file's handle is taken first (`InodeReads.ready`)
-            nursery = self._nursery
-            if cached is None or nursery is None or not reads.current(cached[0]):
+            # cache=immutable: the kernel's pages must be of these attributes
+            if cached is None or not reads.current(cached[0]):
                 return None
             attr, keep = cached
-            entry = self.remember(attr)  # (first, as `lookup` does: the kernel is told these)
-            if not reads.ready_now(attr, nursery):
-                self._unremember(attr["ino"])  # `lookup` does it all again
-                return None
-            return no_longer_than(entry, keep)
+            return no_longer_than(self.remember(attr), keep)
         if cached is not None:
             return self._found(*cached, parent_inode, name)
         return self._missing() if self._known_absent(parent_inode, name) else None
-
-    def _unremember(self, ino: int) -> None:
-        """Take back `remember`'s count of an entry not handed out after all."""
-        left = self.lookups[ino] - 1
-        if left:
-            self.lookups[ino] = left
-        else:
-            del self.lookups[ino]
 
     def _known_absent(self, parent_inode: int, name: bytes) -> bool:
         """Is *name* known not to be in the directory (read-write: the cache

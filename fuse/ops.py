@@ -183,9 +183,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         if self.inode_reads is None:
             return self._found(attr, keep, parent_inode, name)
         await self.inode_reads.pages_current(attr)
-        entry = no_longer_than(self.remember(attr), keep)
-        await self.inode_reads.ready(attr)
-        return entry
+        return no_longer_than(self.remember(attr), keep)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:

@@ -298,6 +298,7 @@ def test_an_immutable_mounts_first_reads_open_then_take_the_fast_path(
 
 
 ANSWERS = "shufflefs_client_fast_answers"
+OPEN_CACHE = "shufflefs_client_open_cache"
 
 
 @pytest.mark.parametrize("mode", ["rw", "ro"])
@@ -348,23 +349,38 @@ def test_what_the_caches_answer_is_answered_in_libfuses_callback(
                 path.write_bytes(data)
 
 
+def dataset_files(d: Path, count: int) -> dict[str, bytes]:
+    """*count* files of a few KB in a new directory *d*: name -> bytes."""
+    d.mkdir()
+    files = {f"s{i}": os.urandom(5000 + i) for i in range(count)}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    return files
+
+
+def dataset_mount(
+    cluster: ProcessCluster, tmp_path: Path, name: str, files: dict[str, bytes]
+) -> Iterator[tuple[MeteredMount, Path]]:
+    """A fresh cache=immutable mount and directory *name* in it, whose first
+    file was read (its lookup asked, listed the directory and opened the
+    others ahead, fuse/dir_ahead.py)."""
+    (tmp_path / "imm").mkdir()
+    for m in mount(cluster, tmp_path / "imm", "ro,cache=immutable"):
+        here = m.mountpoint / name
+        assert (here / "s0").read_bytes() == files["s0"]
+        yield m, here
+
+
 def test_a_dataset_mounts_cached_lookups_are_answered_in_libfuses_callback(
     mounted: ProcessCluster, fast: FastMount, tmp_path: Path
 ) -> None:
     """cache=immutable: once a directory's first lookup listed it and opened
     its files ahead (fuse/dir_ahead.py), the LOOKUPs of its other names are
-    answered in libfuse's callback, each file's handle taken from the open
-    cache there: counted, no metadata call, the bytes right; and a LOOKUP the
-    caches cannot answer goes the usual way."""
-    d = fast.mountpoint / "imm-lookups"
-    d.mkdir()
-    files = {f"s{i}": os.urandom(5000 + i) for i in range(12)}
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-    (tmp_path / "imm").mkdir()
-    for m in mount(mounted, tmp_path / "imm", "ro,cache=immutable"):
-        here = m.mountpoint / "imm-lookups"
-        assert (here / "s0").read_bytes() == files["s0"]  # the first: asks, lists, opens ahead
+    answered in libfuse's callback: counted, no metadata call (nor for their
+    READs, which take their handles from the open cache), the bytes right;
+    and a LOOKUP the caches cannot answer goes the usual way."""
+    files = dataset_files(fast.mountpoint / "imm-lookups", 12)
+    for m, here in dataset_mount(mounted, tmp_path, "imm-lookups", files):
         lookups = total(m.metrics, ANSWERS, op="lookup")
         before = mounted.meta_calls()
         for name, data in files.items():
@@ -377,6 +393,29 @@ def test_a_dataset_mounts_cached_lookups_are_answered_in_libfuses_callback(
         with pytest.raises(FileNotFoundError):  # not cached: the usual way, ENOENT
             (here / "missing").stat()
         assert mounted.meta_calls().get("lookup_open", 0) > after.get("lookup_open", 0)
+
+
+def test_a_dataset_mounts_lookup_takes_no_handle_its_first_read_does(
+    mounted: ProcessCluster, fast: FastMount, tmp_path: Path
+) -> None:
+    """cache=immutable: a stat of a name the caches hold takes no file handle
+    (a stat that no read follows costs none); the first READ of the file
+    takes its handle from the open cache with no metadata call and is
+    answered off the loop; the bytes are right."""
+    files = dataset_files(fast.mountpoint / "imm-handles", 10)
+    for m, here in dataset_mount(mounted, tmp_path, "imm-handles", files):
+        taken = total(m.metrics, OPEN_CACHE, result="trusted")
+        for name, data in files.items():
+            assert (here / name).stat().st_size == len(data)
+        assert total(m.metrics, OPEN_CACHE, result="trusted") == taken
+        before = mounted.meta_calls()
+        for name, data in files.items():
+            if name != "s0":
+                assert (here / name).read_bytes() == data
+        after = mounted.meta_calls()
+        for method in ("open", "open_read_only", "lookup", "lookup_open", "getattr"):
+            assert after.get(method, 0) == before.get(method, 0), method
+        assert total(m.metrics, OPEN_CACHE, result="trusted") == taken + len(files) - 1
 
 
 SPINS = "shufflefs_client_fuse_spins"
