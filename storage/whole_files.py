@@ -3,7 +3,8 @@
 `truncate_file` and `remove_file` change every chunk of one inode that this
 target holds. The chunk ids of an inode are one contiguous key range, so
 each is a prefix scan, taken `BATCH` chunks at a time under those chunks'
-locks, with one LMDB transaction per batch (atomic per batch, not per file).
+locks, with one LMDB transaction per batch (atomic per batch, not per file);
+`remove_files` takes the chunks of many inodes `BATCH` at a time the same way.
 Records are committed first, then files are cut or deleted, as for every
 update (docs/storage.md, "Writes and why they are crash safe"). The
 stage/commit protocol of single-chunk updates (`storage/staging.py`) is
@@ -81,8 +82,23 @@ class WholeFiles(Target):
 
     def remove_files(self, inos: list[int]) -> int:
         """`remove_file` of each of *inos* (one call from the event loop for
-        a batch of freed files); returns how many chunks."""
-        return sum(self.remove_file(ino) for ino in inos)
+        a batch of freed files); returns how many chunks. The chunks of all
+        of them go `BATCH` to a transaction: a batch of small files is one
+        durable commit, not one per file (atomic per batch, as ever)."""
+        for ino in inos:
+            _check_ino(ino)
+        cids = [cid for ino in inos for cid in self._chunks_of(ino)]
+        removed = 0
+        for lo in range(0, len(cids), BATCH):
+            removed += self._apply(cids[lo : lo + BATCH], self._remove_batch, "removal of files")
+        return removed
+
+    def _chunks_of(self, ino: int) -> list[bytes]:
+        prefix = ino.to_bytes(8, "big")
+        out: list[bytes] = []
+        while page := self._scan_prefix(prefix, out[-1] if out else None, BATCH):
+            out.extend(page)
+        return out
 
     def _each_batch(self, ino: int, apply: Callable[[list[bytes]], int]) -> int:
         prefix = ino.to_bytes(8, "big")
@@ -93,13 +109,17 @@ class WholeFiles(Target):
             if not cids:
                 return changed
             after = cids[-1]
-            with self._locks_for(cids):
-                try:
-                    changed += apply(cids)
-                except FsError:
-                    raise
-                except OSError as exc:
-                    raise self._os_error(exc, f"update of inode {ino}") from None
+            changed += self._apply(cids, apply, f"update of inode {ino}")
+
+    def _apply(self, cids: list[bytes], apply: Callable[[list[bytes]], int], what: str) -> int:
+        """*apply* to *cids* under their locks; an OS error as ours."""
+        with self._locks_for(cids):
+            try:
+                return apply(cids)
+            except FsError:
+                raise
+            except OSError as exc:
+                raise self._os_error(exc, what) from None
 
     def _truncate_batch(self, cids: list[bytes], size: int, chunk_size: int) -> int:
         bs = self.block_size

@@ -133,6 +133,28 @@ def test_truncate_remove_list_info(tmp_path: Path) -> None:
         assert len(chunk_files(tmp_path / "t")) == 1
 
 
+def test_remove_files_commits_a_batch_of_small_files_at_once(tmp_path: Path) -> None:
+    """GC's batches (`remove_files`): the chunks of many files go BATCH to a
+    transaction, not one transaction per file; every chunk of the named
+    files goes, the others stay."""
+    with open_store(tmp_path / "t") as store:
+        for ino in range(100, 400):  # 300 small files of one chunk, one of three
+            store.write(chunk_id(ino, 0), 0, 4096, bytes([ino % 251]) * 100)
+        for idx in range(3):
+            store.write(chunk_id(50, idx), 0, 4096, b"x" * 4096)
+        store.write(chunk_id(60, 0), 0, 4096, b"kept")
+        commits = store._record_commits.items
+        assert store.remove_files([50, *range(100, 400), 999]) == 303
+        assert store._record_commits.items - commits == 1  # 303 chunks <= BATCH
+        assert store.stats()["chunks"] == 1 and store.stats()["used"] == 4
+        assert content(store, chunk_id(60, 0)) == b"kept"
+        assert len(chunk_files(tmp_path / "t")) == 1
+        assert store.remove_files([50, 100]) == 0
+        with pytest.raises(FsError) as info:
+            store.remove_files([-1])
+        assert info.value.errno == errno.EINVAL
+
+
 def test_truncate_to_zero_removes_every_chunk(tmp_path: Path) -> None:
     with open_store(tmp_path / "t") as store:
         for idx in range(3):
