@@ -11,7 +11,11 @@ them in listing order; when one of them is listed, the first pages of the
 N after it are read in the background (`PARALLEL` calls at a time) and
 held, and their READDIRPLUS then takes the held page instead of asking.
 A directory whose subdirectories nobody lists (``ls`` of the root) costs
-nothing: reading ahead starts at the first listing of one of them.
+nothing: reading ahead starts at the first listing of one of them. A
+walker that lists subdirectories by name without listing their parent (a
+loader given its class names) gets the same: a second subdirectory of one
+directory listed within `WALK_GAP` of the first makes the mount list that
+directory itself, in the background, to learn their order (`_learn`).
 
 A held page is as fresh as the mode's listings are (fuse/listings.py):
 
@@ -63,6 +67,9 @@ MAX_DIRS = 1024
 PARALLEL = 4  # listings in flight at once
 HOLD = 10.0  # s a held page may wait for its listing
 ARRIVING = 5.0  # s a listing waits for its page being read ahead, at most
+LEARN_PAGES = 16  # pages of a parent listed to learn its subdirectories (`_learn`)
+WALK_GAP = 1.0  # s between two sibling listings that make a walk (`_walking`)
+MAX_LEARNED = 4096  # parents remembered as listed for that
 MAX_KNOWN = 1 << 20  # subdirectories remembered (their parents' oldest forgotten first)
 
 
@@ -71,6 +78,7 @@ class ListAheadCounts:
     """What reading listings ahead did (exported when scraped)."""
 
     fetched: int = 0  # first pages read ahead and held
+    learned: int = 0  # directories listed to learn their subdirectories' order
     taken: int = 0  # listings answered by a held page
     stale: int = 0  # held pages dropped unused: too old, changed, or evicted
     failed: int = 0  # listings ahead that failed (the listing asks as before)
@@ -119,6 +127,9 @@ class ListAhead:
         self._wanted: deque[int] = deque()
         self._queued: set[int] = set()  # wanted, not yet being read
         self._reading: dict[int, trio.Event] = {}  # being read: set when done
+        self._learned: OrderedDict[int, float] = OrderedDict()  # parent -> trio time listed
+        # parent -> (the subdirectory whose listing started last, trio time)
+        self._started: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self._running = 0
         self._nursery: trio.Nursery | None = None
 
@@ -153,14 +164,18 @@ class ListAhead:
         while self._known > MAX_KNOWN and len(self._subdirs) > 1:
             self._forget(next(iter(self._subdirs)))
 
-    def take(self, ino: int) -> tuple[ReaddirPage, float] | None:
-        """A listing of *ino* starts: its held first page and that page's
-        age in seconds, if one is held and still good; the ones after it
-        are read ahead either way."""
+    def take(self, ino: int, parent: int) -> tuple[ReaddirPage, float] | None:
+        """A listing of *ino* (in directory *parent*) starts: its held first
+        page and that page's age in seconds, if one is held and still good;
+        the ones after it are read ahead either way (learned first from a
+        listing of *parent*, if it was not listed here: `_learn`)."""
         if not self.enabled:
             return None
         self._queued.discard(ino)  # (the listing reads it itself)
-        self._read_after(ino)
+        if ino in self._where:
+            self._read_after(ino)
+        elif self._walking(parent, ino):
+            self._learn(parent, ino)
         held = self.held.pop(ino, None)
         if held is None:
             return None
@@ -218,6 +233,50 @@ class ListAhead:
             if self._where.get(ino, (0, 0))[0] == parent:
                 del self._where[ino]
             self._names.pop((parent, name), None)
+
+    def _walking(self, parent: int, ino: int) -> bool:
+        """Is the listing of *ino* the second of a subdirectory of *parent*
+        within `WALK_GAP` (a walk, not one ``ls``)?"""
+        now = trio.current_time()
+        last = self._started.get(parent)
+        self._started[parent] = (ino, now)
+        self._started.move_to_end(parent)
+        while len(self._started) > MAX_LEARNED:
+            self._started.popitem(last=False)
+        return last is not None and last[0] != ino and now - last[1] < WALK_GAP
+
+    def _learn(self, parent: int, ino: int) -> None:
+        """A walker that lists a directory's subdirectories without listing
+        the directory (it knows their names: a loader's class list, a
+        benchmark): list *parent* in the background (at most `LEARN_PAGES`
+        pages, once per `hold` for each parent), then read ahead after *ino*."""
+        now = trio.current_time()
+        last = self._learned.get(parent)
+        if parent in (0, ino) or (last is not None and now - last < self.hold):
+            return
+        self._learned[parent] = now
+        self._learned.move_to_end(parent)
+        while len(self._learned) > MAX_LEARNED:
+            self._learned.popitem(last=False)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._learn_listing, parent, ino)
+
+    async def _learn_listing(self, parent: int, ino: int) -> None:
+        after: bytes | None = None
+        try:
+            for _ in range(LEARN_PAGES):
+                page = await self.fs.readdir(parent, after, READDIR_PAGE)
+                self.listed(parent, after is None, page["entries"])
+                if not page["more"] or not page["entries"]:
+                    break
+                after = page["entries"][-1][0]
+        except FsError as exc:
+            self.counts.failed += 1
+            log.debug("listing directory %d to read its subdirectories ahead: %s", parent, exc)
+            return
+        self.counts.learned += 1
+        if ino in self._where:
+            self._read_after(ino)
 
     def _read_after(self, ino: int) -> None:
         where = self._where.get(ino)

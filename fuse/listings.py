@@ -147,7 +147,7 @@ class Listings:
             if h.pending and h.pending_after == after:
                 entries, more = h.pending, h.pending_more
             else:
-                entries, more, h.age = await self._page(h.ino, after)
+                entries, more, h.age = await self._page(h, after)
                 ops.list_ahead.listed(h.ino, after is None, entries)
             for i, (name, attr) in enumerate(entries):
                 next_id = h.next_id
@@ -169,14 +169,15 @@ class Listings:
                 return
 
     async def _page(
-        self, ino: int, after: bytes | None
+        self, h: DirHandle, after: bytes | None
     ) -> tuple[list[tuple[bytes, Attr]], bool, float]:
-        """A page of directory *ino*'s listing after *after*, whether more
+        """A page of directory *h*'s listing after *after*, whether more
         follow, and the page's age in seconds (a first page read ahead:
         fuse/list_ahead.py)."""
+        ino = h.ino
         if after is None:
             await self.ops.list_ahead.arriving(ino)
-            held = self.ops.list_ahead.take(ino)
+            held = self.ops.list_ahead.take(ino, h.parent)
             if held is not None:
                 page, age = held
                 return page["entries"], page["more"], age

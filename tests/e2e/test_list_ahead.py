@@ -18,6 +18,8 @@ import pytest
 from clusters import ProcessCluster, wait_until
 from opsworld import MeteredMount, metered_mounts
 
+from shufflefs.fuse.list_ahead import WALK_GAP
+
 # they drop the kernel's caches: one at a time on the machine
 pytestmark = pytest.mark.usefixtures("kernel_caches")
 
@@ -101,6 +103,32 @@ def test_a_walks_next_listings_make_no_metadata_call(
     assert (top / "d05" / "f2").read_bytes() == b"x" * 7
 
 
+def test_a_walk_that_never_lists_the_top_is_read_ahead_too(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, tree: dict[str, set[str]]
+) -> None:
+    """A walker that knows the subdirectories' names (a loader's class list)
+    and lists them without listing their directory: one listing alone reads
+    nothing ahead; the second makes the mount list the directory itself to
+    learn their order, and the rest of the walk asks nothing."""
+    r = mounts["R"]
+    top = r.mountpoint / mnt.name
+    fetched, learned = r.count("fetched"), r.count("learned")
+    assert set(os.listdir(top / "d00")) == tree["d00"]
+    time.sleep(0.5)  # (reading ahead, were it started, would be under way)
+    assert r.count("fetched") == fetched and r.count("learned") == learned
+    assert set(os.listdir(top / "d01")) == tree["d01"]
+    wait_until(
+        "the walk's next listings held",
+        lambda: r.count("fetched") >= fetched + DIRS - 2,
+        timeout=20,
+    )
+    assert r.count("learned") == learned + 1
+    before = walk_calls(mounted)
+    for i in range(2, DIRS):
+        assert set(os.listdir(top / f"d{i:02d}")) == tree[f"d{i:02d}"]
+    assert walk_calls(mounted) == before
+
+
 def test_held_listings_follow_changes_of_another_mount_and_of_its_own(
     mounts: dict[str, MeteredMount], mnt: Path, tree: dict[str, set[str]]
 ) -> None:
@@ -152,6 +180,7 @@ def test_nothing_is_listed_ahead_before_a_walk_or_with_zero(
     listing of one of its subdirectories starts it; ``list_ahead=0`` never."""
     r, n = mounts["R"], mounts["N"]
     fetched = r.count("fetched")
+    time.sleep(WALK_GAP)  # (a sibling of the top listed by a test before is not a walk)
     os.listdir(r.mountpoint / mnt.name)
     time.sleep(0.5)  # (reading ahead, were it started, would be under way)
     assert r.count("fetched") == fetched

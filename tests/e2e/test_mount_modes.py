@@ -46,13 +46,14 @@ SLACK = 10.0  # what the test allows beyond the bound on a busy machine
 def mounts(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Path]]:
-    """A (the session's default mount), B (another default mount), R (-o ro,
-    default timeouts), S (-o ro with BOUND-second timeouts), I and J (the same
-    two with cache=immutable)."""
+    """A (the session's default mount), B (another default mount), L (the
+    same, no listings read ahead), R (-o ro, default timeouts), S (-o ro with
+    BOUND-second timeouts), I and J (the same two with cache=immutable)."""
     made: list[Path] = []
     short = f"attr_timeout={BOUND},entry_timeout={BOUND},negative_timeout={BOUND}"
     options = {
         "B": [],
+        "L": ["-o", "list_ahead=0"],
         "R": ["-o", "ro"],
         "S": ["-o", f"ro,{short}"],
         "I": ["-o", "cache=immutable"],
@@ -199,8 +200,10 @@ def test_a_first_listing_costs_a_round_trip_per_page_and_none_for_its_end(
     """Listing a directory of two metadata pages reads each page once; the
     kernel's last READDIRPLUS, past the end, is answered without asking
     (it was an empty page's round trip per directory: half the calls of a
-    cold scan of small class directories)."""
-    a, b = where("A"), where("B")
+    cold scan of small class directories). (On a mount that reads no
+    listings ahead: two sibling listings are a walk to one that does,
+    fuse/list_ahead.py.)"""
+    a, b = where("A"), where("L")
     (a / "two").mkdir()
     names = [f"f{k:03d}" for k in range(300)]  # READDIR_PAGE is 256
     for name in names:
