@@ -32,6 +32,10 @@ A held page is as fresh as the mode's listings are (fuse/listings.py):
   lookup of a subdirectory a listing brought is answered from it for as
   long (`lookup`): a walk's next directory needs no round trip.
 
+A directory listed since the kernel last forgot it is not read ahead: the
+kernel holds its listing, or another walker listed it (several walkers over
+slices of one directory's subdirectories do not read each other's ahead).
+
 Bounded: at most 4N held pages (`PARALLEL` walkers' windows; the oldest
 dropped first), each its directory's first page only (`READDIR_PAGE`
 entries), none older than `HOLD`; at most `MAX_KNOWN` subdirectories
@@ -128,6 +132,9 @@ class ListAhead:
         self._queued: set[int] = set()  # wanted, not yet being read
         self._reading: dict[int, trio.Event] = {}  # being read: set when done
         self._learned: OrderedDict[int, float] = OrderedDict()  # parent -> trio time listed
+        # directories listed since the kernel last forgot them: it holds their
+        # listing, or another walker is reading it (not read ahead)
+        self._listed: OrderedDict[int, None] = OrderedDict()
         # parent -> (the subdirectory whose listing started last, trio time)
         self._started: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self._running = 0
@@ -172,6 +179,9 @@ class ListAhead:
         if not self.enabled:
             return None
         self._queued.discard(ino)  # (the listing reads it itself)
+        self._listed[ino] = None
+        if len(self._listed) > MAX_KNOWN:
+            self._listed.popitem(last=False)
         if ino in self._where:
             self._read_after(ino)
         elif self._walking(parent, ino):
@@ -214,9 +224,15 @@ class ListAhead:
         return self.fs.overlay(attr), left
 
     def changed(self, ino: int) -> None:
-        """The watch was told of a change of directory *ino*."""
+        """The watch was told of a change of directory *ino* (the kernel's
+        listing of it is dropped)."""
+        self._listed.pop(ino, None)
         if self.held.pop(ino, None) is not None:
             self.counts.stale += 1
+
+    def forgotten(self, ino: int) -> None:
+        """The kernel forgot inode *ino* (and with it any listing it held)."""
+        self._listed.pop(ino, None)
 
     def _current(self, ino: int, held: HeldPage) -> bool:
         if self.watch is None:
@@ -284,7 +300,12 @@ class ListAhead:
             return
         parent, index = where
         for after, _ in self._subdirs[parent][index + 1 : index + 1 + self.ahead]:
-            if after not in self.held and after not in self._queued and after not in self._reading:
+            if (
+                after not in self.held
+                and after not in self._queued
+                and after not in self._reading
+                and after not in self._listed
+            ):
                 self._queued.add(after)
                 self._wanted.append(after)
         assert self._nursery is not None

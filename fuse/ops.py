@@ -203,6 +203,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
                 self.parents.pop(ino, None)
                 self.regular.discard(ino)
                 self.dir_changes.replied.pop(ino, None)
+                self.list_ahead.forgotten(ino)
 
     @fuse_errors
     @stale_when_gone
