@@ -13,9 +13,10 @@ held, and their READDIRPLUS then takes the held page instead of asking.
 A directory whose subdirectories nobody lists (``ls`` of the root) costs
 nothing: reading ahead starts at the first listing of one of them. A
 walker that lists subdirectories by name without listing their parent (a
-loader given its class names) gets the same: a second subdirectory of one
-directory listed within `WALK_GAP` of the first makes the mount list that
-directory itself, in the background, to learn their order (`_learn`).
+loader given its class names) gets the same: a listing of a subdirectory
+that starts right after one of a sibling (within `WALK_GAP`) makes the mount
+list their directory itself, in the background, to learn their order
+(`_learn`).
 
 A held page is as fresh as the mode's listings are (fuse/listings.py):
 
@@ -135,8 +136,9 @@ class ListAhead:
         # directories listed since the kernel last forgot them: it holds their
         # listing, or another walker is reading it (not read ahead)
         self._listed: OrderedDict[int, None] = OrderedDict()
-        # parent -> (the subdirectory whose listing started last, trio time)
-        self._started: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        # the listing that started last, of a directory not known here:
+        # (its parent, its inode, trio time)
+        self._last_start: tuple[int, int, float] | None = None
         self._running = 0
         self._nursery: trio.Nursery | None = None
 
@@ -148,8 +150,9 @@ class ListAhead:
         return self.ahead > 0 and self._nursery is not None
 
     def listed(self, parent: int, first: bool, entries: Sequence[tuple[bytes, Attr]]) -> None:
-        """A page of *parent*'s listing went to the kernel (*first*: its
-        first page): remember its subdirectories, in order."""
+        """A page of *parent*'s listing was read (for the kernel, or by
+        `_learn`; *first*: its first page): remember its subdirectories, in
+        order."""
         if not self.enabled:
             return
         dirs = [(n, a) for n, a in entries if stat.S_ISDIR(a["mode"])]
@@ -251,15 +254,14 @@ class ListAhead:
             self._names.pop((parent, name), None)
 
     def _walking(self, parent: int, ino: int) -> bool:
-        """Is the listing of *ino* the second of a subdirectory of *parent*
-        within `WALK_GAP` (a walk, not one ``ls``)?"""
+        """Did the listing of *ino* start right after one of another
+        subdirectory of *parent*, within `WALK_GAP` (a walk, not one ``ls``,
+        nor listings of unrelated directories that share a parent)?"""
         now = trio.current_time()
-        last = self._started.get(parent)
-        self._started[parent] = (ino, now)
-        self._started.move_to_end(parent)
-        while len(self._started) > MAX_LEARNED:
-            self._started.popitem(last=False)
-        return last is not None and last[0] != ino and now - last[1] < WALK_GAP
+        last, self._last_start = self._last_start, (parent, ino, now)
+        return (
+            last is not None and last[0] == parent and last[1] != ino and now - last[2] < WALK_GAP
+        )
 
     def _learn(self, parent: int, ino: int) -> None:
         """A walker that lists a directory's subdirectories without listing
