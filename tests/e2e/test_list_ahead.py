@@ -36,10 +36,12 @@ WALK_CALLS = ("readdir", "watch_dir", "lookup", "lookup_open", "getattr")
 def mounts(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, MeteredMount]]:
-    """B (default), R (-o ro), S (-o ro, BOUND-second timeouts), I
-    (cache=immutable), N (list_ahead=0): each a mount of its own."""
+    """B (read-write, 10-second timeouts: a held page is good that long, not
+    1 s, however slowly the machine drops its caches), R (-o ro), S (-o ro,
+    BOUND-second timeouts), I (cache=immutable), N (list_ahead=0): each a
+    mount of its own."""
     options = {
-        "B": "",
+        "B": "attr_timeout=10,entry_timeout=10",
         "R": "ro",
         "S": f"ro,{SHORT}",
         "I": "cache=immutable",
