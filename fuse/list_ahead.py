@@ -82,8 +82,9 @@ MAX_KNOWN = 1 << 20  # subdirectories remembered (their parents' oldest forgotte
 class ListAheadCounts:
     """What reading listings ahead did (exported when scraped)."""
 
+    queued: int = 0  # first pages to read ahead (counted as a listing decides it)
     fetched: int = 0  # first pages read ahead and held
-    learned: int = 0  # directories listed to learn their subdirectories' order
+    learned: int = 0  # directories listed to learn their subdirectories' order (when started)
     taken: int = 0  # listings answered by a held page
     stale: int = 0  # held pages dropped unused: too old, changed, or evicted
     failed: int = 0  # listings ahead that failed (the listing asks as before)
@@ -274,6 +275,7 @@ class ListAhead:
             return
         self._learned[parent] = now
         self._learned.move_to_end(parent)
+        self.counts.learned += 1
         while len(self._learned) > MAX_LEARNED:
             self._learned.popitem(last=False)
         assert self._nursery is not None
@@ -292,7 +294,6 @@ class ListAhead:
             self.counts.failed += 1
             log.debug("listing directory %d to read its subdirectories ahead: %s", parent, exc)
             return
-        self.counts.learned += 1
         if ino in self._where:
             self._read_after(ino)
 
@@ -310,6 +311,7 @@ class ListAhead:
             ):
                 self._queued.add(after)
                 self._wanted.append(after)
+                self.counts.queued += 1
         assert self._nursery is not None
         while self._wanted and self._running < PARALLEL:
             self._running += 1

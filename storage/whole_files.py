@@ -96,9 +96,11 @@ class WholeFiles(Target):
     def _chunks_of(self, ino: int) -> list[bytes]:
         prefix = ino.to_bytes(8, "big")
         out: list[bytes] = []
-        while page := self._scan_prefix(prefix, out[-1] if out else None, BATCH):
+        while True:  # (a short page is the last: no scan that finds nothing)
+            page = self._scan_prefix(prefix, out[-1] if out else None, BATCH)
             out.extend(page)
-        return out
+            if len(page) < BATCH:
+                return out
 
     def _each_batch(self, ino: int, apply: Callable[[list[bytes]], int]) -> int:
         prefix = ino.to_bytes(8, "big")

@@ -10,15 +10,12 @@ it off."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from clusters import ProcessCluster, wait_until
 from opsworld import MeteredMount, metered_mounts
-
-from shufflefs.fuse.list_ahead import WALK_GAP
 
 # they drop the kernel's caches: one at a time on the machine
 pytestmark = pytest.mark.usefixtures("kernel_caches")
@@ -37,12 +34,14 @@ def mounts(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, MeteredMount]]:
     """B (read-write, 10-second timeouts: a held page is good that long, not
-    1 s, however slowly the machine drops its caches), R (-o ro), S (-o ro,
-    BOUND-second timeouts), I (cache=immutable), N (list_ahead=0): each a
-    mount of its own."""
+    1 s, however slowly the machine drops its caches), R (-o ro), F (the
+    same, for one test: no listing of another test's directory before its
+    own), S (-o ro, BOUND-second timeouts), I (cache=immutable), N
+    (list_ahead=0): each a mount of its own."""
     options = {
         "B": "attr_timeout=10,entry_timeout=10",
         "R": "ro",
+        "F": "ro",
         "S": f"ro,{SHORT}",
         "I": "cache=immutable",
         "N": "list_ahead=0",
@@ -114,10 +113,10 @@ def test_a_walk_that_never_lists_the_top_is_read_ahead_too(
     learn their order, and the rest of the walk asks nothing."""
     r = mounts["R"]
     top = r.mountpoint / mnt.name
-    fetched, learned = r.count("fetched"), r.count("learned")
+    fetched, queued, learned = r.count("fetched"), r.count("queued"), r.count("learned")
     assert set(os.listdir(top / "d00")) == tree["d00"]
-    time.sleep(0.5)  # (reading ahead, were it started, would be under way)
-    assert r.count("fetched") == fetched and r.count("learned") == learned
+    # (what a listing reads ahead is decided, and counted, before it returns)
+    assert r.count("queued") == queued and r.count("learned") == learned
     assert set(os.listdir(top / "d01")) == tree["d01"]
     wait_until(
         "the walk's next listings held",
@@ -180,14 +179,13 @@ def test_nothing_is_listed_ahead_before_a_walk_or_with_zero(
 ) -> None:
     """A listing of the top alone (``ls``) reads nothing ahead; the first
     listing of one of its subdirectories starts it; ``list_ahead=0`` never."""
-    r, n = mounts["R"], mounts["N"]
-    fetched = r.count("fetched")
-    time.sleep(WALK_GAP)  # (a sibling of the top listed by a test before is not a walk)
-    os.listdir(r.mountpoint / mnt.name)
-    time.sleep(0.5)  # (reading ahead, were it started, would be under way)
-    assert r.count("fetched") == fetched
-    os.listdir(r.mountpoint / mnt.name / "d00")
-    wait_until("the walk's next listings", lambda: r.count("fetched") > fetched, timeout=20)
+    f, n = mounts["F"], mounts["N"]
+    os.listdir(f.mountpoint / mnt.name)
+    # (what a listing reads ahead is decided, and counted, before it returns)
+    assert f.count("queued") == f.count("learned") == 0
+    os.listdir(f.mountpoint / mnt.name / "d00")
+    assert f.count("queued") == DIRS - 1
+    wait_until("the walk's next listings", lambda: f.count("fetched") == DIRS - 1, timeout=20)
     os.listdir(n.mountpoint / mnt.name)
     for i in range(DIRS):
         assert set(os.listdir(n.mountpoint / mnt.name / f"d{i:02d}")) == tree[f"d{i:02d}"]
