@@ -20,7 +20,7 @@ from shufflefs.client.layout import Piece
 from shufflefs.client.replicas import Placed, Replicas
 from shufflefs.cluster.routing import Routing
 from shufflefs.storage.local_read import LocalPlan, LocalTarget
-from shufflefs.storage.uring import FileOutcome, FileRead, UringReads
+from shufflefs.storage.uring import OFFLOAD_AT, FileOutcome, FileRead, UringReads
 
 log = logging.getLogger("shufflefs.client.local_reads")
 
@@ -216,8 +216,10 @@ class LocalReads:
         once, each read as soon as its open is done. No thread: one thread
         per batch opened its files one after another, keeping the disk at
         one lookup at a time, and threads of several batches handed the GIL
-        back and forth about 20 times per file (measured). Returns the items
-        left for the daemons."""
+        back and forth about 20 times per file (measured); and, three files
+        or more, their bytes copied by the kernel's io-wq workers, not this
+        loop (`UringReads.submit`'s *offload*). Returns the items left for
+        the daemons."""
         rest: list[Placed] = []
         planned: list[tuple[Placed, LocalTarget, LocalPlan]] = []
         for item in items:
@@ -234,7 +236,7 @@ class LocalReads:
         if not planned:
             return rest
         reads = self.disk_reads([(item[0], reader, plan) for item, reader, plan in planned])
-        outcomes = await ring.open_and_read(reads)
+        outcomes = await ring.open_and_read(reads, offload=len(reads) >= OFFLOAD_AT)
         for (item, reader, plan), outcome in zip(planned, outcomes, strict=True):
             data = self.finished(reader, plan, outcome)
             if data is None:

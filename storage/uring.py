@@ -46,6 +46,9 @@ import trio
 log = logging.getLogger("shufflefs.storage.uring")
 
 ENTRIES = 256  # submission queue size: reads in flight per ring
+# reads waiting at once from which a busy loop has the kernel's workers copy
+# them (`UringReads.submit`'s *offload*)
+OFFLOAD_AT = 3
 
 try:  # an optional fast path: without it, reads use threads
     import liburing as _uring  # type: ignore[import-untyped]  # stubs, no py.typed
@@ -88,6 +91,7 @@ class _Batch:
     remaining: int
     done: trio.Event = field(default_factory=trio.Event)
     then: Callable[[list[FileOutcome]], None] | None = None
+    offload: bool = False  # its reads go to the kernel's io-wq workers (`submit`)
 
     def outcomes(self) -> list[FileOutcome]:
         return list(zip(self.fds, self.results, strict=True))
@@ -108,6 +112,7 @@ class UringReads:
         self._followed = 0  # next steps submitted by `follow` in this pass of the reaper
         self.reads = 0  # completed (tests, debugging)
         self.opens = 0
+        self.offloaded = 0  # reads submitted to io-wq workers (`submit`'s *offload*)
 
     @classmethod
     def open(cls) -> UringReads | None:
@@ -146,7 +151,9 @@ class UringReads:
             results[k] = got
         return _outcomes(bufs, results)
 
-    async def open_and_read(self, requests: list[FileRead]) -> list[FileOutcome]:
+    async def open_and_read(
+        self, requests: list[FileRead], offload: bool = False
+    ) -> list[FileOutcome]:
         """Each (fd, or the path of a file to open read-only; buffer;
         offset) read into its buffer, a path opened first and its read
         submitted by the reaper as soon as the open is done (no round of
@@ -156,8 +163,9 @@ class UringReads:
         or the open's error; the bytes read or the read's error (the open's,
         when it failed). Opening a file that is not open yet waits for the
         disk (its directory entry, its inode): here the kernel's workers wait,
-        not this thread."""
+        not this thread. *offload*: as `submit`'s."""
         batch = self._batch(list(requests), extra=1)
+        batch.offload = offload
         await self._submit_all(batch, self._prep_file)
         return batch.outcomes()
 
@@ -204,16 +212,33 @@ class UringReads:
             with trio.CancelScope(shield=True):  # the kernel owns the buffers until done
                 await batch.done.wait()
 
-    def submit(self, requests: list[FileRead], then: Callable[[list[FileOutcome]], None]) -> bool:
+    def submit(
+        self,
+        requests: list[FileRead],
+        then: Callable[[list[FileOutcome]], None],
+        offload: bool = False,
+    ) -> bool:
         """`open_and_read` without waiting (code on the loop that cannot
         await: the mount's READ callbacks): *then* is called with the
         outcomes, on the loop, once all are done. False (nothing submitted)
         if the ring has no room for them all now. The buffers must stay
-        untouched until then."""
+        untouched until then.
+
+        With *offload* the reads go to the kernel's io-wq workers
+        (IOSQE_ASYNC) instead of being tried on this thread first. A
+        buffered read of pages not in the page cache is otherwise finished
+        by this thread: the kernel copies the bytes into the buffer as task
+        work the next time the thread enters it, so a loop that waits on many
+        cold reads at once spends its own time copying them (a fifth of the
+        mount's, reading cold 110 KB samples from eight processes, `perf`).
+        A worker copies on another core instead; the price is its wake-up,
+        which a lone read pays in latency, so callers offload only when the
+        loop is the one that is busy (fuse/fast_reads.py)."""
         if not requests or self._room.value < len(requests):
             return False
         batch = self._batch(list(requests), extra=0)
         batch.then = then
+        batch.offload = offload
         for k in range(len(requests)):
             self._room.acquire_nowait()
             self._prep_file(batch, k)
@@ -239,6 +264,9 @@ class UringReads:
         _, buf, offset = batch.requests[k]
         sqe = _uring.io_uring_get_sqe(self._ring)
         _uring.io_uring_prep_read(sqe, result, buf, offset)
+        if batch.offload:
+            _uring.io_uring_sqe_set_flags(sqe, _uring.IOSQE_ASYNC)
+            self.offloaded += 1
         sqe.user_data = ident
         self._in_flight[ident] = (batch, k)
         self._followed += 1
@@ -253,6 +281,9 @@ class UringReads:
             _uring.io_uring_prep_openat2(sqe, what, self._how)
         else:
             _uring.io_uring_prep_read(sqe, what, buf, offset)
+            if batch.offload:
+                _uring.io_uring_sqe_set_flags(sqe, _uring.IOSQE_ASYNC)
+                self.offloaded += 1
         self._track(sqe, batch, k)
 
     def _prep_write(self, batch: _Batch, k: int) -> None:

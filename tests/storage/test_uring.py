@@ -233,3 +233,53 @@ async def test_writes_through_the_ring_land_whole_with_errors_per_write(tmp_path
     finally:
         for f in (fd, r, w):
             os.close(f)
+
+
+async def test_offloaded_reads_give_the_same_bytes_and_errors(tmp_path: Path) -> None:
+    """Reads handed to the kernel's io-wq workers (*offload*: the mount's
+    loop, waiting on many cold reads, no longer copies their bytes itself)
+    read exactly what the others do, from files not in the page cache,
+    through an open in the ring or an open fd, with errors per read; and
+    are counted."""
+    ring = uring.for_this_run()
+    assert ring is not None
+    contents = [os.urandom(110_000 + k) for k in range(6)]
+    fds = []
+    for k, data in enumerate(contents):
+        (tmp_path / f"c{k}").write_bytes(data)
+        fd = os.open(tmp_path / f"c{k}", os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the disk's to read
+        fds.append(fd)
+    requests: list[uring.FileRead] = [(str(tmp_path / "c0"), bytearray(120_000), 0)]
+    requests += [(fds[k], bytearray(60_000), 4096 * k) for k in range(1, 6)]
+    requests += [(str(tmp_path / "missing"), bytearray(10), 0), (-1, bytearray(10), 0)]
+    offloaded = ring.offloaded
+    outcomes = await ring.open_and_read(requests, offload=True)
+    assert ring.offloaded - offloaded == 7  # every read submitted (none for the failed open)
+    fd, got = outcomes[0]
+    assert isinstance(fd, int) and got == len(contents[0])
+    assert bytes(requests[0][1][:got]) == contents[0]
+    os.close(fd)
+    for k in range(1, 6):
+        assert outcomes[k] == (fds[k], 60_000)
+        assert bytes(requests[k][1]) == contents[k][4096 * k : 4096 * k + 60_000]
+    missing, bad = outcomes[-2], outcomes[-1]
+    assert isinstance(missing[1], OSError) and missing[1].errno == errno.ENOENT
+    assert isinstance(bad[1], OSError) and bad[1].errno == errno.EBADF
+
+    done = trio.Event()
+    seen: list[list[uring.FileOutcome]] = []
+
+    def then(results: list[uring.FileOutcome]) -> None:
+        seen.append(results)
+        done.set()
+
+    os.posix_fadvise(fds[1], 0, 0, os.POSIX_FADV_DONTNEED)
+    buf = bytearray(100_000)
+    assert ring.submit([(fds[1], buf, 5)], then, offload=True)
+    await done.wait()
+    assert seen == [[(fds[1], 100_000)]] and bytes(buf) == contents[1][5:100_005]
+    assert ring.offloaded - offloaded == 8 and ring._in_flight == {}
+    for fd in fds[1:]:
+        os.close(fd)
