@@ -154,3 +154,27 @@ def test_no_more_entries_than_dir_ahead_and_none_with_zero(
     assert read(n.mountpoint / mnt.name / names[1]) == content(1)
     assert name_calls(mounted)["lookup_open"] > before["lookup_open"]
     assert n.count("dirs") == n.count("files") == 0
+
+
+def test_files_whose_handles_are_held_already_are_learned_too(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+) -> None:
+    """A directory whose files the mount holds handles of already (opened
+    through other names of them here: hard links; as a prefetch of hinted
+    files holds them) learns their names all the same: its lookups ask
+    nothing. (They were left out: a dataset's directories listed after a
+    hinted epoch learned no name, and every lookup of the next epoch was a
+    metadata call.)"""
+    b = mounts["B"]
+    (mnt / "links").mkdir()
+    for name in names:
+        os.link(mnt / name, mnt / "links" / name)
+    d = b.mountpoint / mnt.name
+    assert first_miss(b, d / "links", names[0]) == FILES - 1  # every inode's handle now held
+    held = b.count("held")
+    assert first_miss(b, d, names[0]) == 0  # none to open
+    before = name_calls(mounted)
+    for i, name in enumerate(names):
+        assert read(d / name) == content(i)
+    assert name_calls(mounted) == before
+    assert b.count("held") - held == FILES  # names[0]'s lookup brought its own
