@@ -29,7 +29,8 @@ of every change (read-write). A listing from a follower that lags is caught
 the same way.
 
 Bounded: a directory at most once per ``handle_linger`` (its handles are
-held that long); N entries of it at most; only while the open cache is under
+held that long; on ``-o ro`` once per ``entry_timeout`` if that is shorter,
+as its names answer no longer); N entries of it at most; only while the open cache is under
 half its limit (each handle is the metadata server's memory, and a file
 removed elsewhere keeps its space while a handle of it is held: the linger
 bounds both, as for any cached open). On cache=immutable the handle a
@@ -118,13 +119,21 @@ class DirAhead:
         now = trio.current_time()
         cache = self.fs.open_cache
         done = self._done.get(parent)
-        if done is not None and now - done < cache.linger:
+        if done is not None and now - done < self._again_after(cache.linger):
             return
         if len(cache.entries) * 2 >= cache.limit:
             self.counts.skipped += 1
             return
         self._busy.add(parent)
         nursery.start_soon(self._open_ahead, parent)
+
+    def _again_after(self, linger: float) -> float:
+        """Seconds before a directory is listed ahead again: its handles'
+        linger; on ``-o ro`` no longer than its names answer (`lookup`), or
+        a miss after they aged out would leave every lookup of the directory
+        to ask until the linger ends (the handles held then are learned
+        again, not reopened)."""
+        return linger if self.watched is not None else min(linger, self.entry_timeout)
 
     def lookup(self, parent: int, name: bytes) -> tuple[Attr, float] | None:
         """(``-o ro``) The attributes of a name learned here while its handle

@@ -178,3 +178,29 @@ def test_files_whose_handles_are_held_already_are_learned_too(
         assert read(d / name) == content(i)
     assert name_calls(mounted) == before
     assert b.count("held") - held == FILES  # names[0]'s lookup brought its own
+
+
+def test_a_read_only_mount_lists_a_directory_again_once_its_names_aged_out(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+) -> None:
+    """-o ro with entry_timeout shorter than handle_linger: once the names
+    learned ahead are entry_timeout old, a miss lists the directory again
+    and learns them anew from the handles still held (none reopened), so its
+    lookups ask nothing once more (they all asked until the linger ended)."""
+    r = mounts["R"]
+    d = r.mountpoint / mnt.name
+    assert first_miss(r, d, names[0]) == FILES - 1
+    dirs, files, held = r.count("dirs"), r.count("files"), r.count("held")
+
+    def listed_again() -> bool:
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+        os.stat(d / names[1])  # a miss once the names aged out
+        return r.count("dirs") > dirs
+
+    wait_until("a miss to list the directory again", listed_again, BOUND + SLACK)
+    assert r.count("files") == files  # nothing reopened: the handles are held
+    assert r.count("held") - held == FILES
+    before = name_calls(mounted)
+    for i in range(2, FILES):
+        assert read(d / names[i]) == content(i)
+    assert name_calls(mounted) == before
