@@ -452,6 +452,11 @@ class FastReads:
 
     def _reply(self, req: int, data: Any, started: float) -> None:
         buf, n = _address(data)
+        if self.on_read is not None:
+            # counted before the reply: the reader may look at the mount's
+            # counters as soon as it has its bytes (a READ the kernel then
+            # drops, its reader killed meanwhile, is counted all the same)
+            self.on_read(started, n)
         with self._replying:
             if self.closed:
                 return
@@ -460,8 +465,6 @@ class FastReads:
             log.debug("fuse_reply_buf: request already gone")
         elif ret:
             log.error("fuse_reply_buf failed: %s", errno.errorcode.get(-ret, ret))
-        elif self.on_read is not None:
-            self.on_read(started, n)
 
     def _reply_error(self, req: int, code: int) -> None:
         with self._replying:
