@@ -23,15 +23,15 @@ epoch learned no name and the next epoch's every lookup was a metadata call
 1,988-2,104 samples/s, 2,978-3,680 with them learned).
 
 A name is taken only if the file's change counter at the open (or of the
-handle held) is the one the listing showed: the name was still its name then (an unlink or rename of
-it, or over it, changes it), and from the open on the watch tells the mount
-of every change (read-write). A listing from a follower that lags is caught
-the same way.
+handle held) is the one the listing showed: the name was still its name then
+(an unlink or rename of it, or over it, changes it), and from the open on the
+watch tells the mount of every change (read-write). A listing from a follower
+that lags is caught the same way.
 
 Bounded: a directory at most once per ``handle_linger`` (its handles are
 held that long; on ``-o ro`` once per ``entry_timeout`` if that is shorter,
-as its names answer no longer); N entries of it at most; only while the open cache is under
-half its limit (each handle is the metadata server's memory, and a file
+as its names answer no longer); N entries of it at most; only while the open
+cache is under half its limit (each handle is the metadata server's memory, and a file
 removed elsewhere keeps its space while a handle of it is held: the linger
 bounds both, as for any cached open). On cache=immutable the handle a
 learned name finds in the open cache is the one its first READ takes

@@ -164,8 +164,7 @@ class UringReads:
         when it failed). Opening a file that is not open yet waits for the
         disk (its directory entry, its inode): here the kernel's workers wait,
         not this thread. *offload*: as `submit`'s."""
-        batch = self._batch(list(requests), extra=1)
-        batch.offload = offload
+        batch = self._batch(list(requests), extra=1, offload=offload)
         await self._submit_all(batch, self._prep_file)
         return batch.outcomes()
 
@@ -236,20 +235,21 @@ class UringReads:
         loop is the one that is busy (fuse/fast_reads.py)."""
         if not requests or self._room.value < len(requests):
             return False
-        batch = self._batch(list(requests), extra=0)
+        batch = self._batch(list(requests), extra=0, offload=offload)
         batch.then = then
-        batch.offload = offload
         for k in range(len(requests)):
             self._room.acquire_nowait()
             self._prep_file(batch, k)
         _uring.io_uring_submit(self._ring)
         return True
 
-    def _batch(self, requests: list[tuple[int | str, Any, int]], extra: int) -> _Batch:
+    def _batch(
+        self, requests: list[tuple[int | str, Any, int]], extra: int, offload: bool
+    ) -> _Batch:
         """The batch of `open_and_read` (its count of *extra* holds it open
         while it is submitted)."""
         fds: list[int | OSError] = [r[0] if isinstance(r[0], int) else -1 for r in requests]
-        return _Batch(requests, fds, [0] * len(requests), extra)
+        return _Batch(requests, fds, [0] * len(requests), extra, offload=offload)
 
     def _follow(self, batch: _Batch, ident: int, k: int, result: int | OSError) -> bool:
         """A completion of request *k* of *batch*, before it counts: True if
@@ -262,11 +262,7 @@ class UringReads:
         if isinstance(result, OSError):
             return False  # the read's outcome is the open's error
         _, buf, offset = batch.requests[k]
-        sqe = _uring.io_uring_get_sqe(self._ring)
-        _uring.io_uring_prep_read(sqe, result, buf, offset)
-        if batch.offload:
-            _uring.io_uring_sqe_set_flags(sqe, _uring.IOSQE_ASYNC)
-            self.offloaded += 1
+        sqe = self._prep_read(batch, result, buf, offset)
         sqe.user_data = ident
         self._in_flight[ident] = (batch, k)
         self._followed += 1
@@ -276,15 +272,22 @@ class UringReads:
         """The first step of request *k* of *batch* (its open, or its read
         of an open fd), in the submission queue; a slot of the ring taken."""
         what, buf, offset = batch.requests[k]
-        sqe = _uring.io_uring_get_sqe(self._ring)
         if isinstance(what, str):
+            sqe = _uring.io_uring_get_sqe(self._ring)
             _uring.io_uring_prep_openat2(sqe, what, self._how)
         else:
-            _uring.io_uring_prep_read(sqe, what, buf, offset)
-            if batch.offload:
-                _uring.io_uring_sqe_set_flags(sqe, _uring.IOSQE_ASYNC)
-                self.offloaded += 1
+            sqe = self._prep_read(batch, what, buf, offset)
         self._track(sqe, batch, k)
+
+    def _prep_read(self, batch: _Batch, fd: int, buf: Any, offset: int) -> Any:
+        """A read of *batch* in the submission queue (for an io-wq worker
+        if the batch is offloaded); its sqe."""
+        sqe = _uring.io_uring_get_sqe(self._ring)
+        _uring.io_uring_prep_read(sqe, fd, buf, offset)
+        if batch.offload:
+            _uring.io_uring_sqe_set_flags(sqe, _uring.IOSQE_ASYNC)
+            self.offloaded += 1
+        return sqe
 
     def _prep_write(self, batch: _Batch, k: int) -> None:
         """Write *k* of *batch* in the submission queue, for an io-wq worker."""
