@@ -163,7 +163,10 @@ class OpenCache:
         is (a stale one is caught by the reader's own open, which
         revalidates unless `trust`), the rest are opened in one call and kept
         as idle entries, so the reader's open reuses them and they are given
-        back after `linger` like any other. An inode gone is left out."""
+        back after `linger` like any other. An inode gone is left out, and so
+        is one with no name left (removed since the caller listed it, kept
+        alive by a handle somewhere): its handle is given back by the next
+        `expire` instead of keeping its space for `linger`."""
         out = {ino: e for ino in inos if (e := self.entries.get(ino)) is not None}
         wanted = [ino for ino in dict.fromkeys(inos) if ino not in out]
         if not wanted:
@@ -172,17 +175,26 @@ class OpenCache:
         stamp = self.stamp()
         for res in await self._open_many(wanted):
             if res is not None:
-                out[res["attr"]["ino"]] = self.adopt(res, stamp)
+                entry = self.adopt(res, stamp)
+                if not entry.dropped:
+                    out[res["attr"]["ino"]] = entry
         return out
 
     def adopt(self, res: OpenResult, stamp: int = -1) -> CachedOpen:
         """A read-only open made for an open to come (`open_ahead`, a
         read-only mount's `lookup_open`): kept as an idle entry, unless the
         cache holds the inode already (then it is given back by the next
-        `expire`, and the held entry returned)."""
+        `expire`, and the held entry returned). A file with no name left is
+        not kept either (no open by name can reach it, `open_now`; kept, its
+        handle would hold the file's space for `linger`): the entry returned
+        is marked dropped and given back by the next `expire`."""
         ino = res["attr"]["ino"]
         entry = CachedOpen(ino, res["handle"], res["layout"], res["attr"], stamp=stamp)
         entry.idle_since = trio.current_time()
+        if res["attr"]["nlink"] == 0:
+            entry.dropped = True
+            self._unused.append(entry)
+            return entry
         held = self.entries.get(ino)
         if held is not None:  # an open raced ours: its entry stays, ours goes back
             entry.dropped = True

@@ -7,6 +7,7 @@ cache's room bounds it; a name learned on a read-only mount answers for
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Awaitable, Callable
 
@@ -18,6 +19,7 @@ from shufflefs.client.open_cache import CachedOpen
 from shufflefs.fuse import dir_ahead
 from shufflefs.fuse.dir_ahead import DirAhead
 from shufflefs.metadata.protocol import ROOT_INODE, ReaddirPage
+from shufflefs.rpc.errors import FsError
 
 OPTIONS = ClientOptions(local_reads=False, open_linger=30.0, trust_open_cache=True)
 OpenFs = Callable[[ClientOptions], Awaitable[FileSystem]]  # the `open_fs` fixture
@@ -63,6 +65,40 @@ async def test_a_file_changed_between_listing_and_open_is_not_learned(open_fs: O
     async with trio.open_nursery() as nursery:
         ahead.missed(d, await reader.lookup(d, b"f00"), nursery)
     assert ahead.counts.dirs == 1
+
+
+async def test_a_file_removed_between_listing_and_open_is_not_kept_alive(
+    open_fs: OpenFs,
+) -> None:
+    """A file unlinked after the listing but still held open elsewhere is
+    opened (by inode) with no name left: its handle is given back by the
+    next expiry, not kept for the linger, which held its space that long
+    (a test that waited 10 s for a replaced file's chunks failed so once)."""
+    writer = await open_fs(OPTIONS)
+    reader = await open_fs(OPTIONS)
+    d, inos = await directory(writer, 4)
+    held, _ = await writer.open(inos[3], os.O_RDWR)  # keeps it alive once unlinked
+    listing = reader.readdir
+
+    async def removed_after_listing(
+        ino: int, after: bytes | None, limit: int, watch: bool = False
+    ) -> ReaddirPage:
+        page = await listing(ino, after, limit, watch)
+        await writer.unlink(d, b"f03")  # after the listing, before the open
+        return page
+
+    reader.readdir = removed_after_listing  # type: ignore[method-assign]
+    ahead = DirAhead(reader, None, 1024, entry_timeout=60.0)
+    async with trio.open_nursery() as nursery:
+        ahead.missed(d, await reader.lookup(d, b"f00"), nursery)
+    assert ahead.counts.files == 3  # f00-f02; f03 opened with no name left, not kept
+    assert inos[3] not in reader.open_cache.entries
+    assert ahead.lookup(d, b"f03") is None
+    await reader.open_cache.expire()  # gives its handle back (not waiting for the linger)
+    await writer.release(held.fh)  # the last handle: the file is freed
+    with pytest.raises(FsError) as err:
+        await reader.getattr(inos[3])
+    assert err.value.code == errno.ENOENT
 
 
 async def test_bounded_by_the_open_caches_room_and_by_entry_timeout(open_fs: OpenFs) -> None:
