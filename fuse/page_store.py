@@ -196,9 +196,9 @@ def store_message(ino: int, offset: int, data: memoryview) -> bytearray:
     memoryview's buffer exported for good (the batch's memory would never
     be freed), a bytearray's it does not."""
     size = len(data)
-    message = bytearray(STORE_HEADER.size + size)
-    STORE_HEADER.pack_into(message, 0, len(message), FUSE_NOTIFY_STORE, 0, ino, offset, size, 0)
-    message[STORE_HEADER.size :] = data
+    total = STORE_HEADER.size + size
+    message = bytearray(STORE_HEADER.pack(total, FUSE_NOTIFY_STORE, 0, ino, offset, size, 0))
+    message += data  # (grown, not zeroed first and then overwritten)
     return message
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.gc_tuning import collect_less
 from shufflefs.rpc.heap import keep_freed_pages
 
 log = logging.getLogger("shufflefs.runtime")
@@ -90,6 +91,7 @@ def run_service(
             nursery.cancel_scope.cancel()
 
     keep_freed_pages()
+    collect_less()
     try:
         trio.run(runner)
     except (FsError, BaseExceptionGroup) as raised:
