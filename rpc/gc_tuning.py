@@ -12,7 +12,7 @@ held. Measured on the mount serving four hinted readers of 8,000 cold
 110 KB samples: 10% of the mount's CPU in the collector (`perf`:
 ``gc_collect_main``, ``visit_decref``, ``visit_reachable``); with the
 settings here, none to see, and four alternated pairs of fresh mounts read
-3-6% more samples per second (one that had run for an hour: 8-30%).
+3-6% more samples per second (against one that had served reads for an hour: 8-32%).
 
 What is done (`collect_less`, at a service's start):
 
