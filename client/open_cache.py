@@ -192,13 +192,11 @@ class OpenCache:
         entry = CachedOpen(ino, res["handle"], res["layout"], res["attr"], stamp=stamp)
         entry.idle_since = trio.current_time()
         if res["attr"]["nlink"] == 0:
-            entry.dropped = True
-            self._unused.append(entry)
+            self._retire(entry)
             return entry
         held = self.entries.get(ino)
         if held is not None:  # an open raced ours: its entry stays, ours goes back
-            entry.dropped = True
-            self._unused.append(entry)
+            self._retire(entry)
             return held
         self.entries[ino] = entry
         self._idle[ino] = entry
