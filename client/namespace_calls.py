@@ -4,6 +4,7 @@ laid over by this client's own (`FileSystem.overlay`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from shufflefs.metadata.protocol import Attr, ReaddirLayoutsPage, ReaddirPage
@@ -21,6 +22,10 @@ class NamespaceCalls:
         inodes: dict[int, InodeState]
 
         def overlay(self, attr: Attr) -> Attr: ...
+
+        def overlay_entries(
+            self, entries: Iterable[tuple[bytes, Attr]]
+        ) -> list[tuple[bytes, Attr]]: ...
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         self._dirs_changing(parent)
@@ -98,7 +103,7 @@ class NamespaceCalls:
             else {"entries": watched["entries"], "more": watched["more"]}
         )
         return {
-            "entries": [(name, self.overlay(attr)) for name, attr in page["entries"]],
+            "entries": self.overlay_entries(page["entries"]),
             "more": page["more"],
         }
 

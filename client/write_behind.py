@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 import trio
@@ -150,6 +151,10 @@ class LastAttrs:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def inodes(self) -> KeysView[int]:
+        """The files kept (a view: `in` costs no call into Python)."""
+        return self._kept.keys()
 
 
 def raise_write_error(st: InodeState) -> None:

@@ -13,13 +13,16 @@ BLOCK_SIZE = 4096  # st_blksize: small, so buffered readers do not turn a 2 KiB 
 
 
 def entry_attributes(
-    attr: Attr, entry_timeout: float, attr_timeout: float
+    attr: Attr, entry_timeout: float, attr_timeout: float, age: float = 0.0
 ) -> pyfuse3.EntryAttributes:
+    """*age*: seconds since *attr* were read; the kernel keeps them that
+    much less (the mode's bound on seeing a change made elsewhere runs from
+    the read)."""
     e = pyfuse3.EntryAttributes()
     e.st_ino = attr["ino"]
     e.generation = 0
-    e.entry_timeout = entry_timeout
-    e.attr_timeout = attr_timeout
+    e.entry_timeout = max(0.0, entry_timeout - age) if age else entry_timeout
+    e.attr_timeout = max(0.0, attr_timeout - age) if age else attr_timeout
     e.st_mode = attr["mode"]
     e.st_nlink = attr["nlink"]
     e.st_uid = attr["uid"]
@@ -39,14 +42,6 @@ def no_longer_than(entry: pyfuse3.EntryAttributes, keep: float) -> pyfuse3.Entry
     the name it answers is good)."""
     entry.entry_timeout = min(entry.entry_timeout, keep)
     entry.attr_timeout = min(entry.attr_timeout, keep)
-    return entry
-
-
-def aged(entry: pyfuse3.EntryAttributes, age: float) -> pyfuse3.EntryAttributes:
-    """*entry*, read *age* seconds ago, kept by the kernel that much less:
-    the mode's bound on seeing a change made elsewhere runs from the read."""
-    entry.entry_timeout = max(0.0, entry.entry_timeout - age)
-    entry.attr_timeout = max(0.0, entry.attr_timeout - age)
     return entry
 
 

@@ -167,10 +167,13 @@ class InodeReads:
         self.view.kernel_opened(attr)  # as an OPEN would (no stale size, pages tracked)
         self.view.prefetch.opened(attr)
 
-    def _stale(self, attr: Attr) -> bool:
-        """Do *attr* show a change since the kernel's pages of it were read?
-        (Then they are forgotten here at once.)"""
-        view, ino, version = self.view, attr["ino"], version_of(attr)
+    def _stale(self, attr: Attr, version: Version | None = None) -> bool:
+        """Do *attr* (of *version*, if the caller has it) show a change
+        since the kernel's pages of it were read? (Then they are forgotten
+        here at once.)"""
+        view, ino = self.view, attr["ino"]
+        if version is None:
+            version = version_of(attr)
         if view.cached.get(ino, version) == version:
             return False
         view.cached.pop(ino, None)
@@ -184,10 +187,11 @@ class InodeReads:
         if self._stale(attr):
             await self.changed(attr["ino"])
 
-    def seen(self, attr: Attr, nursery: trio.Nursery) -> None:
-        """Any attributes handed to the kernel (a listing's too): a changed
-        file's pages and handle are dropped in the background."""
-        if self._stale(attr):
+    def seen(self, attr: Attr, nursery: trio.Nursery, version: Version) -> None:
+        """Any attributes handed to the kernel (a listing's too), of
+        *version*: a changed file's pages and handle are dropped in the
+        background."""
+        if self._stale(attr, version):
             nursery.start_soon(self.changed, attr["ino"])
 
     async def changed(self, ino: int) -> None:

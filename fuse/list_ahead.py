@@ -28,7 +28,7 @@ A held page is as fresh as the mode's listings are (fuse/listings.py):
   held (listings are not kept in that mode either).
 * ``ro`` and ``cache=immutable``: taken within ``entry_timeout`` and
   ``attr_timeout`` of its read (`HOLD` seconds at most), and the entries it
-  hands the kernel are kept that much less (`aged`), so a change made
+  hands the kernel are kept that much less (`entry_attributes`), so a change made
   elsewhere is seen within those timeouts of the listing, as before. The
   lookup of a subdirectory a listing brought is answered from it for as
   long (`lookup`): a walk's next directory needs no round trip.
@@ -199,7 +199,7 @@ class ListAhead:
             return None
         self.counts.taken += 1
         page: ReaddirPage = {
-            "entries": [(n, self.fs.overlay(a)) for n, a in held.page["entries"]],
+            "entries": self.fs.overlay_entries(held.page["entries"]),
             "more": held.page["more"],
         }
         return page, age

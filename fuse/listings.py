@@ -39,7 +39,6 @@ import pyfuse3
 import trio
 
 from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
-from shufflefs.fuse.entry_attrs import aged
 from shufflefs.fuse.page_store import invalidate_pages
 from shufflefs.fuse.read_inode import CACHE_DIR_BIT, KEEP_CACHE_BIT, READ_INODES
 from shufflefs.metadata.protocol import Attr
@@ -151,9 +150,7 @@ class Listings:
                 ops.list_ahead.listed(h.ino, after is None, entries)
             for i, (name, attr) in enumerate(entries):
                 next_id = h.next_id
-                entry = ops.entry(attr)
-                if h.age:
-                    aged(entry, h.age)
+                entry = ops.entry(attr, h.age)
                 if ops.watched is not None:
                     ops.watched.extend(entry, h.ino, name)
                 if not pyfuse3.readdir_reply(token, name, entry, next_id):

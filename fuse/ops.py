@@ -138,17 +138,20 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
 
     # ---- conversions ----------------------------------------------------------
 
-    def entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
-        version = version_of(attr)
+    def entry(self, attr: Attr, age: float = 0.0) -> pyfuse3.EntryAttributes:
+        """*attr* as the kernel is given them (*age*: seconds since they
+        were read, which the kernel may keep them that much less)."""
+        ino, version = attr["ino"], version_of(attr)
         if self.inode_reads is not None and self._nursery is not None:
-            self.inode_reads.seen(attr, self._nursery)
-        self.reported[attr["ino"]] = version
-        self.kernel_size[attr["ino"]] = attr["size"]
+            self.inode_reads.seen(attr, self._nursery, version)
+        self.reported[ino] = version
+        self.kernel_size[ino] = attr["size"]
         if attr["parent"]:
-            self.parents[attr["ino"]] = attr["parent"]
+            self.parents[ino] = attr["parent"]
         elif stat.S_ISREG(attr["mode"]):
-            self.regular.add(attr["ino"])
-        return entry_attributes(attr, self.options.entry_timeout, self.options.attr_timeout)
+            self.regular.add(ino)
+        options = self.options
+        return entry_attributes(attr, options.entry_timeout, options.attr_timeout, age)
 
     def remember(self, attr: Attr) -> pyfuse3.EntryAttributes:
         """An entry handed to the kernel: its lookup count rises by one."""

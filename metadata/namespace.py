@@ -41,15 +41,12 @@ from shufflefs.metadata.protocol import (
 )
 from shufflefs.metadata.records import (
     C_INO,
-    DB_DENTRIES,
     Rec,
     attr_of,
-    dentry_child,
     is_dir,
     is_lnk,
     layout_of,
     new_inode,
-    u64,
 )
 from shufflefs.metadata.txn import Transactions, Tx
 from shufflefs.rpc.errors import FsError
@@ -217,23 +214,10 @@ class NameOps:
 
         def body(tx: Tx) -> tuple[list[tuple[bytes, Attr, Layout | None]], bool]:
             tx.directory(ino)
-            prefix = u64(ino)
-            entries: list[tuple[bytes, Attr, Layout | None]] = []
-            more = False
-            for key, value in tx.prefix_items(DB_DENTRIES, prefix, prefix + (after or b"")):
-                name = key[8:]
-                if name == after:
-                    continue
-                if len(entries) == limit:
-                    more = True
-                    break
-                child = dentry_child(value)
-                rec = tx.get(child)
-                if rec is None:
-                    log.warning("dentry %r in directory %d points to missing inode", name, ino)
-                    continue
-                entries.append((name, attr_of(child, rec), layout_of(rec) if layouts else None))
-            return entries, more
+            children, more = tx.children(ino, after, limit)
+            if layouts:
+                return [(n, attr_of(c, r), layout_of(r)) for n, c, r in children], more
+            return [(n, attr_of(c, r), None) for n, c, r in children], more
 
         return self.txns.read(body)
 

@@ -29,6 +29,7 @@ from shufflefs.metadata.protocol import (
 )
 from shufflefs.metadata.records import u64
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.metadata.txn import Tx
 from shufflefs.rpc.errors import FsError
 
 if TYPE_CHECKING:
@@ -647,6 +648,25 @@ def test_readdir_pages(ns: NamespaceStore, fs: Fs) -> None:
     assert code(lambda: ns.readdir(ROOT, None, 0)) == errno.EINVAL
     assert code(lambda: ns.readdir(inos[names[0]])) == errno.ENOTDIR
     assert ns.readdir(fs.dir(ROOT, b"zz-empty")) == {"entries": [], "more": False}
+
+
+def test_a_listing_inside_a_write_sees_the_transactions_own_changes(
+    ns: NamespaceStore, fs: Fs
+) -> None:
+    """`Tx.children` reads records past the transaction's inode cache
+    unless the transaction holds one: its own change is what it lists."""
+    ino = fs.file(ROOT, b"f")
+    fs.file(ROOT, b"g")
+
+    def body(tx: Tx) -> list[tuple[bytes, int, int]]:
+        tx.inode(ino)["size"] = 4321
+        children, more = tx.children(ROOT, None, 10)
+        assert not more
+        return [(name, child, rec["size"]) for name, child, rec in children]
+
+    listed = ns.txns.write(body)
+    assert [(name, size) for name, _, size in listed] == [(b"f", 4321), (b"g", 0)]
+    assert listed[0][1] == ino
 
 
 def test_readdir_page_size_is_capped(ns: NamespaceStore, fs: Fs) -> None:
