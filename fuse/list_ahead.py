@@ -88,6 +88,10 @@ class ListAheadCounts:
     taken: int = 0  # listings answered by a held page
     stale: int = 0  # held pages dropped unused: too old, changed, or evicted
     failed: int = 0  # listings ahead that failed (the listing asks as before)
+    # a listing's later pages, read while the kernel took the one before
+    # (fuse/listings.py), and those the listing then used
+    next_read: int = 0
+    next_taken: int = 0
 
     def collect(self) -> Iterable[Metric]:
         yield counts_family(

@@ -17,6 +17,8 @@ import pytest
 from clusters import ProcessCluster, wait_until
 from opsworld import MeteredMount, metered_mounts
 
+from shufflefs.fuse.dir_handles import READDIR_PAGE
+
 # they drop the kernel's caches: one at a time on the machine
 pytestmark = pytest.mark.usefixtures("kernel_caches")
 
@@ -190,3 +192,42 @@ def test_nothing_is_listed_ahead_before_a_walk_or_with_zero(
     for i in range(DIRS):
         assert set(os.listdir(n.mountpoint / mnt.name / f"d{i:02d}")) == tree[f"d{i:02d}"]
     assert n.count("fetched") == n.count("taken") == 0
+
+
+@pytest.mark.parametrize("mode", ["B", "R", "I"])
+def test_a_large_directorys_next_page_is_read_while_the_kernel_takes_one(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, mode: str
+) -> None:
+    """A listing of a directory of several pages reads each next page while
+    the kernel takes the one before (fuse/listings.py): every later page is
+    read ahead and used, each page is asked of the metadata server once, and
+    the names are exactly the directory's, each once, also when some are
+    removed and others made between pages."""
+    m = mounts[mode]
+    big = mnt / "big"
+    big.mkdir()
+    names = {f"n{i:04d}" for i in range(2 * READDIR_PAGE + 90)}  # three pages
+    for name in names:
+        os.mknod(big / name)
+    read, taken = m.count("next_read"), m.count("next_taken")
+    before = walk_calls(mounted)
+    assert sorted(os.listdir(m.mountpoint / mnt.name / "big")) == sorted(names)
+    after = walk_calls(mounted)
+    assert after["readdir"] + after["watch_dir"] - before["readdir"] - before["watch_dir"] == 3
+    assert m.count("next_read") == read + 2 and m.count("next_taken") == taken + 2
+    # changes between pages: what stays is listed once, nothing twice
+    seen: list[str] = []
+    with os.scandir(big) as it:  # (through the session's read-write mount)
+        for entry in it:
+            seen.append(entry.name)
+            if len(seen) == READDIR_PAGE // 2:
+                for i in range(READDIR_PAGE, READDIR_PAGE + 40):
+                    os.unlink(big / f"n{i:04d}")
+                    os.mknod(big / f"m{i:04d}")
+    gone = {f"n{i:04d}" for i in range(READDIR_PAGE, READDIR_PAGE + 40)}
+    assert len(seen) == len(set(seen))
+    assert (
+        names - gone
+        <= set(seen)
+        <= names | {f"m{i:04d}" for i in range(READDIR_PAGE, READDIR_PAGE + 40)}
+    )
