@@ -7,6 +7,7 @@ import stat
 from dataclasses import dataclass, field
 
 import pyfuse3
+import trio
 
 from shufflefs.metadata.protocol import Attr
 
@@ -37,6 +38,13 @@ class DirHandle:
     # (entries made since the listing started need not appear, POSIX)
     end_after: bytes | None = None
     ended: bool = False
+    # the page after the name `ahead_after`, being read while the kernel
+    # takes the one before it (`Listings._read_next`): `ahead_done` is set
+    # when the read ended, `ahead_page` (entries, more, when it was read)
+    # if it brought one
+    ahead_after: bytes | None = None
+    ahead_done: trio.Event | None = None
+    ahead_page: tuple[list[tuple[bytes, Attr]], bool, float] | None = None
 
 
 def dot_entry(ino: int) -> pyfuse3.EntryAttributes:
