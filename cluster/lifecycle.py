@@ -42,6 +42,7 @@ from shufflefs.cluster.startup import (
     StartTimeout,
     Startup,
     wait_services_ready,
+    wait_writable,
 )
 from shufflefs.rpc.errors import FsError
 
@@ -110,6 +111,13 @@ def up(
         others = [s for s in services if s not in etcds and s not in mgmtds]
         pids.update({s.name: startup.ensure(s) for s in others})
         trio.run(wait_services_ready, cluster, pids, timeout)
+        missing = trio.run(wait_writable, cluster, timeout)
+        if missing is not None:
+            print(
+                f"warning: still waiting for {missing} after {timeout:g}s: new files are "
+                "refused (EROFS) until then; `shufflefs status` shows the targets",
+                file=out,
+            )
         if mount_at is not None:
             mount_local(cluster, mount_at, startup, timeout)
     except BaseException as exc:

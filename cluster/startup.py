@@ -31,6 +31,7 @@ from shufflefs.cluster.cli_errors import (
 )
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.protocol import MgmtdStub
+from shufflefs.cluster.routing import Routing
 from shufflefs.metadata.protocol import MetaStub
 from shufflefs.rpc.client import RpcClient, open_rpc_client
 from shufflefs.rpc.errors import FsError
@@ -102,6 +103,35 @@ async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeo
                 return
             if trio.current_time() > deadline:
                 raise StartTimeout(timeout, waiting)
+            await trio.sleep(POLL)
+
+
+async def wait_writable(cluster: LocalCluster, timeout: float) -> str | None:
+    """After the services are up: wait until new files can be laid out,
+    that is until a storage chain has `min_replicas` serving replicas (a
+    restarted target resyncs before it serves again, and until enough do
+    the metadata server refuses creates with EROFS; it fetches the new map
+    itself when one comes). Returns None once one has, else what is still
+    missing at the deadline: the cluster is up all the same (a long resync
+    is no failure), so the caller says so and stops nothing."""
+    _, secret = load_client_config(cluster.client_config)
+    address = cluster.layout().mgmtd_address
+    deadline = trio.current_time() + timeout
+    async with open_rpc_client(secret, connect_timeout=1.0, call_timeout=2.0) as rpc:
+        mgmtd = MgmtdStub(rpc, address)
+        while True:
+            try:
+                routing = Routing(await mgmtd.status())
+                if not routing.chains or routing.writable_chains():
+                    return None
+                waiting = (
+                    f"a storage chain with {routing.config['min_replicas']} serving replicas "
+                    "(min_replicas)"
+                )
+            except FsError as exc:
+                waiting = f"mgmtd at {address} to answer (last error: {exc.message})"
+            if trio.current_time() > deadline:
+                return waiting
             await trio.sleep(POLL)
 
 

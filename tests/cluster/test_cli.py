@@ -30,11 +30,14 @@ from cliworld import (
     run_cli,
     shufflefs_ok,
 )
+from clusters import wait_until
 from harness import interruptible, shufflefs
 
 from shufflefs.cluster import cli_errors
 from shufflefs.cluster.cli_errors import run_reporting
+from shufflefs.cluster.launcher import LocalCluster
 from shufflefs.cluster.lifecycle import up
+from shufflefs.cluster.startup import wait_writable
 from shufflefs.rpc import framing
 from shufflefs.rpc.server import RpcServer
 
@@ -209,6 +212,45 @@ def test_up_adds_storage_nodes_to_an_existing_cluster(tmp_path: Path) -> None:
         status = run_cli(["status", "--json", "--config", str(data / "client.toml")], tmp_path)
         assert status.stdout.count('"kind": "storage"') == 2
     finally:
+        run_cli(["down", "--data-dir", str(data)], tmp_path, timeout=120)
+    assert processes_naming(str(data)) == []
+
+
+@pytest.mark.e2e
+def test_up_waits_for_a_writable_chain_and_says_when_there_is_none(tmp_path: Path) -> None:
+    """A restarted storage target resyncs before it serves again, and while
+    no chain has `min_replicas` serving replicas the metadata server refuses
+    new files (EROFS). `up` waits for a writable chain after the services
+    are up; if none is by its deadline it says so and stops nothing. Here
+    two of three storage daemons are stopped and the third frozen, so the
+    two restarted ones cannot resync until it is thawed."""
+    data, mnt = tmp_path / "c", tmp_path / "mnt"
+    shufflefs_ok("up", "--data-dir", str(data), "--mountpoint", str(mnt), cwd=tmp_path)
+    cluster = LocalCluster(data)
+    frozen = int((data / "run" / "storage1.pid").read_text())
+    try:
+        for i in range(20):
+            (mnt / f"f{i}").write_bytes(b"x" * 100_000)
+        for name in ("storage2", "storage3"):
+            os.kill(int((data / "run" / f"{name}.pid").read_text()), signal.SIGTERM)
+        wait_until(
+            "the chain to lose its write quorum",
+            lambda: trio.run(wait_writable, cluster, 0.0) is not None,
+            timeout=60,
+        )
+        os.kill(frozen, signal.SIGSTOP)
+        out = io.StringIO()
+        up(data, None, out=out, timeout=3.0)
+        said = out.getvalue()
+        assert "warning: still waiting for a storage chain with 2 serving replicas" in said, said
+        assert "stopped" not in said
+        os.kill(frozen, signal.SIGCONT)
+        assert trio.run(wait_writable, cluster, 60.0) is None
+        (mnt / "after-restart").write_bytes(b"y" * 100_000)
+        assert (mnt / "after-restart").read_bytes() == b"y" * 100_000
+        assert (mnt / "f7").read_bytes() == b"x" * 100_000
+    finally:
+        os.kill(frozen, signal.SIGCONT)
         run_cli(["down", "--data-dir", str(data)], tmp_path, timeout=120)
     assert processes_naming(str(data)) == []
 
