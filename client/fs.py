@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -240,21 +240,6 @@ class FileSystem(NamespaceCalls, PathOps):
         else:
             st.size = attr["size"]
         return lay_owed(st, attr) if st.owed else attr
-
-    def overlay_entries(self, entries: Iterable[tuple[bytes, Attr]]) -> list[tuple[bytes, Attr]]:
-        """`overlay` of a listing's entries: the files this client holds
-        nothing of (most of a large listing) pass as they are, without the
-        call per entry."""
-        held, inodes, kept = self.open_cache.entries, self.inodes, self.last_attrs.inodes()
-        return [
-            (
-                name,
-                self.overlay(a)
-                if a["ino"] in held or a["ino"] in inodes or a["ino"] in kept
-                else a,
-            )
-            for name, a in entries
-        ]
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
         return self.overlay(await self.meta.call_read("lookup", lambda m: m.lookup(parent, name)))

@@ -12,7 +12,8 @@ from shufflefs.metadata.protocol import Attr, ReaddirLayoutsPage, ReaddirPage
 if TYPE_CHECKING:
     from shufflefs.client.cache_watch import CacheWatch
     from shufflefs.client.meta_client import MetaClient
-    from shufflefs.client.write_behind import InodeState
+    from shufflefs.client.open_cache import OpenCache
+    from shufflefs.client.write_behind import InodeState, LastAttrs
 
 
 class NamespaceCalls:
@@ -21,11 +22,25 @@ class NamespaceCalls:
         cache_watch: CacheWatch | None
         inodes: dict[int, InodeState]
 
+        open_cache: OpenCache
+        last_attrs: LastAttrs
+
         def overlay(self, attr: Attr) -> Attr: ...
 
-        def overlay_entries(
-            self, entries: Iterable[tuple[bytes, Attr]]
-        ) -> list[tuple[bytes, Attr]]: ...
+    def overlay_entries(self, entries: Iterable[tuple[bytes, Attr]]) -> list[tuple[bytes, Attr]]:
+        """`overlay` of a listing's entries: the files this client holds
+        nothing of (most of a large listing) pass as they are, without the
+        call per entry."""
+        held, inodes, kept = self.open_cache.entries, self.inodes, self.last_attrs.inodes()
+        return [
+            (
+                name,
+                self.overlay(a)
+                if a["ino"] in held or a["ino"] in inodes or a["ino"] in kept
+                else a,
+            )
+            for name, a in entries
+        ]
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         self._dirs_changing(parent)

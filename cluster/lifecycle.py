@@ -111,7 +111,7 @@ def up(
         others = [s for s in services if s not in etcds and s not in mgmtds]
         pids.update({s.name: startup.ensure(s) for s in others})
         trio.run(wait_services_ready, cluster, pids, timeout)
-        missing = trio.run(wait_writable, cluster, timeout)
+        missing = trio.run(wait_writable, cluster, pids, timeout)
         if missing is not None:
             print(
                 f"warning: still waiting for {missing} after {timeout:g}s: new files are "

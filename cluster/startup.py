@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,19 +73,60 @@ def exit_status(pid: int) -> str:
     return f"exit status {os.WEXITSTATUS(status)}"
 
 
+Check = Callable[[RpcClient, MgmtdStub], Awaitable[str | None]]
+
+
 async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeout: float) -> None:
     """Wait until mgmtd answers, every meta/storage process we know the pid of
     is registered and online, and the metadata server has seen the routing
     map that includes them (new files are laid out on the chains it knows).
-    Raises ServiceExited as soon as one of *pids* dies, StartTimeout
-    naming what it waited for at the deadline, and `Unreachable` at once if
-    mgmtd refuses our secret or speaks another protocol."""
-    _, secret = load_client_config(cluster.client_config)
+    Raises StartTimeout naming what it waited for at the deadline, and as
+    `_poll` does."""
     layout = cluster.layout()
-    address = layout.mgmtd_address
     # HA: only the primary mgmtd registers; the standbys need only answer
     mgmtds = {n: p for n, p in pids.items() if layout.ha and n.startswith("mgmtd")}
     registering = {n: p for n, p in pids.items() if n not in mgmtds}
+
+    async def missing(rpc: RpcClient, mgmtd: MgmtdStub) -> str | None:
+        waiting = await _standbys_not_ready(rpc, layout.mgmtd_address if mgmtds else "")
+        return waiting or await _not_ready(rpc, mgmtd, registering)
+
+    waiting = await _poll(cluster, pids, timeout, missing)
+    if waiting is not None:
+        raise StartTimeout(timeout, waiting)
+
+
+async def wait_writable(cluster: LocalCluster, pids: dict[str, int], timeout: float) -> str | None:
+    """After the services are up: wait until new files can be laid out,
+    that is until a storage chain has `min_replicas` serving replicas (a
+    restarted target resyncs before it serves again, and until enough do
+    the metadata server refuses creates with EROFS; it fetches the new map
+    itself when one comes). Returns None once one has, else what is still
+    missing at the deadline: the cluster is up all the same (a long resync
+    is no failure), so the caller says so and stops nothing. Raises as
+    `_poll` does."""
+
+    async def missing(rpc: RpcClient, mgmtd: MgmtdStub) -> str | None:
+        routing = Routing(await mgmtd.status())
+        if not routing.chains or routing.writable_chains():
+            return None
+        return (
+            f"a storage chain with {routing.config['min_replicas']} serving replicas (min_replicas)"
+        )
+
+    return await _poll(cluster, pids, timeout, missing)
+
+
+async def _poll(
+    cluster: LocalCluster, pids: dict[str, int], timeout: float, missing: Check
+) -> str | None:
+    """Ask *missing* what is still missing until it says nothing (None) or
+    the deadline passes (what it said last). Raises ServiceExited as soon as
+    one of *pids* dies, and `Unreachable` at once if mgmtd refuses our
+    secret or speaks another protocol; any other error of a call is waited
+    out."""
+    _, secret = load_client_config(cluster.client_config)
+    address = cluster.layout().mgmtd_address
     deadline = trio.current_time() + timeout
     async with open_rpc_client(secret, connect_timeout=1.0, call_timeout=2.0) as rpc:
         mgmtd = MgmtdStub(rpc, address)
@@ -93,44 +135,12 @@ async def wait_services_ready(cluster: LocalCluster, pids: dict[str, int], timeo
                 if not procs.alive(pid):
                     raise ServiceExited(name, pid)
             try:
-                waiting = await _standbys_not_ready(rpc, layout.mgmtd_address if mgmtds else "")
-                waiting = waiting or await _not_ready(rpc, mgmtd, registering)
+                waiting = await missing(rpc, mgmtd)
             except FsError as exc:
                 if connection_kind(exc, handshake=True) in (AUTH, VERSION):
                     raise explain_connection_error(exc, "mgmtd", address, handshake=True) from None
                 waiting = f"mgmtd at {address} to answer (last error: {exc.message})"
-            if waiting is None:
-                return
-            if trio.current_time() > deadline:
-                raise StartTimeout(timeout, waiting)
-            await trio.sleep(POLL)
-
-
-async def wait_writable(cluster: LocalCluster, timeout: float) -> str | None:
-    """After the services are up: wait until new files can be laid out,
-    that is until a storage chain has `min_replicas` serving replicas (a
-    restarted target resyncs before it serves again, and until enough do
-    the metadata server refuses creates with EROFS; it fetches the new map
-    itself when one comes). Returns None once one has, else what is still
-    missing at the deadline: the cluster is up all the same (a long resync
-    is no failure), so the caller says so and stops nothing."""
-    _, secret = load_client_config(cluster.client_config)
-    address = cluster.layout().mgmtd_address
-    deadline = trio.current_time() + timeout
-    async with open_rpc_client(secret, connect_timeout=1.0, call_timeout=2.0) as rpc:
-        mgmtd = MgmtdStub(rpc, address)
-        while True:
-            try:
-                routing = Routing(await mgmtd.status())
-                if not routing.chains or routing.writable_chains():
-                    return None
-                waiting = (
-                    f"a storage chain with {routing.config['min_replicas']} serving replicas "
-                    "(min_replicas)"
-                )
-            except FsError as exc:
-                waiting = f"mgmtd at {address} to answer (last error: {exc.message})"
-            if trio.current_time() > deadline:
+            if waiting is None or trio.current_time() > deadline:
                 return waiting
             await trio.sleep(POLL)
 

@@ -148,7 +148,7 @@ class Tx:
             if rec is None:
                 log.warning("dentry %r in directory %d points to missing inode", name, parent)
                 continue
-            out.append((bytes(name), child, rec))
+            out.append((name, child, rec))
         return out, False
 
     def entries(self, db: bytes) -> int:

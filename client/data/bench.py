@@ -123,29 +123,12 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[Path, Path | None]]:
     base = Path(tempfile.mkdtemp(prefix="shufflefs-bench-"))
     data, mount = base / "data", base / "mnt"
     try:
-        up(data, mount, out=sys.stderr)
-        wait_writable(mount)
+        up(data, mount, out=sys.stderr)  # (it returns once new files can be made)
         yield data / "client.toml", mount
     finally:
         with contextlib.suppress(FsError):
             down(data, out=sys.stderr)
         shutil.rmtree(base, ignore_errors=True)
-
-
-def wait_writable(mount: Path, timeout: float = 30.0) -> None:
-    """`up` returns when every service is online, but the metadata server
-    learns the writable chains up to a second later (ENOSPC until then)."""
-    probe = mount / ".bench-probe"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
-            probe.unlink()
-            return
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def file_tokens(index: int, count: int, dtype: np.dtype[Any]) -> Iterator[np.ndarray[Any, Any]]:

@@ -235,7 +235,7 @@ def test_up_waits_for_a_writable_chain_and_says_when_there_is_none(tmp_path: Pat
             os.kill(int((data / "run" / f"{name}.pid").read_text()), signal.SIGTERM)
         wait_until(
             "the chain to lose its write quorum",
-            lambda: trio.run(wait_writable, cluster, 0.0) is not None,
+            lambda: trio.run(wait_writable, cluster, {}, 0.0) is not None,
             timeout=60,
         )
         os.kill(frozen, signal.SIGSTOP)
@@ -245,7 +245,7 @@ def test_up_waits_for_a_writable_chain_and_says_when_there_is_none(tmp_path: Pat
         assert "warning: still waiting for a storage chain with 2 serving replicas" in said, said
         assert "stopped" not in said
         os.kill(frozen, signal.SIGCONT)
-        assert trio.run(wait_writable, cluster, 60.0) is None
+        assert trio.run(wait_writable, cluster, {}, 60.0) is None
         (mnt / "after-restart").write_bytes(b"y" * 100_000)
         assert (mnt / "after-restart").read_bytes() == b"y" * 100_000
         assert (mnt / "f7").read_bytes() == b"x" * 100_000
