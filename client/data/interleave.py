@@ -258,9 +258,9 @@ class Schedule:
         pieces: list[tuple[int, Sequence[int]]] = [
             (s, p.a) for s, p in zip(self.starts, self.pieces, strict=True) if s < position
         ]
-        k = future._piece(position)
-        if position == 0 or list(future.pieces[k].a) != list(self.pieces[self._piece(position)].a):
-            pieces.append((position, future.pieces[k].a))
+        # (the same proportions as the piece running at *position* merge
+        # into it, `Schedule` keeps one piece: the run goes on undisturbed)
+        pieces.append((position, future.pieces[future._piece(position)].a))
         pieces += [
             (s, p.a) for s, p in zip(future.starts, future.pieces, strict=True) if s > position
         ]
