@@ -38,7 +38,7 @@ from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.client import open_rpc_client
 from shufflefs.rpc.errors import FsError
-from shufflefs.rpc.heap import keep_freed_pages
+from shufflefs.rpc.heap import keep_freed_pages, uninitialized
 
 T = TypeVar("T")
 
@@ -215,7 +215,8 @@ class Client:
             extents = fs.extents(handle, ranges)
         except FsError as exc:
             raise os_error(exc) from None
-        out = bytearray(sum(e[3] for e in extents))
+        # every byte of it is placed, zeros past a chunk's end included
+        out = uninitialized(sum(e[3] for e in extents))
         if out:
             self.read_extents(extents, memoryview(out))
         return out

@@ -24,6 +24,7 @@ from typing import Any
 
 from shufflefs.rpc import framing
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.heap import uninitialized
 from shufflefs.rpc.transport import MAX_IOV, ConnectionClosed, trim_sent
 
 RECV_BUFFER = 64 * 1024
@@ -178,7 +179,7 @@ class FrameSocket:
 
     def recv_exactly(self, n: int) -> bytes:
         if n > len(self._buf):
-            out = bytearray(n)
+            out = uninitialized(n)
             self.recv_into(memoryview(out))
             return bytes(out)
         self._fill(n)
@@ -214,7 +215,7 @@ class FrameSocket:
             return body, None, False
         views = place(body, payload_len) if place is not None else None
         if views is None:
-            payload = bytearray(payload_len)
+            payload = uninitialized(payload_len)
             self.recv_into(memoryview(payload))
             return body, payload, False
         self.recv_into_all(views)

@@ -25,6 +25,7 @@ import trio
 
 from shufflefs.rpc import framing
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.heap import uninitialized
 
 Buffer = bytes | bytearray | memoryview
 
@@ -118,7 +119,7 @@ class FrameStream:
 
     async def receive_exactly(self, n: int) -> bytes:
         if n > len(self._buf):
-            out = bytearray(n)
+            out = uninitialized(n)
             await self.receive_into(memoryview(out))
             return bytes(out)
         while self._end - self._start < n:
@@ -166,7 +167,7 @@ class FrameStream:
             data = await self.receive_exactly(body_len)
             payload: bytearray | None = None
             if payload_len:
-                payload = bytearray(payload_len)
+                payload = uninitialized(payload_len)
                 await self.receive_into(memoryview(payload))
         if scope.cancelled_caught:
             raise ConnectionClosed("frame not completed within the frame timeout")

@@ -33,6 +33,7 @@ import lmdb
 
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json
+from shufflefs.rpc.heap import uninitialized
 from shufflefs.storage.cache import FdCache, FdHandle, Missing, RecordCache, raise_fd_limit
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
@@ -239,7 +240,7 @@ class LocalTarget:
         if into is not None and start == offset and stop == end and len(into) >= n:
             buf = into[:n]
         else:
-            buf = bytearray(n)
+            buf = uninitialized(n)
         handle = self._open(cid, rec.generation, nowait)
         if handle is None:
             return None
@@ -258,7 +259,7 @@ class LocalTarget:
         epoch = self._fds.epoch
         handle = self._fds.get((cid, rec.generation))
         path = "" if handle is not None else self._chunk_path(cid, rec.generation)
-        buf = bytearray(stop - start)
+        buf = uninitialized(stop - start)
         return LocalPlan(
             cid, rec, handle, buf, first, start, offset - start, end - start, path, epoch
         )

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.heap import uninitialized
 from shufflefs.storage.cache import FdHandle, Missing
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
@@ -124,7 +125,7 @@ class ChunkStore(WritableTarget):
             return span
         rec, handle, first, start, stop, end = span
         n = stop - start
-        buf = bytearray(n)
+        buf = uninitialized(n)
         got = -1
         try:
             got = os.preadv(handle.fd, [buf], start, os.RWF_NOWAIT)

@@ -43,6 +43,8 @@ from typing import Any
 
 import trio
 
+from shufflefs.rpc.heap import uninitialized
+
 log = logging.getLogger("shufflefs.storage.uring")
 
 ENTRIES = 256  # submission queue size: reads in flight per ring
@@ -141,7 +143,7 @@ class UringReads:
         """Each (fd, length, offset) read as `pread` does, all submitted
         together (one system call per ring's worth) and waited for together:
         its bytes (short at the file's end) or its error."""
-        bufs = [bytearray(n) for _, n, _ in requests]
+        bufs = [uninitialized(n) for _, n, _ in requests]
         todo = [k for k, (_, n, _) in enumerate(requests) if n]
         outcomes = await self.open_and_read(
             [(requests[k][0], bufs[k], requests[k][2]) for k in todo]
@@ -369,7 +371,7 @@ class BlockingUringReads:
 
     def pread_many(self, requests: list[tuple[int, int, int]]) -> list[bytearray | OSError]:
         """As `UringReads.pread_many`, blocking this thread until all are done."""
-        bufs = [bytearray(n) for _, n, _ in requests]
+        bufs = [uninitialized(n) for _, n, _ in requests]
         results: list[int | OSError] = [0] * len(requests)
         todo = [k for k, (_, n, _) in enumerate(requests) if n]
         for lo in range(0, len(todo), ENTRIES):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from shufflefs.rpc.heap import UNINITIALIZED_MIN, uninitialized
+
 # A service (run_service, as every daemon and the mount start) that allocates
 # and frees read-sized buffers, then prints its minor page faults per buffer.
 SERVICE = textwrap.dedent(
@@ -51,3 +53,15 @@ def test_the_check_fails_without_the_tuning() -> None:
     plain = SERVICE.replace(started, "import trio; trio.run(main)")
     assert plain != SERVICE
     assert faults_per_buffer(plain) > 64
+
+
+def test_uninitialized_buffers_are_writable_bytearrays_of_the_size_asked() -> None:
+    for n in (0, 1, UNINITIALIZED_MIN - 1, UNINITIALIZED_MIN, 1 << 20):
+        buf = uninitialized(n)
+        assert type(buf) is bytearray and len(buf) == n
+        memoryview(buf)[-1:] = b"x" if n else b""
+        if n < UNINITIALIZED_MIN:  # small ones are zeroed as bytearray(n) does
+            assert buf[:-1] == bytes(max(n - 1, 0))
+        buf.extend(b"yz")
+        del buf[n:]
+        assert len(buf) == n
