@@ -45,7 +45,11 @@ class BlockingReader:
         """Read *extents* into *out* end to end; False if the async path must."""
         storage = self.storage
         try:
-            pieces = storage.reads.read_local_now(plan(extents), out)
+            # whatever this host's chunk files hold, read here, waiting for
+            # the disk if need be (this thread would wait for it below
+            # anyway); a chunk file not open yet is opened at once, so that
+            # a warm sample costs one plan and one read, not two plans
+            pieces = storage.local.read_pieces(plan(extents), out, wait=True, may_open=True)
             if not pieces:
                 return True
             routing = storage.routing.current

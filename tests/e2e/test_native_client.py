@@ -144,3 +144,49 @@ def test_batched_reads_reuse_freed_heap_pages(native: Any, mounted: ProcessClust
         check=True,
     )
     assert float(out.stdout.split()[-1]) < 16
+
+
+# A reader process (one process opens a target's chunk table once, so not
+# this one, whose earlier clients hold them): 24 files written, then read
+# whole through the short circuit; prints how many chunk files its open-file
+# caches opened and how often they were looked into without a hit meanwhile.
+ONCE_READER = """
+import os, sys
+from shufflefs.client import Client
+
+with Client(sys.argv[1]) as c:
+    files = {f"/once/f{k:02d}.bin": os.urandom(50_000 + k) for k in range(24)}
+    c.makedirs("/once", exist_ok=True)
+    for path, data in files.items():
+        c.write_bytes(path, data)
+    storage = c._fs.storage
+    readers = [storage.local.target(storage.routing.current, t) for t in (1, 2, 3)]
+    assert all(r is not None for r in readers), "no short circuit on this host"
+    def counts():
+        return sum(r._fds.lookups.misses for r in readers), sum(r._fds.opened for r in readers)
+    misses, opened = counts()
+    for path, data in files.items():
+        assert c.read_bytes(path) == data
+    after = counts()
+    print(len(files), after[0] - misses, after[1] - opened)
+"""
+
+
+def test_a_local_read_plans_and_opens_each_chunk_file_once(mounted: ProcessCluster) -> None:
+    """On a storage host the native client reads a file's chunk files itself
+    (the short circuit). A chunk file not open yet is opened by the first
+    attempt, so that a warm read costs one plan, one open and one read: one
+    look into the open-file cache per chunk, not one by a first attempt that
+    gives up (the file not open yet) and another by the read that follows
+    (which could also open it on another replica). The bytes are exactly the
+    file's (checked in the reader)."""
+    out = subprocess.run(
+        [sys.executable, "-c", ONCE_READER, str(mounted.client_config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    files, misses, opened = (int(x) for x in out.stdout.split()[-3:])
+    assert opened == files  # one chunk file each, opened once
+    assert misses == files  # (the file's later reads find it open: hits)
