@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 import trio
 
-from shufflefs.fuse.dir_handles import MAX_CURSORS, READDIR_PAGE, DirHandle, dot_entry
+from shufflefs.fuse.dir_handles import READDIR_PAGE, DirHandle, Offsets, dot_entry
 from shufflefs.fuse.page_store import invalidate_pages
 from shufflefs.fuse.read_inode import CACHE_DIR_BIT, KEEP_CACHE_BIT, READ_INODES
 from shufflefs.metadata.protocol import Attr
@@ -65,7 +65,8 @@ class Listings:
         self.ops = ops
         self.watch = ops.fs.cache_watch if not ops.options.read_only else None
         self.dirs: dict[int, DirHandle] = {}  # OPENDIR's handles
-        self.by_inode: dict[int, DirHandle] = {}  # cache=immutable: directory inode -> cursors
+        self.by_inode: dict[int, DirHandle] = {}  # cache=immutable: directory inode -> its listing
+        self.offsets: dict[int, Offsets] = {}  # directory inode -> the offsets of its listings
         self._next = 1
         self._nursery: trio.Nursery | None = None
 
@@ -110,22 +111,32 @@ class Listings:
             parent = attr["parent"] or inode
         fh = self._next
         self._next += 1
-        self.dirs[fh] = DirHandle(inode, parent)
+        self.dirs[fh] = DirHandle(inode, parent, self._offsets(inode))
         return fh
 
     def release(self, fh: int) -> None:
         self.dirs.pop(fh, None)
 
     def forget(self, ino: int) -> None:
+        """The kernel forgot inode *ino*: no listing of it is cached there."""
         self.by_inode.pop(ino, None)
+        self.offsets.pop(ino, None)
+
+    def _offsets(self, ino: int) -> Offsets:
+        offsets = self.offsets.get(ino)
+        if offsets is None:
+            offsets = self.offsets[ino] = Offsets()
+        return offsets
 
     def listing(self, ino: int) -> DirHandle:
         """cache=immutable: the one cursor state of directory *ino* (no
         OPENDIR: every listing of it resumes from offsets handed out here;
         the kernel lists a directory once and answers from its cache)."""
         h = self.by_inode.get(ino)
-        if h is None or len(h.cursors) > MAX_CURSORS:
-            h = self.by_inode[ino] = DirHandle(ino, self.ops.parents.get(ino, 0))
+        if h is None:
+            h = self.by_inode[ino] = DirHandle(
+                ino, self.ops.parents.get(ino, 0), self._offsets(ino)
+            )
         return h
 
     async def read(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -149,9 +160,9 @@ class Listings:
         elif start_id == 2:
             after = None
         else:
-            if start_id not in h.cursors:
+            after = h.offsets.names.get(start_id)
+            if after is None:
                 raise FsError(errno.EINVAL, f"stale directory offset {start_id}")
-            after = h.cursors[start_id]
         if h.ended and after == h.end_after and not h.pending:
             return  # the last page ended here
         while True:
@@ -161,15 +172,13 @@ class Listings:
                 entries, more, h.age = await self._page(h, after)
                 ops.list_ahead.listed(h.ino, after is None, entries)
             for i, (name, attr) in enumerate(entries):
-                next_id = h.next_id
+                next_id = h.offsets.of(name)
                 entry = ops.entry(attr, h.age)
                 if ops.watched is not None:
                     ops.watched.extend(entry, h.ino, name)
                 if not pyfuse3.readdir_reply(token, name, entry, next_id):
                     h.pending, h.pending_after, h.pending_more = entries[i:], after, more
                     return
-                h.next_id += 1
-                h.cursors[next_id] = name
                 ops.lookups[attr["ino"]] = ops.lookups.get(attr["ino"], 0) + 1
                 after = name
             h.pending = []

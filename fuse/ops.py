@@ -197,7 +197,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
                 self.lookups.pop(ino, None)
                 if self.inode_reads is not None:
                     await self.inode_reads.drop(ino)
-                    self.listings.forget(ino)
+                self.listings.forget(ino)
                 self.cached.pop(ino, None)
                 self.read_through.pop(ino, None)
                 self.reported.pop(ino, None)

@@ -231,3 +231,33 @@ def test_a_large_directorys_next_page_is_read_while_the_kernel_takes_one(
         <= set(seen)
         <= names | {f"m{i:04d}" for i in range(READDIR_PAGE, READDIR_PAGE + 40)}
     )
+
+
+@pytest.mark.parametrize("mode", ["B", "R", "I"])
+def test_a_listing_goes_on_when_the_kernel_loses_its_cached_listing(
+    mounts: dict[str, MeteredMount], mnt: Path, mode: str
+) -> None:
+    """The kernel keeps a directory's listing across opens, with the offsets
+    of the listing that filled it. When it loses a page of it during a later
+    listing (memory pressure; here drop_caches), it drops the rest and goes
+    on uncached from the offset it stood at, under the new listing's handle.
+    Offsets are the directory's, not a handle's (fuse/dir_handles.py,
+    `Offsets`): the listing goes on and gives every name once (before, the
+    read-write and ``ro`` mounts answered EINVAL: ``ls`` failed)."""
+    m = mounts[mode]
+    d = mnt / "evicted"
+    d.mkdir()
+    # long names: a getdents of glibc's 32 KiB takes ~270, so the listing below
+    # stops after its first getdents with most of the kernel's copy unread
+    names = {f"{i:04d}-" + "x" * 95 for i in range(600)}
+    for name in names:
+        os.mknod(d / name)
+    path = m.mountpoint / mnt.name / "evicted"
+    assert set(os.listdir(path)) == names  # the kernel keeps this listing
+    seen: list[str] = []
+    with os.scandir(path) as it:  # answered from the kernel's copy
+        seen.append(next(it).name)
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")  # its pages gone
+        seen.extend(e.name for e in it)
+    assert len(seen) == len(set(seen))
+    assert set(seen) == names
