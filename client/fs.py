@@ -580,7 +580,7 @@ class FileSystem(NamespaceCalls, PathOps):
                     self.last_attrs.keep(st.attr)
                 # no chunk file of it stays open here: a removed chunk's
                 # space must come back once the daemons delete it
-                self.storage.local.forget(f.ino)
+                self.storage.local.close_file(f.ino)
 
 
 def _wrote(st: InodeState, end: int) -> None:

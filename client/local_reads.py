@@ -258,6 +258,15 @@ class LocalReads:
                 else:
                     reader.forget(cids)
 
+    def close_file(self, ino: int) -> None:
+        """A file's last handle here closed: its chunk files are closed
+        (`LocalTarget.close_file`); no record is forgotten, no fill refused
+        (a third of `forget`'s cost, which every warm sample's close paid on
+        the mount's loop)."""
+        for reader in list(self._targets.values()):  # other threads may add one
+            if reader is not None:
+                reader.close_file(ino)
+
     @property
     def in_use(self) -> bool:
         """Whether any local target was opened (else there is nothing to forget)."""

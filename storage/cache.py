@@ -278,6 +278,17 @@ class FdCache(Generic[K]):
             for key in self._groups.pop(group):
                 self._retire(self._data.pop(key))
 
+    def close_group(self, group: Hashable) -> None:
+        """Close the fds of *group* (each once its last reader is done),
+        without refusing the fills already under way as `invalidate_group`
+        does: for files that did not change, only stopped being used (a
+        file's last close; its removal elsewhere must then free the space of
+        its chunks). A fill racing with it caches its fd again, to be closed
+        by eviction or the file's next close."""
+        with self._lock:
+            for key in self._groups.pop(group):
+                self._retire(self._data.pop(key))
+
     def _retire(self, handle: FdHandle) -> None:
         handle.evicted = True
         if handle.refs == 0 and not handle.closed:

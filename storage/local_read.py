@@ -145,6 +145,13 @@ class LocalTarget:
         """`forget` every chunk of one file."""
         self._forget_prefix(ino.to_bytes(8, "big"))
 
+    def close_file(self, ino: int) -> None:
+        """A file is no longer open here: close its chunk files (a removed
+        chunk's space must come back once the daemon deletes it). Its
+        records stay: they are forgotten when an open shows a change
+        (`forget_file`), and reused by the next read of the unchanged file."""
+        self._fds.close_group(ino.to_bytes(8, "big"))
+
     def _drop_chunk(self, cid: bytes, key: tuple[bytes, int]) -> None:
         """One chunk's record and file are suspect: look both up again."""
         self._records.invalidate(cid)
