@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from collections.abc import Collection, Sequence
 
@@ -44,6 +45,32 @@ def destination(out: memoryview, piece: Piece) -> memoryview:
     return out[piece[4] : piece[4] + piece[3]]
 
 
+# The reader of each target directory this process opened, shared by every
+# client made in it (`shared_target`).
+_SHARED: dict[tuple[str, int, str], LocalTarget] = {}
+_SHARED_LOCK = threading.Lock()
+_shared_pid = -1
+
+
+def shared_target(path: str, target_id: int, cluster_id: str) -> LocalTarget:
+    """This process's reader of a target directory, opened on first use.
+    LMDB refuses to open one environment twice in a process, so a second
+    client made here (a second `Client`, or a dataset's beside the user's
+    own) used to get no short circuit from the targets the first had opened,
+    and read everything through the daemons. A forked child opens its own
+    (an environment is not to be used across a fork)."""
+    global _shared_pid
+    key = (os.fspath(path), target_id, cluster_id)
+    with _SHARED_LOCK:
+        if _shared_pid != os.getpid():
+            _SHARED.clear()
+            _shared_pid = os.getpid()
+        reader = _SHARED.get(key)
+        if reader is None:
+            reader = _SHARED[key] = LocalTarget(path, target_id, cluster_id)
+        return reader
+
+
 class LocalReads:
     def __init__(self, replicas: Replicas, enabled: bool = True) -> None:
         self.replicas = replicas
@@ -68,7 +95,7 @@ class LocalReads:
     def _open(routing: Routing, target_id: int) -> LocalTarget | None:
         info = routing.targets[target_id]
         try:
-            reader = LocalTarget(info["path"], target_id, routing.cluster_id)
+            reader = shared_target(info["path"], target_id, routing.cluster_id)
         except Exception as exc:  # unreadable here: always through the daemon
             log.info("no short-circuit reads from target %d: %s", target_id, exc)
             return None

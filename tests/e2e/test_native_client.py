@@ -13,6 +13,19 @@ import pytest
 from clusters import ProcessCluster
 
 
+def run_script(script: str, cluster: ProcessCluster, *args: str) -> list[str]:
+    """*script* run in a process of its own (given the cluster's client
+    config and *args*): the words it printed."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(cluster.client_config), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return out.stdout.split()
+
+
 def test_native_file_api(native: Any, mounted: ProcessCluster) -> None:
     fs = native
     fs.makedirs("/native/sub", exist_ok=True)
@@ -136,14 +149,8 @@ def test_batched_reads_reuse_freed_heap_pages(native: Any, mounted: ProcessClust
     defaults faulted its 64 pages in again each time (a fifth of a batched
     4 KiB read's time)."""
     native.write_bytes("/heap-reads.bin", os.urandom(4 << 20))
-    out = subprocess.run(
-        [sys.executable, "-c", BATCH_READER, str(mounted.client_config), "/heap-reads.bin"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert float(out.stdout.split()[-1]) < 16
+    out = run_script(BATCH_READER, mounted, "/heap-reads.bin")
+    assert float(out[-1]) < 16
 
 
 # A reader process (one process opens a target's chunk table once, so not
@@ -180,13 +187,33 @@ def test_a_local_read_plans_and_opens_each_chunk_file_once(mounted: ProcessClust
     gives up (the file not open yet) and another by the read that follows
     (which could also open it on another replica). The bytes are exactly the
     file's (checked in the reader)."""
-    out = subprocess.run(
-        [sys.executable, "-c", ONCE_READER, str(mounted.client_config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    files, misses, opened = (int(x) for x in out.stdout.split()[-3:])
+    files, misses, opened = (int(x) for x in run_script(ONCE_READER, mounted)[-3:])
     assert opened == files  # one chunk file each, opened once
     assert misses == files  # (the file's later reads find it open: hits)
+
+
+# A process with two clients of one cluster: each reads the same file; prints
+# how many local targets each could read (the short circuit).
+TWO_CLIENTS = """
+import sys
+from shufflefs.client import Client
+
+a, b = Client(sys.argv[1]), Client(sys.argv[1])
+data = b"sample" * 10_000
+a.write_bytes("/two-clients.bin", data)
+for c in (a, b):
+    assert c.read_bytes("/two-clients.bin") == data
+print(*(sum(t is not None for t in c._fs.storage.local._targets.values()) for c in (a, b)))
+a.close()
+b.close()
+"""
+
+
+def test_two_clients_in_one_process_both_read_locally(mounted: ProcessCluster) -> None:
+    """LMDB opens a target's chunk table once per process: the clients made
+    in one process (a second `Client`, a dataset's beside the user's own)
+    share one reader per target (`local_reads.shared_target`). Before, the
+    second client got no short circuit from the targets the first had
+    opened and read everything through the daemons."""
+    first, second = (int(x) for x in run_script(TWO_CLIENTS, mounted)[-2:])
+    assert first >= 1 and second >= 1
