@@ -52,13 +52,14 @@ _SHARED_LOCK = threading.Lock()
 _shared_pid = -1
 
 
-def shared_target(path: str, target_id: int, cluster_id: str) -> LocalTarget:
+def shared_target(path: str, target_id: int, cluster_id: str, host_targets: int) -> LocalTarget:
     """This process's reader of a target directory, opened on first use.
     LMDB refuses to open one environment twice in a process, so a second
     client made here (a second `Client`, or a dataset's beside the user's
     own) used to get no short circuit from the targets the first had opened,
     and read everything through the daemons. A forked child opens its own
-    (an environment is not to be used across a fork)."""
+    (an environment is not to be used across a fork). *host_targets*: this
+    host's targets, which share the process's open-file limit."""
     global _shared_pid
     key = (os.fspath(path), target_id, cluster_id)
     with _SHARED_LOCK:
@@ -67,7 +68,7 @@ def shared_target(path: str, target_id: int, cluster_id: str) -> LocalTarget:
             _shared_pid = os.getpid()
         reader = _SHARED.get(key)
         if reader is None:
-            reader = _SHARED[key] = LocalTarget(path, target_id, cluster_id)
+            reader = _SHARED[key] = LocalTarget(path, target_id, cluster_id, host_targets)
         return reader
 
 
@@ -83,19 +84,22 @@ class LocalReads:
 
     def target(self, routing: Routing, target_id: int) -> LocalTarget | None:
         """A short-circuit reader for a target on this host, if it can be used."""
-        if not self.enabled or target_id not in self.replicas.local_targets(routing):
+        if not self.enabled:
+            return None
+        local = self.replicas.local_targets(routing)
+        if target_id not in local:
             return None
         if target_id not in self._targets:
             with self._opening:
                 if target_id not in self._targets:
-                    self._targets[target_id] = self._open(routing, target_id)
+                    self._targets[target_id] = self._open(routing, target_id, len(local))
         return self._targets[target_id]
 
     @staticmethod
-    def _open(routing: Routing, target_id: int) -> LocalTarget | None:
+    def _open(routing: Routing, target_id: int, host_targets: int) -> LocalTarget | None:
         info = routing.targets[target_id]
         try:
-            reader = shared_target(info["path"], target_id, routing.cluster_id)
+            reader = shared_target(info["path"], target_id, routing.cluster_id, host_targets)
         except Exception as exc:  # unreadable here: always through the daemon
             log.info("no short-circuit reads from target %d: %s", target_id, exc)
             return None

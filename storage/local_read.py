@@ -64,7 +64,8 @@ def _file_of_chunk(cid: bytes) -> bytes:
 def fd_budget(targets: int = 4) -> int:
     """How many chunk files one target may keep open: MAX_FDS, or what the
     open-file limit leaves (raised first, as the daemons do) for this many
-    targets and the rest of the process."""
+    targets and the rest of the process: together at most half of it."""
+    targets = max(1, targets)
     soft = raise_fd_limit(MAX_FDS * targets + 1024)
     return max(16, min(MAX_FDS, (soft - 512) // (2 * targets)))
 
@@ -89,7 +90,11 @@ class LocalPlan:
 class LocalTarget:
     """Read-only access to one target directory on this host."""
 
-    def __init__(self, path: str | Path, target_id: int, cluster_id: str) -> None:
+    def __init__(
+        self, path: str | Path, target_id: int, cluster_id: str, host_targets: int = 4
+    ) -> None:
+        """*host_targets*: how many targets this host has (they share the
+        process's open-file limit: `fd_budget`)."""
         self.path = Path(path)
         info = read_json(self.path / TARGET_FILE)
         if info.get("target_id") != target_id or info.get("cluster_id") != cluster_id:
@@ -103,7 +108,7 @@ class LocalTarget:
         # Open chunk files, least recently used first, grouped per file so
         # that forgetting a file closes its chunks (an fd held after the
         # daemon removed a chunk would keep its space from being freed).
-        self._fds: FdCache[tuple[bytes, int]] = FdCache(fd_budget(), group=_file_of)
+        self._fds: FdCache[tuple[bytes, int]] = FdCache(fd_budget(host_targets), group=_file_of)
         # Committed records read before, per file, reused until the caller
         # says the file may have changed (`forget`): close-to-open, as the
         # kernel caches data. Without it every read of cold data would also

@@ -204,6 +204,12 @@ a.write_bytes("/two-clients.bin", data)
 for c in (a, b):
     assert c.read_bytes("/two-clients.bin") == data
 print(*(sum(t is not None for t in c._fs.storage.local._targets.values()) for c in (a, b)))
+# each reader's share of the open-file limit is for this host's number of targets
+from shufflefs.storage.local_read import fd_budget
+storage = a._fs.storage
+host = len(storage.replicas.local_targets(storage.routing.current))
+shares = {t._fds.capacity for t in storage.local._targets.values() if t is not None}
+print(int(shares == {fd_budget(host)}))
 a.close()
 b.close()
 """
@@ -215,5 +221,6 @@ def test_two_clients_in_one_process_both_read_locally(mounted: ProcessCluster) -
     share one reader per target (`local_reads.shared_target`). Before, the
     second client got no short circuit from the targets the first had
     opened and read everything through the daemons."""
-    first, second = (int(x) for x in run_script(TWO_CLIENTS, mounted)[-2:])
+    first, second, budgeted = (int(x) for x in run_script(TWO_CLIENTS, mounted)[-3:])
     assert first >= 1 and second >= 1
+    assert budgeted  # (tests/storage/test_local_read.py: the budget itself)

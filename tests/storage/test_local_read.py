@@ -239,3 +239,20 @@ async def test_cold_plans_open_their_chunk_files_elsewhere(tmp_path: Path) -> No
     assert await cold_read(2, 0, 100) is not None
     assert local.plan_cold(chunk_id(99, 0), 0, 10) == b""  # absent: a hole
     local.close()
+
+
+def test_a_hosts_targets_together_keep_within_half_the_open_file_limit(tmp_path: Path) -> None:
+    """Every local target's reader keeps chunk files open (`FdCache`), all in
+    one process: their budgets are shares of its open-file limit for the
+    host's number of targets, together at most half of it. Each used to
+    take a quarter's share whatever the count, so a host of 16 targets could
+    fill its caches past the limit, and the process's next socket failed
+    with EMFILE."""
+    import resource
+
+    open_store(tmp_path / "t").close()
+    for targets in (1, 3, 4, 16, 64):
+        local = LocalTarget(tmp_path / "t", 7, "cluster-a", host_targets=targets)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert local._fds.capacity * targets <= soft // 2
+        local.close()
