@@ -246,8 +246,8 @@ def test_a_hosts_targets_together_keep_within_half_the_open_file_limit(tmp_path:
     one process: their budgets are shares of its open-file limit for the
     host's number of targets, together at most half of it. Each used to
     take a quarter's share whatever the count, so a host of 16 targets could
-    fill its caches past the limit, and the process's next socket failed
-    with EMFILE."""
+    fill its caches past the limit, after which the process could open no
+    socket either (EMFILE)."""
     import resource
 
     open_store(tmp_path / "t").close()
