@@ -47,9 +47,8 @@ class BlockingReader:
         try:
             # whatever this host's chunk files hold, read here, waiting for
             # the disk if need be (this thread would wait for it below
-            # anyway); a chunk file not open yet is opened at once, so that
-            # a warm sample costs one plan and one read, not two plans
-            pieces = storage.local.read_pieces(plan(extents), out, wait=True, may_open=True)
+            # anyway): one plan and one read a piece
+            pieces = storage.local.read_pieces(plan(extents), out, wait=True)
             if not pieces:
                 return True
             routing = storage.routing.current

@@ -106,14 +106,12 @@ class LocalReads:
         log.info("short-circuit reads from target %d at %s", target_id, info["path"])
         return reader
 
-    def read_pieces(
-        self, pieces: list[Piece], out: memoryview, wait: bool, may_open: bool = False
-    ) -> list[Piece]:
+    def read_pieces(self, pieces: list[Piece], out: memoryview, wait: bool) -> list[Piece]:
         """The fast path, before any replica choice or task: serve the pieces
         whose chain has a serving replica on this host from its chunk files,
-        from the page cache (and, with *wait*, from the disk, right here;
-        with *may_open*, chunk files not open yet are opened here, see
-        `LocalTarget.read`). Returns the pieces left for the read engine."""
+        from the page cache (and, with *wait*, whatever it takes: opening
+        chunk files not open yet and reading from the disk, right here, in
+        one attempt). Returns the pieces left for the read engine."""
         if not self.enabled:
             return pieces
         routing = self.replicas.routing.current
@@ -126,9 +124,7 @@ class LocalReads:
             reader = self._reader(routing, local, p)
             if reader is not None:
                 into = destination(out, p)
-                data = reader.read(p[1], p[2], p[3], nowait=True, into=into, may_open=may_open)
-                if data is None and wait:
-                    data = reader.read(p[1], p[2], p[3], nowait=False, into=into)
+                data = reader.read(p[1], p[2], p[3], nowait=not wait, into=into)
             if data is None:
                 rest.append(p)
             else:

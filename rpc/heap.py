@@ -28,7 +28,7 @@ does, for the buffers a read overwrites whole before anyone looks at them
 the native client's result of a batched read, whose item past a chunk's
 end is zero-filled by the code that places it). The fill is a pass over
 memory the read then writes again: for 128 KiB reads through the daemons,
-`perf` put ``memset`` at 11% of a native reader's CPU (a 8 MiB result per
+`perf` put ``memset`` at 11% of a native reader's CPU (an 8 MiB result per
 batch of 64) and 4% of a daemon's. Buffers that leave a process whole
 before every byte is known to be written (the mount's READ replies, which
 another user's process receives) keep the zeros.

@@ -275,8 +275,7 @@ class FdCache(Generic[K]):
         """`invalidate` every key of *group* (needs *group* at construction)."""
         with self._lock:
             self._mark_stale(group=group)
-            for key in self._groups.pop(group):
-                self._retire(self._data.pop(key))
+            self._retire_group(group)
 
     def close_group(self, group: Hashable) -> None:
         """Close the fds of *group* (each once its last reader is done),
@@ -286,8 +285,11 @@ class FdCache(Generic[K]):
         its chunks). A fill racing with it caches its fd again, to be closed
         by eviction or the file's next close."""
         with self._lock:
-            for key in self._groups.pop(group):
-                self._retire(self._data.pop(key))
+            self._retire_group(group)
+
+    def _retire_group(self, group: Hashable) -> None:
+        for key in self._groups.pop(group):
+            self._retire(self._data.pop(key))
 
     def _retire(self, handle: FdHandle) -> None:
         handle.evicted = True

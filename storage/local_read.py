@@ -192,19 +192,16 @@ class LocalTarget:
         length: int,
         nowait: bool,
         into: memoryview | None = None,
-        may_open: bool = False,
     ) -> memoryview | None:
         """The committed bytes of [offset, offset + length) of a chunk (short
         past its end, empty if it does not exist); None if the daemon must
         answer, or, with *nowait*, if the bytes are not in the page cache or
-        the chunk file is not open yet (*may_open*: it is opened here all the
-        same, which may wait for the disk's lookup of it; for a caller that
-        can wait, whose next step would open it anyway). With *into* (bytes,
-        at least *length* long) a range that starts and ends where the
-        checksummed blocks do (a whole chunk or file: most reads of samples)
-        is read straight into it, and the result is a view of it (one copy of
-        the bytes less; *into* may hold anything after a None)."""
-        plan = self.plan(cid, offset, length, nowait and not may_open, into)
+        the chunk file is not open yet. With *into* (bytes, at least *length*
+        long) a range that starts and ends where the checksummed blocks do (a
+        whole chunk or file: most reads of samples) is read straight into it,
+        and the result is a view of it (one copy of the bytes less; *into* may
+        hold anything after a None)."""
+        plan = self.plan(cid, offset, length, nowait, into)
         if not isinstance(plan, LocalPlan):
             return plan
         handle = plan.handle
