@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import crcmod.predefined
@@ -112,22 +113,37 @@ def test_a_span_ending_in_a_partial_block_is_checked_whole(
     assert first_bad_block(memoryview(data), 0, crcs, block_size) == at // block_size
 
 
-def test_combined_crcs_are_remembered_by_value_and_stay_right() -> None:
-    """`combined_crc` answers from its memo for CRCs seen before, the same
-    value as computing it, for any run of blocks; a full memo starts over."""
+def test_any_run_of_blocks_is_checked_from_one_prefix_fold_per_chunk() -> None:
+    """`combined_crc` folds a chunk's checksums once (its prefix CRCs) and
+    answers every run of blocks from that, the CRC of those blocks end to end;
+    the fold lives as long as the checksums it folds, within its bound."""
     rng = random.Random(3)
     block_size = 512
-    data = rng.randbytes(40 * block_size)
+    data = rng.randbytes(300 * block_size)
     crcs = block_crcs(data, block_size)
-    for first, count in [(0, 40), (3, 17), (0, 3), (39, 1), (10, 2)]:
+    runs = [(0, 300), (3, 17), (0, 3), (299, 1), (10, 2), (1, 256), (44, 255), (7, 128)]
+    runs += [(f, rng.randint(1, 300 - f)) for f in (rng.randrange(300) for _ in range(40))]
+    for first, count in runs:
         whole = data[first * block_size : (first + count) * block_size]
-        assert combined_crc(crcs, first, count, block_size) == crc32c(whole)
-        assert combined_crc(crcs, first, count, block_size) == crc32c(whole)  # remembered
-    crc_module._combined.clear()
-    for i in range(crc_module.MAX_COMBINED + 5):  # beyond the bound: starts over, no growth
-        crc_module._combined[(i, b"")] = 0
-    assert combined_crc(crcs, 0, 40, block_size) == crc32c(data)
-    assert len(crc_module._combined) <= crc_module.MAX_COMBINED
+        assert combined_crc(crcs, first, count, block_size) == crc32c(whole), (first, count)
+    assert len([k for k in crc_module._prefixes if k == id(crcs)]) == 1  # folded once
+    held = crc_module._prefix_blocks
+    del crcs  # the record is gone: so is its fold
+    gc.collect()
+    assert crc_module._prefix_blocks == held - 301
+    crc_module._prefixes.clear()
+    crc_module._prefix_blocks = crc_module.MAX_PREFIX_BLOCKS - 10  # nearly full: starts over
+    again = block_crcs(data, block_size)
+    assert combined_crc(again, 5, 200, block_size) == crc32c(data[5 * 512 : 205 * 512])
+    assert crc_module._prefix_blocks == 301 and len(crc_module._prefixes) == 1
+    keep = [block_crcs(data[: 3 * block_size], block_size) for _ in range(5)]
+    crc_module.MAX_PREFIXES, limit = 3, crc_module.MAX_PREFIXES
+    try:  # as many arrays as allowed: starts over, never more
+        for crcs in keep:
+            assert combined_crc(crcs, 0, 3, block_size) == crc32c(data[: 3 * block_size])
+            assert len(crc_module._prefixes) <= 3
+    finally:
+        crc_module.MAX_PREFIXES = limit
 
 
 def test_big_spans_are_checked_in_place_and_still_catch_damage() -> None:
