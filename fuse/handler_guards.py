@@ -14,6 +14,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 import pyfuse3
 import trio
 
+from shufflefs.fuse import device_reader
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError, as_fs_error
@@ -117,6 +118,7 @@ def fuse_errors(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutin
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        device_reader.hand_over()  # (it may wait: another worker takes the device)
         try:
             return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:

@@ -82,6 +82,7 @@ class LibFuse:
         self.reply_err = _bind(free.fuse_reply_err, c_int, void, c_int)
         self.reply_write = _bind(free.fuse_reply_write, c_int, void, ctypes.c_size_t)
         self.session_fd = _bind(held.fuse_session_fd, c_int, void)
+        self.session_exited = _bind(held.fuse_session_exited, c_int, void)
         self.receive_buf = _bind(held.fuse_session_receive_buf, c_int, void, buf)
         self.process_buf = _bind(held.fuse_session_process_buf, None, void, buf)
 

@@ -26,6 +26,7 @@ from shufflefs.cluster.launcher import unmount, wait_mounted
 from shufflefs.cluster.metrics_client import read_counter, start_client_metrics
 from shufflefs.cluster.preflight import mounted_fstype
 from shufflefs.cluster.routing import RoutingCache
+from shufflefs.fuse import device_reader
 from shufflefs.fuse.fast_answers import FastAnswerCounts, FastAnswers
 from shufflefs.fuse.fast_hints import FastHints
 from shufflefs.fuse.fast_reads import FastReadCounts, FastReads
@@ -130,6 +131,8 @@ async def run_mount(
             else:
                 log.warning("cache=immutable: opens stay on (READs would not name their inode)")
         queue = KernelQueue(READ_INODES.session, options.spin, spin_counts) if hooked else None
+        if hooked:
+            device_reader.install(READ_INODES.session)
         if queue is not None and options.fast_reads:
             fast = FastReads(ops, fs, secret, nursery, queue, fast_counts, on_read=read_counter(fs))
             fast.install()
@@ -153,6 +156,7 @@ async def run_mount(
             await pyfuse3.main(min_tasks=4, max_tasks=options.max_tasks)
         finally:
             FUSE_LOOP.running = False
+            device_reader.uninstall()
             with trio.CancelScope(shield=True):
                 if answers is not None:
                     answers.close()

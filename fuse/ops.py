@@ -42,6 +42,7 @@ import pyfuse3
 import trio
 
 from shufflefs.client.fs import ACCESS_MODE, FileSystem
+from shufflefs.fuse import device_reader
 from shufflefs.fuse.dir_ahead import DirAhead
 from shufflefs.fuse.entry_attrs import (
     BLOCK_SIZE,
@@ -189,6 +190,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         return no_longer_than(self.remember(attr), keep)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        device_reader.hand_over()  # (its drops may wait: see fuse/device_reader.py)
         for ino, n in inode_list:
             left = self.lookups.get(ino, 0) - n
             if left > 0:
