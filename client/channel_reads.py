@@ -278,6 +278,8 @@ class ReadChannels:
         self.batch: list[ChannelRead] = []  # submitted, not yet flushed (event loop's thread)
         self._connecting: set[str] = set()
         self._retry_at: dict[str, float] = {}
+        self._channels_gen = 0  # raised (under `lock`) whenever `channels` changes
+        self._reach: tuple[Routing | None, int, dict[int, frozenset[int]]] = (None, -1, {})
         self.closed = False
         self.sent = 0  # reads sent (for tests and stats)
         self.failed_reads = 0
@@ -288,23 +290,38 @@ class ReadChannels:
         `flush` chooses among those with one)."""
         ok = True
         for chain in chains:
-            found = False
-            for target in self.replicas.serving(routing, chain):
-                address = routing.target_address(target["id"])
-                if address in self.channels:
-                    found = True
-                else:
-                    self._connect_later(address)
-            ok = ok and found
+            avoid = self._unreached(routing, chain)
+            for tid in avoid:
+                self._connect_later(routing.target_address(tid))
+            if len(avoid) >= len(self.replicas.serving(routing, chain)):  # (none serving: False)
+                ok = False
         return ok
 
     def _unconnected(self, routing: Routing, chains: Iterable[int]) -> dict[int, set[int]]:
         """Per chain, its serving replicas without a connection (not chosen)."""
         avoid: dict[int, set[int]] = defaultdict(set)
         for chain in chains:
-            for target in self.replicas.serving(routing, chain):
-                if routing.target_address(target["id"]) not in self.channels:
-                    avoid[chain].add(target["id"])
+            unreached = self._unreached(routing, chain)
+            if unreached:
+                avoid[chain].update(unreached)
+        return avoid
+
+    def _unreached(self, routing: Routing, chain: int) -> frozenset[int]:
+        """The serving replicas of *chain* without a connection, remembered
+        per routing snapshot and set of connections (every READ asks, for
+        each of its chains; they change seldom)."""
+        gen = self._channels_gen  # (before the look: a change meanwhile is seen next time)
+        snapshot, seen, memo = self._reach
+        if snapshot is not routing or seen != gen:
+            memo = {}
+            self._reach = (routing, gen, memo)
+        avoid = memo.get(chain)
+        if avoid is None:
+            avoid = memo[chain] = frozenset(
+                t["id"]
+                for t in self.replicas.serving(routing, chain)
+                if routing.target_address(t["id"]) not in self.channels
+            )
         return avoid
 
     def submit(
@@ -465,6 +482,7 @@ class ReadChannels:
                 channel.broken = True
             else:
                 self.channels[address] = channel
+                self._channels_gen += 1
         if channel.broken:
             channel.fail("closing")
 
@@ -472,6 +490,7 @@ class ReadChannels:
         with self.lock:
             if self.channels.get(channel.address) is channel:
                 del self.channels[channel.address]
+                self._channels_gen += 1
             self._retry_at[channel.address] = time.monotonic() + RECONNECT_AFTER
 
     def close(self) -> None:

@@ -163,7 +163,11 @@ async def test_a_node_dying_with_reads_in_flight_fails_them_then_is_avoided(
     assert await trio.to_thread.run_sync(finished.acquire, True, 10)
     assert {tid for tid, _ in read.failures} == {victim}
     assert {code for _, code in read.failures} == {errno.ECONNRESET}
-    # its connection is gone: the next reads go to the others, which answer
+    # its connection is gone (what each READ asks of the connections is
+    # remembered, and that memo follows): the next reads go to the others
+    chain = layout["chains"][0]
+    assert channels._unconnected(storage.routing.current, [chain])[chain] == {victim}
+    assert channels.connected(storage.routing.current, [chain])  # (the others are)
     ((again, got),) = await read_batch(channels, storage, [(INO, layout, 0, 2 * CS)])
     assert again.ok and got == data
     for t in targets[1:]:
