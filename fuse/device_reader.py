@@ -32,7 +32,6 @@ memory only.
 
 from __future__ import annotations
 
-import logging
 import select
 from collections.abc import Callable
 
@@ -40,8 +39,6 @@ import pyfuse3
 import trio
 
 from shufflefs.fuse.libfuse import LibFuse
-
-log = logging.getLogger("shufflefs.fuse.device_reader")
 
 PARK_CHECK = 1.0  # s between a parked worker's looks at the device
 _PYFUSE3_WAIT = pyfuse3._wait_fuse_readable  # type: ignore[attr-defined]
@@ -60,15 +57,6 @@ class DeviceReader:
         self._ended = False
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
-
-    def install(self) -> None:
-        """Replace pyfuse3's wait of its workers (looked up by name on every
-        call of its worker loop)."""
-        pyfuse3._wait_fuse_readable = self.wait_readable  # type: ignore[attr-defined]
-
-    @staticmethod
-    def uninstall() -> None:
-        pyfuse3._wait_fuse_readable = _PYFUSE3_WAIT  # type: ignore[attr-defined]
 
     async def wait_readable(self) -> bool:
         """pyfuse3's `_wait_fuse_readable`: True once a request waits at the
@@ -108,16 +96,16 @@ class DeviceReader:
 _current: DeviceReader | None = None
 
 
-def install(session: int) -> DeviceReader:
+def install(session: int) -> None:
     """Wait at the device of libfuse's *session* this way from now on (the
-    mount, once pyfuse3's session exists)."""
+    mount, once pyfuse3's session exists): pyfuse3's worker loop looks its
+    wait up by name on every call."""
     global _current
     libfuse = LibFuse()
     _current = DeviceReader(
         libfuse.session_fd(session), lambda: bool(libfuse.session_exited(session))
     )
-    _current.install()
-    return _current
+    pyfuse3._wait_fuse_readable = _current.wait_readable  # type: ignore[attr-defined]
 
 
 def hand_over() -> None:
@@ -130,6 +118,5 @@ def hand_over() -> None:
 def uninstall() -> None:
     """(the mount's session is over) pyfuse3's own wait again."""
     global _current
-    if _current is not None:
-        _current.uninstall()
+    pyfuse3._wait_fuse_readable = _PYFUSE3_WAIT  # type: ignore[attr-defined]
     _current = None
