@@ -238,9 +238,12 @@ class ListAhead:
         if self.held.pop(ino, None) is not None:
             self.counts.stale += 1
 
-    def forgotten(self, ino: int) -> None:
-        """The kernel forgot inode *ino* (and with it any listing it held)."""
-        self._listed.pop(ino, None)
+    def forgotten(self, inos: Iterable[int]) -> None:
+        """The kernel forgot inodes *inos* (and with them any listing it held)."""
+        if self._listed:
+            pop = self._listed.pop
+            for ino in inos:
+                pop(ino, None)
 
     def _current(self, ino: int, held: HeldPage) -> bool:
         if self.watch is None:

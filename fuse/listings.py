@@ -42,10 +42,12 @@ from __future__ import annotations
 import errno
 import logging
 import stat
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
+from pyfuse3 import readdir_reply
 
 from shufflefs.fuse.dir_handles import READDIR_PAGE, DirHandle, Offsets, dot_entry
 from shufflefs.fuse.page_store import invalidate_pages
@@ -117,10 +119,13 @@ class Listings:
     def release(self, fh: int) -> None:
         self.dirs.pop(fh, None)
 
-    def forget(self, ino: int) -> None:
-        """The kernel forgot inode *ino*: no listing of it is cached there."""
-        self.by_inode.pop(ino, None)
-        self.offsets.pop(ino, None)
+    def forget(self, inos: Iterable[int]) -> None:
+        """The kernel forgot inodes *inos*: no listing of them is cached there."""
+        for table in (self.by_inode, self.offsets):
+            if table:
+                pop = table.pop
+                for ino in inos:
+                    pop(ino, None)
 
     def _offsets(self, ino: int) -> Offsets:
         offsets = self.offsets.get(ino)
@@ -165,21 +170,26 @@ class Listings:
                 raise FsError(errno.EINVAL, f"stale directory offset {start_id}")
         if h.ended and after == h.end_after and not h.pending:
             return  # the last page ended here
+        # (the loop runs once per entry of every listing: what it calls is
+        # looked up once)
+        offset_of, entry_of, lookups, reply = h.offsets.of, ops.entry, ops.lookups, readdir_reply
+        extend = None if ops.watched is None else ops.watched.extend
         while True:
             if h.pending and h.pending_after == after:
                 entries, more = h.pending, h.pending_more
             else:
                 entries, more, h.age = await self._page(h, after)
                 ops.list_ahead.listed(h.ino, after is None, entries)
+            age, dir_ino = h.age, h.ino
             for i, (name, attr) in enumerate(entries):
-                next_id = h.offsets.of(name)
-                entry = ops.entry(attr, h.age)
-                if ops.watched is not None:
-                    ops.watched.extend(entry, h.ino, name)
-                if not pyfuse3.readdir_reply(token, name, entry, next_id):
+                entry = entry_of(attr, age)
+                if extend is not None:
+                    extend(entry, dir_ino, name)
+                if not reply(token, name, entry, offset_of(name)):
                     h.pending, h.pending_after, h.pending_more = entries[i:], after, more
                     return
-                ops.lookups[attr["ino"]] = ops.lookups.get(attr["ino"], 0) + 1
+                ino = attr["ino"]
+                lookups[ino] = lookups.get(ino, 0) + 1
                 after = name
             h.pending = []
             if not more or not entries:

@@ -191,24 +191,41 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         device_reader.hand_over()  # (its drops may wait: see fuse/device_reader.py)
+        lookups = self.lookups
+        gone: list[int] = []
         for ino, n in inode_list:
-            left = self.lookups.get(ino, 0) - n
+            left = lookups.get(ino, 0) - n
             if left > 0:
-                self.lookups[ino] = left
+                lookups[ino] = left
             else:
-                self.lookups.pop(ino, None)
-                if self.inode_reads is not None:
-                    await self.inode_reads.drop(ino)
-                self.listings.forget(ino)
-                self.cached.pop(ino, None)
-                self.read_through.pop(ino, None)
-                self.reported.pop(ino, None)
-                self.kernel_size.pop(ino, None)
-                self.no_caps.pop(ino, None)
-                self.parents.pop(ino, None)
-                self.regular.discard(ino)
-                self.dir_changes.replied.pop(ino, None)
-                self.list_ahead.forgotten(ino)
+                lookups.pop(ino, None)
+                gone.append(ino)
+        if not gone:
+            return
+        # what the mount kept of each, before anything waits (a LOOKUP
+        # answered meanwhile starts afresh): one pass per table, empty ones
+        # skipped (a drop of the kernel's caches forgets every inode at once,
+        # and 20,000 forgotten one at a time through each table were a tenth
+        # of a cold listing's time in the mount)
+        self.listings.forget(gone)
+        self.list_ahead.forgotten(gone)
+        for table in (
+            self.cached,
+            self.read_through,
+            self.reported,
+            self.kernel_size,
+            self.no_caps,
+            self.parents,
+            self.dir_changes.replied,
+        ):
+            if table:
+                pop = table.pop
+                for ino in gone:
+                    pop(ino, None)
+        self.regular.difference_update(gone)
+        if self.inode_reads is not None:
+            for ino in gone:
+                await self.inode_reads.drop(ino)
 
     @fuse_errors
     @stale_when_gone

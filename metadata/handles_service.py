@@ -22,6 +22,7 @@ from shufflefs.metadata.protocol import (
     Session,
     SessionInfo,
     WatchedDirPage,
+    WatchedDirRowsPage,
     WrittenClose,
     is_read_only_handle,
 )
@@ -109,8 +110,8 @@ class SessionsAndHandles(ServiceBase):
 
     @rpc_method
     async def watch_dir(
-        self, session: int, ino: int, limit: int = 256, names: bool = False
-    ) -> WatchedDirPage:
+        self, session: int, ino: int, limit: int = 256, names: bool = False, rows: bool = False
+    ) -> WatchedDirPage | WatchedDirRowsPage:
         """A read-write mount's first page of a listing, and its watch of the
         directory (cache_watch.py): the kernel may keep the listing until
         the watch tells the mount of a change. The watch runs from the
@@ -128,11 +129,14 @@ class SessionsAndHandles(ServiceBase):
         # past them, committed from here on, is told
         since = self.cache_watches.watch_dir(session, ino, attr["change"], names)
         try:
-            page = self.store.readdir(ino, None, limit)
+            if rows:
+                page = self.store.readdir_rows(ino, None, limit)
+                return {**page, "attr": attr, "since": since}
+            listed = self.store.readdir(ino, None, limit)
+            return {**listed, "attr": attr, "since": since}
         except FsError:
             self.cache_watches.unwatch_dir(session, ino)
             raise
-        return {**page, "attr": attr, "since": since}
 
     # ---- file handles ---------------------------------------------------------
 

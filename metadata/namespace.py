@@ -15,7 +15,7 @@ import errno
 import logging
 import stat
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from shufflefs.metadata.checks import (
     DOTS,
@@ -37,12 +37,14 @@ from shufflefs.metadata.protocol import (
     Layout,
     ReaddirLayoutsPage,
     ReaddirPage,
+    ReaddirRowsPage,
     Unlinked,
 )
 from shufflefs.metadata.records import (
     C_INO,
     Rec,
     attr_of,
+    entry_row,
     is_dir,
     is_lnk,
     layout_of,
@@ -52,6 +54,8 @@ from shufflefs.metadata.txn import Transactions, Tx
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.metadata.namespace")
+
+E = TypeVar("E")
 
 # Called inside the write transaction, only when a regular file is really
 # created, so it must not block (the server's reads its routing snapshot).
@@ -192,32 +196,41 @@ class NameOps:
         """A page in name order after the name *after*: a cursor that is a
         name, not a position, cannot skip or repeat an entry when others come
         and go between pages."""
-        entries, more = self._page(ino, after, limit, False)
-        return {"entries": [(name, attr) for name, attr, _ in entries], "more": more}
+        entries, more = self._page(ino, after, limit, lambda n, c, r: (n, attr_of(c, r)))
+        return {"entries": entries, "more": more}
+
+    def readdir_rows(
+        self, ino: int, after: bytes | None = None, limit: int = 256
+    ) -> ReaddirRowsPage:
+        """`readdir` with each entry as a row (metadata/protocol.py, ATTR_ROW)."""
+        entries, more = self._page(ino, after, limit, entry_row)
+        return {"entries": entries, "more": more}
 
     def readdir_layouts(
         self, ino: int, after: bytes | None = None, limit: int = 256
     ) -> ReaddirLayoutsPage:
         """`readdir` with each regular file's layout: what a reader of every
         file of a directory needs, in one read transaction per page."""
-        entries, more = self._page(ino, after, limit, True)
+        entries, more = self._page(
+            ino, after, limit, lambda n, c, r: (n, attr_of(c, r), layout_of(r))
+        )
         return {"entries": entries, "more": more}
 
     def _page(
-        self, ino: int, after: bytes | None, limit: int, layouts: bool
-    ) -> tuple[list[tuple[bytes, Attr, Layout | None]], bool]:
+        self, ino: int, after: bytes | None, limit: int, entry: Callable[[bytes, int, Rec], E]
+    ) -> tuple[list[E], bool]:
+        """A page of directory *ino*, each child as *entry* (name, inode,
+        record) makes it."""
         if limit < 1:
             raise FsError(errno.EINVAL, f"readdir limit {limit} < 1")
         limit = min(limit, READDIR_MAX)
         if after is not None and len(after) > NAME_MAX:
             raise FsError(errno.EINVAL, "readdir cursor longer than a name")
 
-        def body(tx: Tx) -> tuple[list[tuple[bytes, Attr, Layout | None]], bool]:
+        def body(tx: Tx) -> tuple[list[E], bool]:
             tx.directory(ino)
             children, more = tx.children(ino, after, limit)
-            if layouts:
-                return [(n, attr_of(c, r), layout_of(r)) for n, c, r in children], more
-            return [(n, attr_of(c, r), None) for n, c, r in children], more
+            return [entry(n, c, r) for n, c, r in children], more
 
         return self.txns.read(body)
 

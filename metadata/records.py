@@ -187,6 +187,26 @@ def attr_of(ino: int, rec: Rec) -> Attr:
     }
 
 
+def entry_row(name: bytes, ino: int, rec: Rec) -> list[Any]:
+    """`attr_of` as a listing row (metadata/protocol.py, ATTR_ROW)."""
+    mode = rec["mode"]
+    return [
+        name,
+        ino,
+        mode,
+        rec["nlink"],
+        rec["uid"],
+        rec["gid"],
+        rec["rdev"],
+        rec["size"],
+        rec["atime"],
+        rec["mtime"],
+        rec["ctime"],
+        rec["parent"] if stat.S_ISDIR(mode) else 0,
+        rec.get("change", 0),
+    ]
+
+
 def layout_of(rec: Rec) -> Layout | None:
     layout = rec.get("layout")
     if layout is None:

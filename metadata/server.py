@@ -25,6 +25,7 @@ from shufflefs.metadata.protocol import (
     PendingJob,
     ReaddirLayoutsPage,
     ReaddirPage,
+    ReaddirRowsPage,
 )
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.schema import rpc_method
@@ -298,7 +299,12 @@ class MetaService(SessionsAndHandles):
         return self.store.readlink(ino)
 
     @rpc_method(inline=True)
-    async def readdir(self, ino: int, after: bytes | None = None, limit: int = 256) -> ReaddirPage:
+    async def readdir(
+        self, ino: int, after: bytes | None = None, limit: int = 256, rows: bool = False
+    ) -> ReaddirPage | ReaddirRowsPage:
+        """*rows*: each entry as a row (metadata/protocol.py, ATTR_ROW)."""
+        if rows:
+            return self.store.readdir_rows(ino, after, limit)
         return self.store.readdir(ino, after, limit)
 
     @rpc_method(inline=True)
