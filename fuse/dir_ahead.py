@@ -22,6 +22,14 @@ epoch learned no name and the next epoch's every lookup was a metadata call
 (eight processes reading cold 110 KB samples of 8,000 after a hinted pass:
 1,988-2,104 samples/s, 2,978-3,680 with them learned).
 
+A listing stands for that first lookup once one of its files is opened: a
+loader that walks its dataset before reading it (an ImageFolder) gives the
+kernel every name in READDIRPLUS, so none of its LOOKUPs miss, and its first
+epoch was left with an open round trip per file. The directory a listing
+showed a file in is remembered (`listed`), and the file's first open that
+the open cache cannot answer (`opened`: the OPEN, or on cache=immutable the
+first READ) opens the rest of the directory ahead as a missed LOOKUP does.
+
 A name is taken only if the file's change counter at the open (or of the
 handle held) is the one the listing showed: the name was still its name then
 (an unlink or rename of it, or over it, changes it), and from the open on the
@@ -105,6 +113,7 @@ class DirAhead:
         self._done: OrderedDict[int, float] = OrderedDict()  # directory -> trio time
         # -o ro: (parent, name) -> (inode, trio time learned)
         self.names: dict[tuple[int, bytes], tuple[int, float]] = {}
+        self._listed_in: dict[int, int] = {}  # file -> the directory a listing showed it in
 
     @property
     def enabled(self) -> bool:
@@ -126,6 +135,30 @@ class DirAhead:
             return
         self._busy.add(parent)
         nursery.start_soon(self._open_ahead, parent)
+
+    def listed(self, parent: int, entries: Iterable[tuple[bytes, Attr]]) -> None:
+        """A page of directory *parent* that a listing handed the kernel:
+        the kernel now has its names, so an open of one of its files asks no
+        LOOKUP first. Its first open the open cache cannot answer opens the
+        directory ahead as a LOOKUP miss does (`opened`): a loader that walks
+        its dataset before reading it (an ImageFolder) was otherwise left
+        with an open round trip per file. Remembered for up to the open
+        cache's limit of files (the room it opens ahead into is half that)."""
+        if not self.enabled:
+            return
+        where = self._listed_in
+        if len(where) >= self.fs.open_cache.limit:
+            where.clear()
+        for _, attr in entries:
+            if stat.S_ISREG(attr["mode"]):
+                where[attr["ino"]] = parent
+
+    def opened(self, attr: Attr, nursery: trio.Nursery) -> None:
+        """The metadata server opened *attr*'s file (the open cache could
+        not answer): if a listing showed it, open its directory ahead."""
+        parent = self._listed_in.pop(attr["ino"], None)
+        if parent is not None:
+            self.missed(parent, attr, nursery)
 
     def _again_after(self, linger: float) -> float:
         """Seconds before a directory is listed ahead again: its handles'

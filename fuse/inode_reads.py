@@ -51,6 +51,8 @@ class KernelView(Protocol):
 
     def handed(self, ino: int, off: int, n: int) -> None: ...
 
+    def opened_at_server(self, attr: Attr) -> None: ...
+
 
 class InodeReads:
     def __init__(self, view: KernelView, linger: float, limit: int = MAX_HANDLES) -> None:
@@ -85,6 +87,7 @@ class InodeReads:
         done = self._opening[ino] = trio.Event()
         try:
             f, attr = await self.fs.open(ino, os.O_RDONLY)
+            self.view.opened_at_server(attr)
             if attr["nlink"] == 0:
                 await self.fs.release(f.fh)
                 raise FsError(errno.ESTALE, f"inode {ino} was removed")

@@ -180,6 +180,7 @@ class Listings:
             else:
                 entries, more, h.age = await self._page(h, after)
                 ops.list_ahead.listed(h.ino, after is None, entries)
+                ops.dir_ahead.listed(h.ino, entries)
             age, dir_ino = h.age, h.ino
             for i, (name, attr) in enumerate(entries):
                 entry = entry_of(attr, age)

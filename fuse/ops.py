@@ -154,6 +154,12 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         options = self.options
         return entry_attributes(attr, options.entry_timeout, options.attr_timeout, age)
 
+    def opened_at_server(self, attr: Attr) -> None:
+        """A read-only open the open cache could not answer (fuse/dir_ahead.py,
+        `DirAhead.opened`)."""
+        if self._nursery is not None:
+            self.dir_ahead.opened(attr, self._nursery)
+
     def remember(self, attr: Attr) -> pyfuse3.EntryAttributes:
         """An entry handed to the kernel: its lookup count rises by one."""
         ino = attr["ino"]
@@ -419,6 +425,8 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             # and keeps every file's pages: READs name their inode
             raise pyfuse3.FUSEError(errno.ENOSYS)
         f, attr = await self.fs.open(inode, flags)
+        if not changes:
+            self.opened_at_server(attr)
         if attr["nlink"] == 0 and not stat.S_ISDIR(attr["mode"]):
             # reached through a name the kernel still caches, of a file
             # removed since (kept alive by someone's open handle, or a

@@ -35,14 +35,17 @@ def mounts(
 ) -> Iterator[dict[str, MeteredMount]]:
     """B (default, but the kernel keeps the test directory's entry for the
     whole test), R (-o ro, BOUND-second timeouts), I (the same with
-    cache=immutable), E (dir_ahead=8), N
-    (dir_ahead=0): each a mount of its own, so none knows the test's files."""
+    cache=immutable), E (dir_ahead=8), N (dir_ahead=0), L and J (-o ro and
+    cache=immutable keeping entries a minute): each a mount of its own, so
+    none knows the test's files."""
     options = {
         "B": "attr_timeout=60,entry_timeout=60",
         "R": f"ro,{SHORT}",
         "I": f"cache=immutable,{SHORT}",
         "E": "dir_ahead=8",
         "N": "dir_ahead=0",
+        "L": "ro,attr_timeout=60,entry_timeout=60",
+        "J": "cache=immutable,attr_timeout=60,entry_timeout=60",
     }
     with metered_mounts(mounted, tmp_path_factory, "dir-ahead", options, FAMILY, "what") as mounts:
         yield mounts
@@ -95,6 +98,33 @@ def test_the_other_files_of_a_directory_open_with_no_metadata_call(
     # the next miss in the same directory lists nothing again
     os.stat(d / "sub")
     assert b.count("dirs") == dirs + 1
+
+
+@pytest.mark.parametrize("mode", ["B", "L", "J"])
+def test_a_listed_directory_is_opened_ahead_by_the_first_open_of_one_of_its_files(
+    mounted: ProcessCluster,
+    mounts: dict[str, MeteredMount],
+    mnt: Path,
+    names: list[str],
+    mode: str,
+) -> None:
+    """A loader that walks its dataset before reading it (an ImageFolder):
+    the listing gave the kernel every name, so no LOOKUP misses. The first
+    open of one of the files that the open cache cannot answer (read-write,
+    ``ro``: the OPEN; ``cache=immutable``: the first READ) opens the rest of
+    its directory ahead, and they open and read with no metadata call."""
+    m = mounts[mode]
+    d = m.mountpoint / mnt.name
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    assert sorted(os.listdir(d)) == sorted([*names, "sub"])
+    dirs, files = m.count("dirs"), m.count("files")
+    assert read(d / names[0]) == content(0)
+    wait_until("the directory opened ahead", lambda: m.count("dirs") > dirs, timeout=20)
+    assert m.count("files") - files == FILES - 1
+    before = name_calls(mounted)
+    for i, name in enumerate(names):
+        assert read(d / name) == content(i)
+    assert name_calls(mounted) == before
 
 
 def test_names_learned_ahead_follow_changes_made_on_another_mount(

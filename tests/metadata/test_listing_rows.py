@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 
 import pytest
 import trio
-
 from metaservice import SECRET
+
 from shufflefs.metadata import protocol
 from shufflefs.metadata.protocol import (
     ATTR_ROW,
