@@ -139,21 +139,29 @@ class LocalReads:
                 return self.target(routing, t["id"])
         return None
 
-    def plan_pieces(self, pieces: list[Piece]) -> list[Planned] | None:
+    def plan_pieces(self, pieces: list[Piece], open_there: bool = False) -> list[Planned] | None:
         """What `read_pieces` with *wait* reads from the disk, planned to be
         read elsewhere (the mount's io_uring, fuse/fast_reads.py): per piece
         its reader and plan (or its answer already); None, and nothing
         held, if any piece cannot be read here. A chunk file not open yet is
-        opened here, waiting for the disk: opening it in the ring instead
-        (`plan_cold`, as a prefetch does) cost one more trip through the
-        ring's reaper per READ, and four readers of cold samples read 5-12%
-        fewer per second in two A/B runs of three rounds."""
+        opened here, waiting for the disk (its directory entry, its inode),
+        unless *open_there*: then in the ring with its read
+        (`plan_cold`; the ring links the open to the read,
+        `UringReads.opens_linked`; where it cannot, an open followed by its
+        read cost a trip through the ring's reaper, and four readers of
+        cold samples read 5-12% fewer per second)."""
         routing = self.replicas.routing.current
         local = self.replicas.local_targets(routing)
         planned: list[Planned] = []
         for p in pieces:
             reader = self._reader(routing, local, p)
-            plan = None if reader is None else reader.plan(p[1], p[2], p[3], nowait=False)
+            plan = (
+                None
+                if reader is None
+                else reader.plan_cold(p[1], p[2], p[3])
+                if open_there
+                else reader.plan(p[1], p[2], p[3], nowait=False)
+            )
             if reader is None or plan is None:
                 self.discard(planned)
                 return None

@@ -345,7 +345,7 @@ class FastReads:
         its latency: so not below that; docs/storage.md)."""
         ring = for_this_run()  # (opened on first use, then kept by the run)
         local = self.fs.storage.local
-        planned = local.plan_pieces(cold.pieces) if ring is not None else None
+        planned = local.plan_pieces(cold.pieces, ring.opens_linked) if ring is not None else None
         if ring is None or planned is None:
             return False
         reads = local.disk_reads(planned)

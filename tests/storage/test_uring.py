@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -149,13 +149,30 @@ async def test_cold_reads_through_the_ring_are_verified(store: ChunkStore) -> No
         assert b"".join(bytes(p) for p in reply.payload) == blobs[2][:512]  # type: ignore[union-attr]
 
 
-async def test_open_and_read_opens_each_path_then_reads_it(tmp_path: Path) -> None:
-    """Paths are opened in the ring and each read follows its own open; an
-    fd is read as it is; a path that cannot be opened fails its request
-    alone (the open's error for both); more requests than the ring holds
-    wait for room; the callback form answers on the loop with the same."""
+@pytest.fixture(params=["linked", "followed"])
+async def ring(request: pytest.FixtureRequest) -> AsyncIterator[uring.UringReads]:
+    """This run's ring, its opens linked to their reads (this kernel has
+    direct descriptors), or followed by them as on a kernel without."""
     ring = uring.for_this_run()
-    assert ring is not None
+    assert ring is not None and ring.opens_linked
+    slots = ring._slots
+    if request.param == "followed":
+        ring._slots = []
+    yield ring
+    assert ring._in_flight == {} and ring._chains == {}
+    ring._slots = slots
+    assert sorted(slots) == list(range(uring.ENTRIES))  # every slot back
+
+
+async def test_open_and_read_opens_each_path_then_reads_it(
+    tmp_path: Path, ring: uring.UringReads
+) -> None:
+    """Paths are opened in the ring and each read follows its own open
+    (linked to it, or submitted by the reaper once it is done); an fd is
+    read as it is; a path that cannot be opened fails its request alone
+    (the open's error for both); a read short of its buffer still gives its
+    fd; more requests than the ring holds wait for room; the callback form
+    answers on the loop with the same."""
     contents = {}
     for k in range(uring.ENTRIES + 30):
         contents[k] = os.urandom(1000 + k)
@@ -235,14 +252,14 @@ async def test_writes_through_the_ring_land_whole_with_errors_per_write(tmp_path
             os.close(f)
 
 
-async def test_offloaded_reads_give_the_same_bytes_and_errors(tmp_path: Path) -> None:
+async def test_offloaded_reads_give_the_same_bytes_and_errors(
+    tmp_path: Path, ring: uring.UringReads
+) -> None:
     """Reads handed to the kernel's io-wq workers (*offload*: the mount's
     loop, waiting on many cold reads, no longer copies their bytes itself)
     read exactly what the others do, from files not in the page cache,
     through an open in the ring or an open fd, with errors per read; and
     are counted."""
-    ring = uring.for_this_run()
-    assert ring is not None
     contents = [os.urandom(110_000 + k) for k in range(6)]
     fds = []
     for k, data in enumerate(contents):
@@ -256,7 +273,10 @@ async def test_offloaded_reads_give_the_same_bytes_and_errors(tmp_path: Path) ->
     requests += [(str(tmp_path / "missing"), bytearray(10), 0), (-1, bytearray(10), 0)]
     offloaded = ring.offloaded
     outcomes = await ring.open_and_read(requests, offload=True)
-    assert ring.offloaded - offloaded == 7  # every read submitted (none for the failed open)
+    # every read submitted: a linked one with its open, a followed one
+    # after it (so none for the failed open)
+    linked = bool(ring._slots)
+    assert ring.offloaded - offloaded == (8 if linked else 7)
     fd, got = outcomes[0]
     assert isinstance(fd, int) and got == len(contents[0])
     assert bytes(requests[0][1][:got]) == contents[0]
@@ -280,6 +300,6 @@ async def test_offloaded_reads_give_the_same_bytes_and_errors(tmp_path: Path) ->
     assert ring.submit([(fds[1], buf, 5)], then, offload=True)
     await done.wait()
     assert seen == [[(fds[1], 100_000)]] and bytes(buf) == contents[1][5:100_005]
-    assert ring.offloaded - offloaded == 8 and ring._in_flight == {}
+    assert ring.offloaded - offloaded == (9 if linked else 8) and ring._in_flight == {}
     for fd in fds[1:]:
         os.close(fd)
