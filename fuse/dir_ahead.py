@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import stat
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -85,6 +85,7 @@ class DirAheadCounts:
     held: int = 0  # their files whose handles were held already (names learned too)
     changed: int = 0  # files whose counter moved between listing and open
     skipped: int = 0  # misses not acted on: the open cache half full
+    aside: int = 0  # misses not acted on: a loader hints its order (the prefetcher's)
     failed: int = 0  # listings or opens that failed (the LOOKUPs ask as before)
 
     def collect(self) -> Iterable[Metric]:
@@ -103,8 +104,14 @@ class DirAhead:
         watched: WatchedEntries | None,
         entries: int,
         entry_timeout: float,
+        aside: Callable[[], bool] = lambda: False,
     ) -> None:
         self.fs = fs
+        # True while a loader hints its order: the prefetcher fetches its
+        # files by their layouts, with no open, so opening their directories
+        # ahead only doubles the work (four hinted readers of a fresh mount
+        # read 5-15% fewer samples per second with it)
+        self.aside = aside
         self.watched = watched  # read-write: the cache watch keeps learned names fresh
         self.max_entries = entries
         self.entry_timeout = entry_timeout  # -o ro: how long a learned name answers
@@ -124,6 +131,9 @@ class DirAhead:
         open the directory's other files ahead (in the background) unless
         that was done within the linger or the cache is half full."""
         if not self.enabled or not stat.S_ISREG(attr["mode"]) or parent in self._busy:
+            return
+        if self.aside():
+            self.counts.aside += 1
             return
         now = trio.current_time()
         cache = self.fs.open_cache

@@ -68,6 +68,8 @@ from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse")
 
+HINTED_LATELY = 10.0  # s: a mount hinted this recently leaves its files to the prefetcher
+
 
 class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
     def __init__(self, fs: FileSystem, options: MountOptions | None = None) -> None:
@@ -101,7 +103,12 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         self.listings = Listings(self)  # directories: opendir, readdir, releasedir
         # a directory's files opened ahead on a lookup miss in it
         self.dir_ahead = DirAhead(
-            fs, self.watched, self.options.dir_ahead, self.options.entry_timeout
+            fs,
+            self.watched,
+            self.options.dir_ahead,
+            self.options.entry_timeout,
+            # a loader hinting its order has its files fetched with no open
+            aside=lambda: self.prefetch.hinted_within(HINTED_LATELY),
         )
         # the listings of the subdirectories after the one being listed
         self.list_ahead = ListAhead(

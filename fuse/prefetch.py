@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import stat
 import time
 from collections import OrderedDict, deque
@@ -141,6 +142,7 @@ class Prefetcher:
     counters: Counters = field(default_factory=Counters)
     held: int = 0  # bytes in entries plus bytes of reads in flight
     running: bool = False
+    last_hinted: float = -math.inf  # time.monotonic() of the last hints queued
 
     def __post_init__(self) -> None:
         self._wake = trio.Event()  # pending grew (what idle fetchers wait for)
@@ -213,11 +215,16 @@ class Prefetcher:
         if not self.running:
             raise FsError(errno.EOPNOTSUPP, "prefetch is off on this mount (prefetch_memory=0)")
 
+    def hinted_within(self, seconds: float) -> bool:
+        """Was anything hinted in the last *seconds*? (A loader hinting its
+        order has its files fetched here, by layout, no open needed.)"""
+        return time.monotonic() - self.last_hinted < seconds
+
     def _queue(self, hints: list[Hint]) -> bool:
         """Queue *hints*, skipping at once those the kernel holds (a warm
         epoch wakes no fetcher), and wake the fetchers once; whether every
         one was skipped so (what a hinting getxattr answers: `HELD`)."""
-        now = time.monotonic()
+        now = self.last_hinted = time.monotonic()
         queued = False
         for hint in hints:
             self.counters.hinted += 1

@@ -18,6 +18,8 @@ from clusters import ProcessCluster, wait_until
 from harness import read_whole as read
 from opsworld import MeteredMount, metered_mounts
 
+from shufflefs.fuse.prefetch_hints import PREFETCH_XATTR
+
 # they drop the kernel's caches, or count what those spare: one at a time on the machine
 pytestmark = pytest.mark.usefixtures("kernel_caches")
 
@@ -36,8 +38,8 @@ def mounts(
     """B (default, but the kernel keeps the test directory's entry for the
     whole test), R (-o ro, BOUND-second timeouts), I (the same with
     cache=immutable), E (dir_ahead=8), N (dir_ahead=0), L and J (-o ro and
-    cache=immutable keeping entries a minute): each a mount of its own, so
-    none knows the test's files."""
+    cache=immutable keeping entries a minute), H (as B, for a loader that
+    hints): each a mount of its own, so none knows the test's files."""
     options = {
         "B": "attr_timeout=60,entry_timeout=60",
         "R": f"ro,{SHORT}",
@@ -46,6 +48,7 @@ def mounts(
         "N": "dir_ahead=0",
         "L": "ro,attr_timeout=60,entry_timeout=60",
         "J": "cache=immutable,attr_timeout=60,entry_timeout=60",
+        "H": "attr_timeout=60,entry_timeout=60",
     }
     with metered_mounts(mounted, tmp_path_factory, "dir-ahead", options, FAMILY, "what") as mounts:
         yield mounts
@@ -125,6 +128,24 @@ def test_a_listed_directory_is_opened_ahead_by_the_first_open_of_one_of_its_file
     for i, name in enumerate(names):
         assert read(d / name) == content(i)
     assert name_calls(mounted) == before
+
+
+def test_a_mount_a_loader_hints_leaves_its_files_to_the_prefetcher(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], mnt: Path, names: list[str]
+) -> None:
+    """While a loader hints its order, the prefetcher fetches the hinted
+    files with no open: a lookup miss opens no directory ahead (counted
+    `aside`), and the files still read whole."""
+    b = mounts["H"]
+    d = b.mountpoint / mnt.name
+    os.setxattr(b.mountpoint, PREFETCH_XATTR, f"{mnt.name}/{names[3]}".encode())
+    dirs, aside = b.count("dirs"), b.count("aside")
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    assert read(d / names[0]) == content(0)
+    wait_until("the miss counted aside", lambda: b.count("aside") > aside, timeout=20)
+    assert b.count("dirs") == dirs
+    for i, name in enumerate(names):
+        assert read(d / name) == content(i)
 
 
 def test_names_learned_ahead_follow_changes_made_on_another_mount(
