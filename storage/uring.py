@@ -133,6 +133,7 @@ class UringReads:
         self._chains: dict[int, _Chain] = {}
         self._direct_how = _uring.OpenHow()
         self._direct_how.flags = os.O_RDONLY  # (a direct descriptor takes no O_CLOEXEC)
+        self._empty_slot = _uring.FileIndex([-1])
         self.reads = 0  # completed (tests, debugging)
         self.opens = 0
         self.offloaded = 0  # reads submitted to io-wq workers (`submit`'s *offload*)
@@ -324,7 +325,7 @@ class UringReads:
         whatever the read got (a hard link). No trip through the reaper
         between the open and the read: that trip cost four readers of cold
         samples 5-12% when an open was followed by its read (`_follow`). The
-        slot keeps the file until a later chain's open replaces it."""
+        slot is emptied once the read and the install are in."""
         if _uring.io_uring_sq_space_left(self._ring) < 3:  # (a chain is never split)
             _uring.io_uring_submit(self._ring)
         slot = self._slots.pop()
@@ -365,6 +366,9 @@ class UringReads:
         if chain.read is None or chain.fd is None:
             return False
         self._chains.pop(opened, None)  # (its success is not posted)
+        # the slot lets its file go (the caller has its own fd): a chunk
+        # file removed meanwhile frees its space
+        _uring.io_uring_register_files_update(self._ring, self._empty_slot, chain.slot)
         self._slots.append(chain.slot)
         self.opens += 1
         chain.batch.fds[chain.k] = chain.fd

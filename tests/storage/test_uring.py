@@ -161,7 +161,10 @@ async def ring(request: pytest.FixtureRequest) -> AsyncIterator[uring.UringReads
     yield ring
     assert ring._in_flight == {} and ring._chains == {}
     ring._slots = slots
-    assert sorted(slots) == list(range(uring.ENTRIES))  # every slot back
+    assert sorted(slots) == list(range(uring.ENTRIES))  # every slot back, empty:
+    info = Path(f"/proc/self/fdinfo/{ring._ring.ring_fd}").read_text()
+    table = info.split("UserFiles:")[1].split("UserBufs:")[0]
+    assert "/" not in table  # (no file is held there: a removed one's space is freed)
 
 
 async def test_open_and_read_opens_each_path_then_reads_it(
