@@ -108,7 +108,7 @@ class SessionsAndHandles(ServiceBase):
             self.role.check_writable()
         return reply
 
-    @rpc_method
+    @rpc_method(inline=True)
     async def watch_dir(
         self, session: int, ino: int, limit: int = 256, names: bool = False, rows: bool = False
     ) -> WatchedDirPage | WatchedDirRowsPage:
@@ -117,7 +117,9 @@ class SessionsAndHandles(ServiceBase):
         the watch tells the mount of a change. The watch runs from the
         change counter of the attributes read here, so a change committed
         between them and the page is told (the client then does not trust
-        the page). Primary only, as the long poll."""
+        the page). Primary only, as the long poll. Inline, as `readdir`:
+        it waits for nothing (a task of its own cost every directory of a
+        read-write mount's walk a trip through the scheduler)."""
         if self.role is not None:
             self.role.check_writable()
         if session not in self.cache_watches.watchers:  # only for a live session
@@ -140,7 +142,7 @@ class SessionsAndHandles(ServiceBase):
 
     # ---- file handles ---------------------------------------------------------
 
-    @rpc_method
+    @rpc_method(fast="open_now")
     async def open(
         self, ino: int, flags: int, session: int, request: list[int] | None = None
     ) -> OpenResult:
@@ -151,7 +153,33 @@ class SessionsAndHandles(ServiceBase):
         )
         return await self._settle_open(result, flags, session)
 
-    @rpc_method
+    def open_now(
+        self, ino: int, flags: int, session: int, request: list[int] | None = None
+    ) -> OpenResult | None:
+        """`open`'s read-only opens, inline (a task of their own cost each a
+        trip through the scheduler): None for one that writes or must wait
+        (a free of the inode being committed)."""
+        if opens_for_writing(flags):
+            return None
+        return self._open_read_only_now(ino, flags, session)
+
+    def lookup_open_now(self, parent: int, name: bytes, session: int) -> OpenResult | None:
+        """`lookup_open`, inline; None if it must wait (as `open_now`)."""
+        attr = self.store.lookup(parent, name)
+        if not stat.S_ISREG(attr["mode"]):
+            return {"attr": attr, "layout": None, "handle": 0}
+        return self._open_read_only_now(attr["ino"], os.O_RDONLY, session)
+
+    def _open_read_only_now(self, ino: int, flags: int, session: int) -> OpenResult | None:
+        try:
+            return self.store.open_read_only(ino, flags, session)
+        except FreeInProgress:
+            return None
+        except FsError as exc:
+            log.debug("open failed ino=%d flags=%#o: %s", ino, flags, exc.message)
+            raise
+
+    @rpc_method(fast="lookup_open_now")
     async def lookup_open(self, parent: int, name: bytes, session: int) -> OpenResult:
         """A lookup and, for a regular file, a read-only open (no write
         transaction either): one round trip for a read-only mount's cold
