@@ -326,3 +326,32 @@ async def test_a_session_opened_before_the_restart_grace_begins_is_not_waited_fo
             store.gc_done(ino)
     finally:
         store.close()
+
+
+async def test_inline_opens_leave_what_must_wait_to_the_handler(env: Env) -> None:
+    """`open` and `lookup_open` are tried inline (`open_now`,
+    `lookup_open_now`): a read-only open is answered there; one that
+    writes, or one of an inode whose free is being committed, is left to
+    the handler (None), which waits; an error is the handler's error."""
+    ino, handle = await env.create(ROOT, b"g")
+    await env.meta.release(ino, handle, env.session)
+    service, freeing = env.service, env.store.txns.read_only._freeing
+    freeing.add(ino)
+    try:
+        assert service.open_now(ino, os.O_RDONLY, env.session) is None
+        assert service.lookup_open_now(ROOT, b"g", env.session) is None
+    finally:
+        freeing.discard(ino)
+    assert service.open_now(ino, os.O_RDWR, env.session) is None
+    for opened in (
+        service.open_now(ino, os.O_RDONLY, env.session),
+        service.lookup_open_now(ROOT, b"g", env.session),
+    ):
+        assert opened is not None and opened["attr"]["ino"] == ino and opened["layout"]
+        await env.meta.release(ino, opened["handle"], env.session)
+    with pytest.raises(FsError) as raised:
+        service.lookup_open_now(ROOT, b"missing", env.session)
+    assert raised.value.code == errno.ENOENT
+    # and over the wire, through the inline try
+    opened = await env.meta.lookup_open(ROOT, b"g", env.session)
+    await env.meta.release(ino, opened["handle"], env.session)
