@@ -13,6 +13,7 @@ import stat
 import trio
 
 from shufflefs.metadata.files import opens_for_writing
+from shufflefs.metadata.listing_rows import WatchedDirRowsPage
 from shufflefs.metadata.protocol import (
     READDIR_MAX,
     CacheWatchReply,
@@ -22,7 +23,6 @@ from shufflefs.metadata.protocol import (
     Session,
     SessionInfo,
     WatchedDirPage,
-    WatchedDirRowsPage,
     WrittenClose,
     is_read_only_handle,
 )

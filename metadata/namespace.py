@@ -28,6 +28,7 @@ from shufflefs.metadata.checks import (
     check_symlink_target,
 )
 from shufflefs.metadata.lifetime import drop_name
+from shufflefs.metadata.listing_rows import ReaddirRowsPage
 from shufflefs.metadata.protocol import (
     NAME_MAX,
     RENAME_EXCHANGE,
@@ -37,7 +38,6 @@ from shufflefs.metadata.protocol import (
     Layout,
     ReaddirLayoutsPage,
     ReaddirPage,
-    ReaddirRowsPage,
     Unlinked,
 )
 from shufflefs.metadata.records import (
@@ -202,7 +202,7 @@ class NameOps:
     def readdir_rows(
         self, ino: int, after: bytes | None = None, limit: int = 256
     ) -> ReaddirRowsPage:
-        """`readdir` with each entry as a row (metadata/protocol.py, ATTR_ROW)."""
+        """`readdir` with each entry as a row (metadata/listing_rows.py, ATTR_ROW)."""
         entries, more = self._page(ino, after, limit, entry_row)
         return {"entries": entries, "more": more}
 

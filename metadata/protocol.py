@@ -17,6 +17,13 @@ import errno
 from collections.abc import Callable
 from typing import Any, Literal, NotRequired, TypedDict
 
+from shufflefs.metadata.listing_rows import (
+    ROWS_REFUSED,
+    ReaddirRowsPage,
+    WatchedDirRowsPage,
+    entry_of_row,
+    rows_refused,
+)
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 
@@ -90,68 +97,6 @@ class Unlinked(TypedDict):
 class ReaddirPage(TypedDict):
     entries: list[tuple[bytes, Attr]]  # in name order, '.' and '..' not included
     more: bool  # another page follows: call again with after = the last name
-
-
-# A listing's entry as one flat row (`readdir`/`watch_dir` with rows=True):
-# [name, *the Attr's values in this order]. A row is a third the size of a
-# name and an Attr map on the wire, and packed and unpacked three times as
-# fast; `entry_of_row` makes the pair callers use.
-ATTR_ROW = (
-    "ino",
-    "mode",
-    "nlink",
-    "uid",
-    "gid",
-    "rdev",
-    "size",
-    "atime",
-    "mtime",
-    "ctime",
-    "parent",
-    "change",
-)
-EntryRow = list[Any]  # [name: bytes, ino, mode, ... change: int], ATTR_ROW's order
-
-
-class ReaddirRowsPage(TypedDict):
-    entries: list[EntryRow]  # as ReaddirPage's, each as a row
-    more: bool
-
-
-class WatchedDirRowsPage(TypedDict):
-    entries: list[EntryRow]  # as WatchedDirPage's, each as a row
-    more: bool
-    attr: Attr
-    since: int | None
-
-
-def entry_of_row(row: EntryRow) -> tuple[bytes, Attr]:
-    """A listing row as (name, attributes)."""
-    name, ino, mode, nlink, uid, gid, rdev, size, atime, mtime, ctime, parent, change = row
-    return name, {
-        "ino": ino,
-        "mode": mode,
-        "nlink": nlink,
-        "uid": uid,
-        "gid": gid,
-        "rdev": rdev,
-        "size": size,
-        "atime": atime,
-        "mtime": mtime,
-        "ctime": ctime,
-        "parent": parent,
-        "change": change,
-    }
-
-
-def rows_refused(exc: FsError) -> bool:
-    """A server of before rows refuses the argument (then: ask for maps)."""
-    return exc.code == errno.EINVAL and "'rows'" in exc.message
-
-
-# addresses of metadata servers that refused rows (a server of before them,
-# in a rolling upgrade): listings from them come as maps
-_ROWS_REFUSED: set[str] = set()
 
 
 class ReaddirLayoutsPage(TypedDict):
@@ -476,7 +421,7 @@ class MetaStub:
         args: dict[str, object] = {"session": session, "ino": ino, "limit": limit}
         if names:
             args["names"] = True
-        if self.address not in _ROWS_REFUSED:
+        if self.address not in ROWS_REFUSED:
             try:
                 rows: WatchedDirRowsPage = await self._call("watch_dir", rows=True, **args)
                 return {
@@ -488,7 +433,7 @@ class MetaStub:
             except FsError as exc:
                 if not rows_refused(exc):
                     raise
-                _ROWS_REFUSED.add(self.address)
+                ROWS_REFUSED.add(self.address)
         result: WatchedDirPage = await self._call("watch_dir", **args)
         return result
 
@@ -562,7 +507,7 @@ class MetaStub:
         stable under concurrent inserts and removals (nothing is skipped or
         repeated that existed throughout the listing). At most READDIR_MAX
         entries per page."""
-        if self.address not in _ROWS_REFUSED:
+        if self.address not in ROWS_REFUSED:
             try:
                 rows: ReaddirRowsPage = await self._call(
                     "readdir", ino=ino, after=after, limit=limit, rows=True
@@ -571,7 +516,7 @@ class MetaStub:
             except FsError as exc:
                 if not rows_refused(exc):
                     raise
-                _ROWS_REFUSED.add(self.address)
+                ROWS_REFUSED.add(self.address)
         result: ReaddirPage = await self._call("readdir", ino=ino, after=after, limit=limit)
         return result
 

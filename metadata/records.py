@@ -188,7 +188,7 @@ def attr_of(ino: int, rec: Rec) -> Attr:
 
 
 def entry_row(name: bytes, ino: int, rec: Rec) -> list[Any]:
-    """`attr_of` as a listing row (metadata/protocol.py, ATTR_ROW)."""
+    """`attr_of` as a listing row (metadata/listing_rows.py, ATTR_ROW)."""
     mode = rec["mode"]
     return [
         name,

@@ -16,6 +16,7 @@ import stat
 from typing import Any
 
 from shufflefs.metadata.handles_service import SessionsAndHandles
+from shufflefs.metadata.listing_rows import ReaddirRowsPage
 from shufflefs.metadata.protocol import (
     Attr,
     FilesPage,
@@ -25,7 +26,6 @@ from shufflefs.metadata.protocol import (
     PendingJob,
     ReaddirLayoutsPage,
     ReaddirPage,
-    ReaddirRowsPage,
 )
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.schema import rpc_method
@@ -302,7 +302,7 @@ class MetaService(SessionsAndHandles):
     async def readdir(
         self, ino: int, after: bytes | None = None, limit: int = 256, rows: bool = False
     ) -> ReaddirPage | ReaddirRowsPage:
-        """*rows*: each entry as a row (metadata/protocol.py, ATTR_ROW)."""
+        """*rows*: each entry as a row (metadata/listing_rows.py, ATTR_ROW)."""
         if rows:
             return self.store.readdir_rows(ino, after, limit)
         return self.store.readdir(ino, after, limit)

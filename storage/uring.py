@@ -368,8 +368,11 @@ class UringReads:
         self._chains.pop(opened, None)  # (its success is not posted)
         # the slot lets its file go (the caller has its own fd): a chunk
         # file removed meanwhile frees its space
-        _uring.io_uring_register_files_update(self._ring, self._empty_slot, chain.slot)
-        self._slots.append(chain.slot)
+        try:
+            _uring.io_uring_register_files_update(self._ring, self._empty_slot, chain.slot)
+            self._slots.append(chain.slot)
+        except OSError as exc:  # (never seen) the slot is lost, never the reaper
+            log.warning("io_uring slot %d not emptied (%s): no longer used", chain.slot, exc)
         self.opens += 1
         chain.batch.fds[chain.k] = chain.fd
         return True

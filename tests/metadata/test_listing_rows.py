@@ -11,15 +11,14 @@ import pytest
 import trio
 from metaservice import SECRET
 
-from shufflefs.metadata import protocol
+from shufflefs.metadata import listing_rows
+from shufflefs.metadata.listing_rows import ATTR_ROW, entry_of_row
 from shufflefs.metadata.protocol import (
-    ATTR_ROW,
     ROOT_INODE,
     Attr,
     MetaStub,
     ReaddirPage,
     WatchedDirPage,
-    entry_of_row,
 )
 from shufflefs.rpc import FsError, RpcServer, rpc_method
 
@@ -109,10 +108,10 @@ async def test_a_server_of_before_rows_still_lists(env: Env) -> None:
         )
         address = f"127.0.0.1:{port}"
         before = MetaStub(env.meta.rpc, address)
-        assert address not in protocol._ROWS_REFUSED
+        assert address not in listing_rows.ROWS_REFUSED
         assert same(await before.readdir(d, None, 100))
-        assert address in protocol._ROWS_REFUSED  # asked once, remembered
+        assert address in listing_rows.ROWS_REFUSED  # asked once, remembered
         assert same(await before.watch_dir(env.session, d, 100))
         assert same(await before.readdir(d, None, 100))
         nursery.cancel_scope.cancel()
-    protocol._ROWS_REFUSED.discard(address)
+    listing_rows.ROWS_REFUSED.discard(address)
