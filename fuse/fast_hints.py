@@ -54,6 +54,7 @@ class FastHints(CallbackAnswers):
         if not value.startswith(NAMED_PREFIX):
             return False
         self.counts.hint += 1
+        self.ops.prefetch.hint_arrived()
         self.nursery.start_soon(self._hint, req, ino, value)
         self.queue.answered(True)
         return True

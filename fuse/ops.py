@@ -68,7 +68,10 @@ from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.fuse")
 
-HINTED_LATELY = 10.0  # s: a mount hinted this recently leaves its files to the prefetcher
+# s: a mount hinted this recently leaves its files to the prefetcher (a
+# hinting loader sends hints every few milliseconds; an unhinted epoch right
+# after a hinted one gets dir_ahead back this soon)
+HINTED_LATELY = 2.0
 
 
 class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):

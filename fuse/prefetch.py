@@ -180,6 +180,7 @@ class Prefetcher:
         """(path, offset, length) items: checked and resolved all, then queued
         all; whether the kernel held every one (`_queue`)."""
         self._check_enabled()
+        self.hint_arrived()
         for _, _, length in items:
             if length is not None and length > self.budget:
                 raise FsError(
@@ -219,6 +220,11 @@ class Prefetcher:
         """Was anything hinted in the last *seconds*? (A loader hinting its
         order has its files fetched here, by layout, no open needed.)"""
         return time.monotonic() - self.last_hinted < seconds
+
+    def hint_arrived(self) -> None:
+        """Hints came (noted before they are resolved: the reads behind
+        them may come first)."""
+        self.last_hinted = time.monotonic()
 
     def _queue(self, hints: list[Hint]) -> bool:
         """Queue *hints*, skipping at once those the kernel holds (a warm
