@@ -155,13 +155,13 @@ class LocalReads:
         planned: list[Planned] = []
         for p in pieces:
             reader = self._reader(routing, local, p)
-            plan = (
-                None
-                if reader is None
-                else reader.plan_cold(p[1], p[2], p[3])
-                if open_there
-                else reader.plan(p[1], p[2], p[3], nowait=False)
-            )
+            plan = None
+            if reader is not None:
+                cid, offset, length = p[1], p[2], p[3]
+                if open_there:
+                    plan = reader.plan_cold(cid, offset, length)
+                else:
+                    plan = reader.plan(cid, offset, length, nowait=False)
             if reader is None or plan is None:
                 self.discard(planned)
                 return None

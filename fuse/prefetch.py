@@ -142,7 +142,7 @@ class Prefetcher:
     counters: Counters = field(default_factory=Counters)
     held: int = 0  # bytes in entries plus bytes of reads in flight
     running: bool = False
-    last_hinted: float = -math.inf  # time.monotonic() of the last hints queued
+    last_hinted: float = -math.inf  # time.monotonic() of the last hints' arrival
 
     def __post_init__(self) -> None:
         self._wake = trio.Event()  # pending grew (what idle fetchers wait for)
@@ -200,6 +200,7 @@ class Prefetcher:
     def hint_inode(self, ino: int, version: Version) -> bytes:
         """Queue the whole file *ino* (of *version* as last seen)."""
         self._check_enabled()
+        self.hint_arrived()
         return HELD if self._queue([Hint(ino, 0, None, version=version)]) else QUEUED
 
     def status(self) -> bytes:
@@ -230,7 +231,7 @@ class Prefetcher:
         """Queue *hints*, skipping at once those the kernel holds (a warm
         epoch wakes no fetcher), and wake the fetchers once; whether every
         one was skipped so (what a hinting getxattr answers: `HELD`)."""
-        now = self.last_hinted = time.monotonic()
+        now = time.monotonic()
         queued = False
         for hint in hints:
             self.counters.hinted += 1

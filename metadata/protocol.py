@@ -257,6 +257,20 @@ class MetaStub:
             self.seen(response.position)
         return response.result
 
+    async def _rows(self, method: str, args: dict[str, Any]) -> Any:
+        """*method*'s listing with rows=True (metadata/listing_rows.py), or
+        None from a server that refuses them (remembered: it is asked for
+        maps from then on)."""
+        if self.address in ROWS_REFUSED:
+            return None
+        try:
+            return await self._call(method, rows=True, **args)
+        except FsError as exc:
+            if not rows_refused(exc):
+                raise
+        ROWS_REFUSED.add(self.address)
+        return None
+
     # ---- sessions (who holds files open) ----------------------------------
 
     async def session_open(
@@ -421,19 +435,14 @@ class MetaStub:
         args: dict[str, object] = {"session": session, "ino": ino, "limit": limit}
         if names:
             args["names"] = True
-        if self.address not in ROWS_REFUSED:
-            try:
-                rows: WatchedDirRowsPage = await self._call("watch_dir", rows=True, **args)
-                return {
-                    "entries": [entry_of_row(r) for r in rows["entries"]],
-                    "more": rows["more"],
-                    "attr": rows["attr"],
-                    "since": rows["since"],
-                }
-            except FsError as exc:
-                if not rows_refused(exc):
-                    raise
-                ROWS_REFUSED.add(self.address)
+        rows: WatchedDirRowsPage | None = await self._rows("watch_dir", args)
+        if rows is not None:
+            return {
+                "entries": [entry_of_row(r) for r in rows["entries"]],
+                "more": rows["more"],
+                "attr": rows["attr"],
+                "since": rows["since"],
+            }
         result: WatchedDirPage = await self._call("watch_dir", **args)
         return result
 
@@ -507,17 +516,11 @@ class MetaStub:
         stable under concurrent inserts and removals (nothing is skipped or
         repeated that existed throughout the listing). At most READDIR_MAX
         entries per page."""
-        if self.address not in ROWS_REFUSED:
-            try:
-                rows: ReaddirRowsPage = await self._call(
-                    "readdir", ino=ino, after=after, limit=limit, rows=True
-                )
-                return {"entries": [entry_of_row(r) for r in rows["entries"]], "more": rows["more"]}
-            except FsError as exc:
-                if not rows_refused(exc):
-                    raise
-                ROWS_REFUSED.add(self.address)
-        result: ReaddirPage = await self._call("readdir", ino=ino, after=after, limit=limit)
+        args = {"ino": ino, "after": after, "limit": limit}
+        rows: ReaddirRowsPage | None = await self._rows("readdir", args)
+        if rows is not None:
+            return {"entries": [entry_of_row(r) for r in rows["entries"]], "more": rows["more"]}
+        result: ReaddirPage = await self._call("readdir", **args)
         return result
 
     async def readdir_layouts(
