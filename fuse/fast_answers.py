@@ -155,6 +155,7 @@ class FastAnswerCounts:
     getxattr: int = 0  # security.capability before a write, known absent (ENODATA)
     ioctl: int = 0  # taken while draining the queue: libfuse answers them (ENOSYS)
     hint: int = 0  # prefetch hints by name, queued by a task of their own (fuse/fast_hints.py)
+    listing: int = 0  # READDIRPLUS from a kept listing (fuse/kept_listings.py)
 
     def collect(self) -> Iterable[Metric]:
         yield counts_family(

@@ -170,13 +170,10 @@ class InodeReads:
         self.view.kernel_opened(attr)  # as an OPEN would (no stale size, pages tracked)
         self.view.prefetch.opened(attr)
 
-    def _stale(self, attr: Attr, version: Version | None = None) -> bool:
-        """Do *attr* (of *version*, if the caller has it) show a change
-        since the kernel's pages of it were read? (Then they are forgotten
-        here at once.)"""
-        view, ino = self.view, attr["ino"]
-        if version is None:
-            version = version_of(attr)
+    def _stale(self, ino: int, version: Version) -> bool:
+        """Does *version* of *ino* show a change since the kernel's pages of
+        it were read? (Then they are forgotten here at once.)"""
+        view = self.view
         if view.cached.get(ino, version) == version:
             return False
         view.cached.pop(ino, None)
@@ -187,15 +184,15 @@ class InodeReads:
         """Before a lookup or getattr answers with attributes of a changed
         file: its old pages are gone, so the reads after the answer get the
         new bytes."""
-        if self._stale(attr):
+        if self._stale(attr["ino"], version_of(attr)):
             await self.changed(attr["ino"])
 
-    def seen(self, attr: Attr, nursery: trio.Nursery, version: Version) -> None:
+    def seen(self, ino: int, nursery: trio.Nursery, version: Version) -> None:
         """Any attributes handed to the kernel (a listing's too), of
         *version*: a changed file's pages and handle are dropped in the
         background."""
-        if self._stale(attr, version):
-            nursery.start_soon(self.changed, attr["ino"])
+        if self._stale(ino, version):
+            nursery.start_soon(self.changed, ino)
 
     async def changed(self, ino: int) -> None:
         """*ino* changed since its pages were read; no open will tell the

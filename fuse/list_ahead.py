@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import stat
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,6 +146,8 @@ class ListAhead:
         self._last_start: tuple[int, int, float] | None = None
         self._running = 0
         self._nursery: trio.Nursery | None = None
+        # is a directory's whole listing kept (fuse/kept_listings.py)? then not read ahead
+        self.kept: Callable[[int], bool] = lambda ino: False
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -315,6 +317,7 @@ class ListAhead:
                 and after not in self._queued
                 and after not in self._reading
                 and after not in self._listed
+                and not self.kept(after)
             ):
                 self._queued.add(after)
                 self._wanted.append(after)

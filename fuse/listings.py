@@ -130,7 +130,8 @@ class Listings:
     def _offsets(self, ino: int) -> Offsets:
         offsets = self.offsets.get(ino)
         if offsets is None:
-            offsets = self.offsets[ino] = Offsets()
+            kept = self.ops.kept_listings.kept.get(ino)  # (its offsets go on)
+            offsets = self.offsets[ino] = Offsets() if kept is None else kept.offsets
         return offsets
 
     def listing(self, ino: int) -> DirHandle:
@@ -181,6 +182,7 @@ class Listings:
                 entries, more, h.age = await self._page(h, after)
                 ops.list_ahead.listed(h.ino, after is None, entries)
                 ops.dir_ahead.listed(h.ino, entries)
+                ops.kept_listings.page(h.ino, h.parent, after, entries, more, h.age, h.offsets)
             age, dir_ino = h.age, h.ino
             for i, (name, attr) in enumerate(entries):
                 entry = entry_of(attr, age)

@@ -140,6 +140,9 @@ async def run_mount(
         if queue is not None and fast_answers:
             answers = FastAnswers(ops, READ_INODES, nursery, queue, answer_counts)
             answers.install()
+        if queue is not None and ops.kept_listings.enabled:
+            ops.kept_listings.install(queue, answer_counts)
+            READ_INODES.fast_listing = ops.kept_listings.readdirplus
         hints = None
         if queue is not None and fast_hints:
             hints = FastHints(ops, READ_INODES, nursery, queue, answer_counts)
@@ -158,6 +161,7 @@ async def run_mount(
             FUSE_LOOP.running = False
             device_reader.uninstall()
             with trio.CancelScope(shield=True):
+                READ_INODES.fast_listing = None
                 if answers is not None:
                     answers.close()
                 if hints is not None:

@@ -36,6 +36,8 @@ from shufflefs.cluster.node import listen_address
 from shufflefs.cluster.preflight import parse_size
 from shufflefs.fuse.dir_ahead import DEFAULT_ENTRIES as DIR_AHEAD
 from shufflefs.fuse.dir_ahead import MAX_ENTRIES as MAX_DIR_AHEAD
+from shufflefs.fuse.kept_listings import DEFAULT_ENTRIES as KEEP_LISTINGS
+from shufflefs.fuse.kept_listings import MAX_ENTRIES as MAX_KEEP_LISTINGS
 from shufflefs.fuse.libfuse import SPIN
 from shufflefs.fuse.list_ahead import DEFAULT_DIRS as LIST_AHEAD
 from shufflefs.fuse.list_ahead import MAX_DIRS as MAX_LIST_AHEAD
@@ -77,6 +79,7 @@ VALUED = (
     "spin_us",
     "dir_ahead",
     "list_ahead",
+    "keep_listings",
 )
 MAX_SPIN_US = 10_000
 
@@ -108,6 +111,7 @@ class MountOptions:
     spin: float = SPIN  # s the FUSE thread polls its empty queue before sleeping (libfuse.py)
     dir_ahead: int = DIR_AHEAD  # entries of a directory opened ahead on a lookup miss (0: off)
     list_ahead: int = LIST_AHEAD  # subdirectories listed ahead of a walk (0: off)
+    keep_listings: int = KEEP_LISTINGS  # entries of whole listings kept (ro, immutable; 0: off)
     metrics: str | None = None  # host:port of the Prometheus endpoint (default: client.toml's)
     debug: bool = False
 
@@ -198,6 +202,10 @@ def parse_options(items: list[str]) -> MountOptions:
         options.dir_ahead = _whole("dir_ahead", given["dir_ahead"], 0, MAX_DIR_AHEAD)
     if "list_ahead" in given:
         options.list_ahead = _whole("list_ahead", given["list_ahead"], 0, MAX_LIST_AHEAD)
+    if "keep_listings" in given:
+        options.keep_listings = _whole(
+            "keep_listings", given["keep_listings"], 0, MAX_KEEP_LISTINGS
+        )
     if "spin_us" in given:
         options.spin = _whole("spin_us", given["spin_us"], 0, MAX_SPIN_US, "microseconds") / 1e6
     return options
@@ -218,6 +226,8 @@ def _usage(key: str) -> str:
         return f"needs a value: dir_ahead=ENTRIES (0..{MAX_DIR_AHEAD}, 0: off)"
     if key == "list_ahead":
         return f"needs a value: list_ahead=DIRECTORIES (0..{MAX_LIST_AHEAD}, 0: off)"
+    if key == "keep_listings":
+        return f"needs a value: keep_listings=ENTRIES (0..{MAX_KEEP_LISTINGS}, 0: off)"
     if key == "max_tasks":
         return f"needs a value: max_tasks=N (1..{MAX_TASKS})"
     return f"needs a value: {key}=SECONDS"

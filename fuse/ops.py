@@ -37,6 +37,7 @@ import math
 import os
 import stat
 from collections.abc import Sequence
+from itertools import compress
 
 import pyfuse3
 import trio
@@ -52,13 +53,14 @@ from shufflefs.fuse.entry_attrs import (
 )
 from shufflefs.fuse.handler_guards import DirChanges, fuse_errors, mutation, stale_when_gone
 from shufflefs.fuse.inode_reads import InodeReads
+from shufflefs.fuse.kept_listings import KeptListings
 from shufflefs.fuse.list_ahead import HOLD, ListAhead
 from shufflefs.fuse.listings import Listings
 from shufflefs.fuse.mount_options import MountOptions
 from shufflefs.fuse.now_answers import NowAnswers
 from shufflefs.fuse.page_store import KernelPages
 from shufflefs.fuse.prefetch import Prefetcher
-from shufflefs.fuse.prefetch_hints import version_of
+from shufflefs.fuse.prefetch_hints import Version, version_of
 from shufflefs.fuse.read_inode import READ_INODES
 from shufflefs.fuse.watched_entries import WatchedEntries
 from shufflefs.fuse.writeback import WritebackCloses
@@ -104,6 +106,8 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         # rw with a cache watch: kernel entries of files it keeps fresh live longer
         self.watched = WatchedEntries(fs) if fs.cache_watch is not None else None
         self.listings = Listings(self)  # directories: opendir, readdir, releasedir
+        # whole listings kept (ro, cache=immutable), answered in libfuse's callback
+        self.kept_listings = KeptListings(self, self.options.keep_listings)
         # a directory's files opened ahead on a lookup miss in it
         self.dir_ahead = DirAhead(
             fs,
@@ -124,6 +128,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             if self.options.read_only
             else 0.0,
         )
+        self.list_ahead.kept = self.kept_listings.fresh
         self._nursery: trio.Nursery | None = None
         self.writeback = WritebackCloses(fs) if self.options.writeback else None
 
@@ -154,7 +159,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         were read, which the kernel may keep them that much less)."""
         ino, version = attr["ino"], version_of(attr)
         if self.inode_reads is not None and self._nursery is not None:
-            self.inode_reads.seen(attr, self._nursery, version)
+            self.inode_reads.seen(ino, self._nursery, version)
         self.reported[ino] = version
         self.kernel_size[ino] = attr["size"]
         if attr["parent"]:
@@ -163,6 +168,27 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
             self.regular.add(ino)
         options = self.options
         return entry_attributes(attr, options.entry_timeout, options.attr_timeout, age)
+
+    def told_many(
+        self,
+        inos: list[int],
+        versions: list[Version],
+        parents: list[int],
+        regular: list[bool],
+    ) -> None:
+        """What `entry` notes, for each entry of a kept listing handed to
+        the kernel (fuse/kept_listings.py), and its lookup count."""
+        if self.inode_reads is not None and self._nursery is not None:
+            seen, nursery = self.inode_reads.seen, self._nursery
+            for ino, version in zip(inos, versions, strict=True):
+                seen(ino, nursery, version)
+        self.reported.update(zip(inos, versions, strict=True))
+        self.kernel_size.update(zip(inos, [v[0] for v in versions], strict=True))
+        self.parents.update([(i, p) for i, p in zip(inos, parents, strict=True) if p])
+        self.regular.update(compress(inos, regular))
+        lookups = self.lookups
+        for ino in inos:
+            lookups[ino] = lookups.get(ino, 0) + 1
 
     def opened_at_server(self, attr: Attr) -> None:
         """A read-only open the open cache could not answer (fuse/dir_ahead.py,

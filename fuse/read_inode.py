@@ -207,6 +207,8 @@ class ReadInodes:
     # set before `install`: GETXATTR gets its trampoline (for `fast_hint`)
     hinting: bool = False
     fast_hint: FastHint | None = None  # tried first on every GETXATTR (fuse/fast_hints.py)
+    # tried first on every READDIRPLUS: True when answered (fuse/kept_listings.py)
+    fast_listing: FastRead | None = None
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
@@ -459,6 +461,9 @@ class ReadInodes:
 
     def _named(self, original: Callable[..., None]) -> Callable[..., None]:
         def trampoline(req: int, ino: int, size: int, off: int, fi: int) -> None:
+            fast = self.fast_listing
+            if fast is not None and fast(req, ino, size, off, fi):
+                return
             self.current = ino
             original(req, ino, size, off, fi)
 

@@ -1,0 +1,179 @@
+"""Whole listings kept by ``-o ro`` and ``cache=immutable`` mounts
+(fuse/kept_listings.py), with real mounts of one cluster: once a directory
+was listed, listing it again after the kernel dropped its caches makes no
+metadata call and gives exactly the names, inodes and attributes there are,
+across pages of the server's listing and the kernel's READDIRPLUS replies;
+a change made on another mount shows within the mode's timeouts;
+``keep_listings=0`` turns it off."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clusters import ProcessCluster, wait_until
+from opsworld import MeteredMount, metered_mounts
+
+from shufflefs.fuse.dir_handles import READDIR_PAGE
+
+# they drop the kernel's caches: one at a time on the machine
+pytestmark = pytest.mark.usefixtures("kernel_caches")
+
+FAMILY = "shufflefs_client_fast_answers"
+FILES = READDIR_PAGE + 44  # two pages of the server's listing, many READDIRPLUS replies
+BOUND = 2.0  # the short ro mount's timeouts
+SLACK = 10.0  # what the test allows beyond the bound on a busy machine
+LISTING_CALLS = ("readdir", "watch_dir", "readdir_layouts")
+
+
+@pytest.fixture(scope="module")
+def mounts(
+    mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, MeteredMount]]:
+    """R (-o ro), I (cache=immutable), S (-o ro, BOUND-second timeouts),
+    N (-o ro,keep_listings=0): each a mount of its own."""
+    options = {
+        "R": "ro",
+        "I": "cache=immutable",
+        "S": f"ro,attr_timeout={BOUND},entry_timeout={BOUND}",
+        "N": "ro,keep_listings=0",
+    }
+    with metered_mounts(mounted, tmp_path_factory, "kept", options, FAMILY, "op") as mounts:
+        yield mounts
+
+
+@pytest.fixture
+def tree(mnt: Path) -> Path:
+    """FILES files of different sizes and a subdirectory in the test's
+    directory (written through the session's mount)."""
+    for i in range(FILES):
+        (mnt / f"sample-{i:05d}.bin").write_bytes(b"z" * i)
+    (mnt / "sub").mkdir()
+    (mnt / "sub" / "inner").write_bytes(b"inner")
+    return mnt
+
+
+def listing(d: Path) -> dict[str, tuple[int, int, int, int, int]]:
+    """name -> (inode, mode, size, mtime, nlink) as a listing and a stat show them."""
+    out = {}
+    with os.scandir(d) as it:
+        for e in it:
+            st = e.stat(follow_symlinks=False)
+            assert e.inode() == st.st_ino
+            out[e.name] = (st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_nlink)
+    return out
+
+
+def drop_kernel_entries() -> None:
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+
+
+def listing_calls(cluster: ProcessCluster) -> dict[str, int]:
+    calls = cluster.meta_calls()
+    return {k: calls.get(k, 0) for k in LISTING_CALLS}
+
+
+@pytest.mark.parametrize("mode", ["R", "I"])
+def test_a_directory_listed_again_after_a_drop_of_the_caches_asks_nothing(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], tree: Path, mode: str
+) -> None:
+    m = mounts[mode]
+    d = m.mountpoint / tree.name
+    first = listing(d)
+    assert len(first) == FILES + 1
+    assert first[f"sample-{FILES - 1:05d}.bin"][2] == FILES - 1
+    for _ in range(2):
+        drop_kernel_entries()
+        answered, before = m.count("listing"), listing_calls(mounted)
+        assert listing(d) == first
+        assert listing_calls(mounted) == before
+        assert m.count("listing") > answered
+    # and what it told the kernel serves: names resolve, bytes read, a subdirectory lists
+    assert (d / "sample-00123.bin").read_bytes() == b"z" * 123
+    assert os.listdir(d / "sub") == ["inner"]
+    assert (d / "sub" / "inner").read_bytes() == b"inner"
+
+
+GETDENTS64 = {"x86_64": 217, "aarch64": 61}
+
+
+def small_getdents(d: Path, size: int) -> list[str]:
+    """The names of *d* read with getdents64 into a *size*-byte buffer (a few
+    entries a call, where the kernel's READDIRPLUS asks for a page)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    number = GETDENTS64.get(os.uname().machine)
+    if number is None:
+        pytest.skip("getdents64's number on this machine is not known here")
+    buf = ctypes.create_string_buffer(size)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    names = []
+    try:
+        while True:
+            n = libc.syscall(number, fd, buf, size)
+            if n < 0:
+                raise OSError(ctypes.get_errno(), "getdents64")
+            if n == 0:
+                return names
+            at = 0
+            while at < n:
+                reclen = struct.unpack_from("<H", buf.raw, at + 16)[0]
+                names.append(buf.raw[at + 19 : at + reclen].split(b"\0", 1)[0].decode())
+                at += reclen
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("mode", ["R", "I"])
+def test_listings_resume_where_the_kernel_stands_with_a_small_buffer(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], tree: Path, mode: str
+) -> None:
+    """A reader whose buffer holds a few entries takes a reply's first ones;
+    the kernel resumes at the offset of the last it took, inside a reply."""
+    m = mounts[mode]
+    d = m.mountpoint / tree.name
+    names = sorted(os.listdir(d))
+    for size in (300, 1000):
+        drop_kernel_entries()
+        answered, before = m.count("listing"), listing_calls(mounted)
+        got = small_getdents(d, size)
+        assert sorted(got) == sorted([".", "..", *names])
+        assert len(got) == len(names) + 2  # each once
+        assert listing_calls(mounted) == before
+        assert m.count("listing") > answered
+    # every name still resolves to its own file
+    assert (d / "sample-00255.bin").stat().st_size == 255
+
+
+def test_a_change_on_another_mount_shows_within_the_timeouts(
+    mounts: dict[str, MeteredMount], tree: Path
+) -> None:
+    s = mounts["S"]
+    d = s.mountpoint / tree.name
+    before = listing(d)
+    (tree / "new-one").write_bytes(b"new")
+    (tree / "sample-00007.bin").unlink()
+
+    def changed() -> bool:
+        drop_kernel_entries()
+        now = listing(d)
+        return "new-one" in now and "sample-00007.bin" not in now
+
+    wait_until("the change listed", changed, timeout=BOUND + SLACK)
+    assert set(listing(d)) == set(before) - {"sample-00007.bin"} | {"new-one"}
+
+
+def test_keep_listings_0_keeps_none(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], tree: Path
+) -> None:
+    m = mounts["N"]
+    d = m.mountpoint / tree.name
+    first = listing(d)
+    drop_kernel_entries()
+    before = listing_calls(mounted)
+    assert listing(d) == first
+    assert listing_calls(mounted)["readdir"] > before["readdir"]
+    assert m.count("listing") == 0

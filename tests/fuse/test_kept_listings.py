@@ -1,0 +1,190 @@
+"""fuse/kept_listings.py without a mount: its records are byte for byte what
+libfuse's ``fuse_add_direntry_plus`` writes for pyfuse3's EntryAttributes;
+a READDIRPLUS gets the records from the offset it resumes at to the last
+one its size holds, with the timeouts written into those and only those;
+listings are gathered only whole, from their first page, in order, fresh,
+and within the bound."""
+
+from __future__ import annotations
+
+import ctypes
+import stat
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import trio
+
+from shufflefs.fuse.dir_handles import Offsets, dot_entry
+from shufflefs.fuse.entry_attrs import entry_attributes
+from shufflefs.fuse.fast_answers import ENTRY_OFFSET, entry_layout_ok
+from shufflefs.fuse.kept_listings import (
+    DIRENTPLUS,
+    KeptListings,
+    dot_record,
+    keep,
+    record,
+)
+
+NAMES = (b"s00001.jpg", b"x", b"abcdefgh", b"\xc3\xa9t\xc3\xa9", b"n" * 255)
+
+
+def an_attr(ino: int, mode: int = stat.S_IFREG | 0o644, parent: int = 0) -> dict[str, int]:
+    return {
+        "ino": ino,
+        "mode": mode,
+        "nlink": 1 if stat.S_ISREG(mode) else 2,
+        "uid": 1000,
+        "gid": 100,
+        "rdev": 0,
+        "size": 112_640 + ino,
+        "atime": 1_700_000_000_123_456_789,
+        "mtime": 1_700_000_001_987_654_321 + ino,
+        "ctime": 1_700_000_002_000_000_001,
+        "parent": parent,
+    }
+
+
+def libfuse_record(name: bytes, entry: Any, cookie: int) -> bytes:
+    """What libfuse writes for *entry* (a pyfuse3 EntryAttributes)."""
+    with open("/proc/self/maps") as maps:
+        path = next(line.split()[-1] for line in maps if "libfuse3.so" in line)
+    add = ctypes.CDLL(path).fuse_add_direntry_plus
+    add.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_char_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    )
+    add.restype = ctypes.c_size_t
+    buf = ctypes.create_string_buffer(4096)
+    n = add(None, buf, len(buf), name, id(entry) + ENTRY_OFFSET, cookie)
+    return buf.raw[:n]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", [stat.S_IFREG | 0o640, stat.S_IFDIR | 0o755, stat.S_IFLNK | 0o777])
+def test_a_record_is_what_libfuse_writes(name: bytes, mode: int) -> None:
+    assert entry_layout_ok()
+    attr = an_attr(77, mode)
+    entry = entry_attributes(attr, 299.75, 123.5)  # type: ignore[arg-type]
+    assert record(name, attr, 4242, 299.75, 123.5) == libfuse_record(name, entry, 4242)  # type: ignore[arg-type]
+
+
+def test_dots_are_what_libfuse_writes() -> None:
+    assert dot_record(b".", 42, 1) == libfuse_record(b".", dot_entry(42), 1)
+    assert dot_record(b"..", 7, 2) == libfuse_record(b"..", dot_entry(7), 2)
+
+
+def a_listing(n: int, read_at: float = 0.0) -> tuple[Any, list[tuple[bytes, Any]]]:
+    entries = [(f"f{i:04d}".encode(), an_attr(100 + i)) for i in range(n)]
+    return keep(9, 1, read_at, Offsets(), entries), entries  # type: ignore[arg-type]
+
+
+def unpack(buf: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
+    """(name, the record's fields) of each record in a reply."""
+    out, at = [], 0
+    while at < len(buf):
+        head = DIRENTPLUS.unpack_from(buf, at)
+        namelen = head[-2]
+        name = buf[at + DIRENTPLUS.size : at + DIRENTPLUS.size + namelen]
+        out.append((name, head))
+        at += DIRENTPLUS.size + namelen + (-namelen % 8)
+    return out
+
+
+def reply(kept: Any, first: int, last: int) -> bytes:
+    return ctypes.string_at(kept.address(first), kept.starts[last] - kept.starts[first])
+
+
+def test_a_readdirplus_gets_the_records_after_its_offset_that_its_size_holds() -> None:
+    kept, entries = a_listing(40)
+    size = DIRENTPLUS.size + 8  # each record here: 152 + "fNNNN" padded to 8
+    # from the start: '.', '..', then entries, as many as fit
+    first, last = kept.span(0, 10 * size)
+    got = unpack(reply(kept, first, last))
+    assert [n for n, _ in got] == [b".", b".."] + [e[0] for e in entries[:8]]
+    # resuming at the offset of the last record taken
+    cookie = got[-1][1][-3]
+    first, last = kept.span(cookie, 10 * size + 7)  # (7 bytes too few for one more)
+    again = unpack(reply(kept, first, last))
+    assert [n for n, _ in again] == [e[0] for e in entries[8:18]]
+    # '..' alone next after '.', the first entry after '..'
+    assert [n for n, _ in unpack(reply(kept, *kept.span(1, size)))] == [b".."]
+    assert [n for n, _ in unpack(reply(kept, *kept.span(2, size)))] == [entries[0][0]]
+    # at the end: nothing (the end of the directory); an offset never handed out: declined
+    end_cookie = unpack(reply(kept, *kept.span(2, 100 * size)))[-1][1][-3]
+    first, last = kept.span(end_cookie, 4096)
+    assert first == last
+    assert kept.span(10**9, 4096) is None
+
+
+def test_timeouts_are_written_into_the_records_handed_out_only() -> None:
+    kept, _ = a_listing(10)
+    kept.stamp(2, 5, 12.25, 3.5)
+    got = unpack(reply(kept, 0, len(kept.starts) - 1))
+    valid = [(h[2], h[3], h[4], h[5]) for _, h in got]
+    assert valid[:4] == [(0, 0, 0, 0)] * 4  # '.', '..', entries 0 and 1
+    assert valid[4:7] == [(12, 3, 250_000_000, 500_000_000)] * 3
+    assert valid[7:] == [(0, 0, 0, 0)] * 5
+
+
+def kept_listings(max_entries: int = 1000, fresh: float = 5.0) -> KeptListings:
+    options = SimpleNamespace(
+        read_only=True, entry_timeout=fresh, attr_timeout=fresh + 1, keep_listings=max_entries
+    )
+    ops = SimpleNamespace(options=options)
+    return KeptListings(ops, max_entries)  # type: ignore[arg-type]
+
+
+def pages(n: int, per: int) -> list[list[tuple[bytes, Any]]]:
+    entries = [(f"f{i:04d}".encode(), an_attr(100 + i)) for i in range(n)]
+    return [entries[i : i + per] for i in range(0, n, per)]
+
+
+async def test_a_listing_is_kept_once_whole_from_its_first_page_in_order() -> None:
+    k, offsets = kept_listings(), Offsets()
+    parts = pages(10, 4)
+    k.page(9, 1, None, parts[0], True, 0.0, offsets)
+    k.page(9, 1, parts[0][-1][0], parts[1], True, 0.0, offsets)
+    assert k.current(9) is None  # not whole yet
+    k.page(9, 1, parts[1][-1][0], parts[2], False, 0.0, offsets)
+    kept = k.current(9)
+    assert kept is not None and kept.inos == list(range(100, 110))
+    assert kept.offsets is offsets and k.entries == 10
+    # a page that does not follow the one gathered before (another listing's) keeps nothing
+    k.page(8, 1, None, parts[0], True, 0.0, offsets)
+    k.page(8, 1, parts[1][-1][0], parts[2], False, 0.0, offsets)
+    assert k.current(8) is None
+    # nor a page that is not a listing's first
+    k.page(7, 1, parts[0][-1][0], parts[1], False, 0.0, offsets)
+    assert k.current(7) is None
+
+
+async def test_kept_listings_age_out_and_are_bounded() -> None:
+    k = kept_listings(max_entries=20, fresh=5.0)
+    (one,) = pages(3, 3)
+    # read 5 s ago or more: past the bound when it comes, not kept
+    k.page(9, 1, None, one, False, 5.0, Offsets())
+    assert k.current(9) is None
+    k.page(9, 1, None, one, False, 4.9, Offsets())
+    assert k.current(9) is not None
+    await trio.sleep(0.2)  # its first page is now 5.1 s old
+    assert k.current(9) is None and k.entries == 0
+    # a directory over a quarter of the bound is not kept
+    (big,) = pages(6, 6)
+    k.page(5, 1, None, big, False, 0.0, Offsets())
+    assert k.current(5) is None
+    # beyond the bound, the least recently listed go first
+    for ino in range(10, 18):
+        k.page(ino, 1, None, one, False, 0.0, Offsets())
+    assert k.entries <= 20
+    assert [ino for ino in range(10, 18) if k.current(ino) is not None] == [12, 13, 14, 15, 16, 17]
+
+
+def test_a_read_write_mount_keeps_none() -> None:
+    options = SimpleNamespace(read_only=False, entry_timeout=1.0, attr_timeout=1.0)
+    k = KeptListings(SimpleNamespace(options=options), 1000)  # type: ignore[arg-type]
+    assert not k.enabled
