@@ -37,7 +37,9 @@ pyfuse3 and the other way round.
 
 Bounded by `max_entries` across directories (the mount option
 ``keep_listings``), the least recently listed dropped first; a directory
-larger than a quarter of it is not kept.
+larger than a quarter of it is not kept; at most `MAX_GATHERING` listings
+are gathered at once (one left unfinished, ``ls | head``, is dropped when
+room is needed).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ log = logging.getLogger("shufflefs.fuse")
 
 DEFAULT_ENTRIES = 1 << 17  # entries kept across directories (keep_listings=): ~500 bytes each
 MAX_ENTRIES = 1 << 24
+MAX_GATHERING = 64  # listings gathered at once (the oldest unfinished one dropped)
 # struct fuse_entry_out (nodeid, generation, entry_valid, attr_valid, their
 # nsecs, struct fuse_attr), then struct fuse_dirent without its name
 # (ino, off, namelen, type): FUSE_NAME_OFFSET_DIRENTPLUS bytes
@@ -257,6 +260,9 @@ class KeptListings:
         if not self.enabled:
             return
         if after is None:
+            self.gathering.pop(ino, None)
+            while len(self.gathering) >= MAX_GATHERING:  # listings left unfinished
+                del self.gathering[next(iter(self.gathering))]
             g = self.gathering[ino] = Gathering(trio.current_time() - age)
         else:
             g = self.gathering.get(ino)  # type: ignore[assignment]

@@ -20,6 +20,7 @@ from shufflefs.fuse.entry_attrs import entry_attributes
 from shufflefs.fuse.fast_answers import ENTRY_OFFSET, entry_layout_ok
 from shufflefs.fuse.kept_listings import (
     DIRENTPLUS,
+    MAX_GATHERING,
     KeptListings,
     dot_record,
     keep,
@@ -182,6 +183,10 @@ async def test_kept_listings_age_out_and_are_bounded() -> None:
         k.page(ino, 1, None, one, False, 0.0, Offsets())
     assert k.entries <= 20
     assert [ino for ino in range(10, 18) if k.current(ino) is not None] == [12, 13, 14, 15, 16, 17]
+    # listings left unfinished: the oldest dropped beyond MAX_GATHERING
+    for ino in range(100, 100 + MAX_GATHERING + 5):
+        k.page(ino, 1, None, one, True, 0.0, Offsets())
+    assert len(k.gathering) == MAX_GATHERING and 100 not in k.gathering
 
 
 def test_a_read_write_mount_keeps_none() -> None:
