@@ -1,5 +1,5 @@
-"""Whole directory listings kept by ``-o ro`` and ``cache=immutable`` mounts,
-and READDIRPLUS answered from them in libfuse's callback.
+"""Whole directory listings kept by the mount, and READDIRPLUS answered from
+them in libfuse's callback.
 
 A listing the kernel caches (``FOPEN_CACHE_DIR``) costs nothing to list
 again, until the kernel lets it go: memory pressure, the dentry cache's
@@ -18,17 +18,26 @@ its ``struct fuse_direntplus`` record (`record`, the layout libfuse's
 the two), '.' and '..' first, end to end in one buffer. A READDIRPLUS of a
 kept directory is then a slice of that buffer (from the offset the kernel
 resumes at to the last record its size holds), the kernel's timeouts
-written into the slice's records (`_stamp`), the mount's bookkeeping of
-each entry told (its lookup count and what the kernel knows of it, as a
-listing through pyfuse3 does: `ShuffleOps.told`) and one
+written into the slice's records (`KeptListing.stamp`), the mount's
+bookkeeping of each entry told (its lookup count and what the kernel knows
+of it, as a listing through pyfuse3 does: `ShuffleOps.told_many`) and one
 ``fuse_reply_buf``: no round trip, no task, no object per entry.
 
-Fresh exactly as long as the mode lets the kernel keep the entries a
-listing brings: within ``min(entry_timeout, attr_timeout)`` of the
-listing's first page, and the entries handed out are kept by the kernel
-that much less (as with a page read ahead, fuse/list_ahead.py), so a change
-made elsewhere shows within those timeouts of the listing, as before. A
-read-write mount keeps none (its listings are the cache watch's).
+``-o ro`` and ``cache=immutable``: fresh exactly as long as the mode lets
+the kernel keep the entries a listing brings: within ``min(entry_timeout,
+attr_timeout)`` of the listing's first page, and the entries handed out are
+kept by the kernel that much less (as with a page read ahead, fuse/list_ahead.py), so a change
+made elsewhere shows within those timeouts of the listing, as before.
+
+A read-write mount keeps names only, and only while its cache watch keeps
+the directory (metadata/cache_watch.py: the server tells the watch of the
+directory's next change before that change is acknowledged, this mount's
+own changes included): the records carry node id 0 (`name_record`), so the
+kernel gets each name, inode number and type, links no entry and caches no
+attributes, and a stat after the listing looks the name up as it would
+after any listing older than the mode's 1-second timeouts. The watch keeps
+names fresh, not a file's attributes (a write elsewhere changes a file, not
+its directory), so attributes are never kept in that mode.
 
 Offsets: a kept listing hands out its directory's offsets (`Offsets`, one
 set per directory inode), and `Listings` takes the kept listing's set for a
@@ -103,6 +112,14 @@ def record(
     return head + name + bytes(-len(name) % 8)
 
 
+def name_record(name: bytes, ino: int, mode: int, cookie: int) -> bytes:
+    """*name*'s entry with no attributes (node id 0: the kernel links no
+    entry and takes no reference; a listing gets the name, inode number and
+    type, a stat then looks the name up)."""
+    head = DIRENTPLUS.pack(*(0,) * 22, ino, cookie, len(name), stat.S_IFMT(mode) >> 12)
+    return head + name + bytes(-len(name) % 8)
+
+
 def dot_record(name: bytes, ino: int, cookie: int) -> bytes:
     """'.' or '..' (the kernel takes only the inode: fuse/dir_handles.py,
     `dot_entry`)."""
@@ -134,6 +151,8 @@ class KeptListing:
     versions: list[tuple[int, int, int]]
     parents: list[int]  # attr["parent"] of entry i (0 for a file)
     regular: list[bool]
+    with_attrs: bool = True  # else names only (read-write: `name_record`)
+    change: int = 0  # read-write: the directory's change counter it was listed at
     _address: int = 0
     _view: ctypes.Array[ctypes.c_char] | None = None
     _words: np.ndarray | None = None  # the records as 64-bit words
@@ -176,17 +195,26 @@ class KeptListing:
 
 
 def keep(
-    ino: int, parent: int, read_at: float, offsets: Offsets, entries: Sequence[tuple[bytes, Attr]]
+    ino: int,
+    parent: int,
+    read_at: float,
+    offsets: Offsets,
+    entries: Sequence[tuple[bytes, Attr]],
+    change: int | None = None,
 ) -> KeptListing:
     """The listing *entries* of directory *ino* (its first page read at
-    *read_at*), as kept (timeouts written when handed out)."""
+    *read_at*), as kept (timeouts written when handed out); with a *change*
+    counter (read-write), names only."""
     parts = [dot_record(b".", ino, 1), dot_record(b"..", parent, 2)]
     starts = [0, len(parts[0]), len(parts[0]) + len(parts[1])]
     resume = {}
     of, end = offsets.of, starts[-1]
     for i, (name, attr) in enumerate(entries):
         cookie = of(name)
-        part = record(name, attr, cookie, 0.0, 0.0)
+        if change is None:
+            part = record(name, attr, cookie, 0.0, 0.0)
+        else:
+            part = name_record(name, attr["ino"], attr["mode"], cookie)
         parts.append(part)
         end += len(part)
         starts.append(end)
@@ -202,6 +230,8 @@ def keep(
         [version_of(a) for _, a in entries],
         [a["parent"] for _, a in entries],
         [stat.S_ISREG(a["mode"]) for _, a in entries],
+        change is None,
+        change or 0,
     )
 
 
@@ -211,6 +241,7 @@ class Gathering:
     page, its pages gathered to be kept once the last is in."""
 
     read_at: float
+    change: int | None  # read-write: the directory's change counter at its first page
     entries: list[tuple[bytes, Attr]] = field(default_factory=list)
     after: bytes | None = None  # the last name gathered (the next page must follow it)
 
@@ -220,7 +251,10 @@ class KeptListings:
 
     def __init__(self, ops: ShuffleOps, max_entries: int) -> None:
         self.ops = ops
-        self.max_entries = max_entries if ops.options.read_only else 0
+        # read-write: names only, while the cache watch keeps the directory
+        self.watch = None if ops.options.read_only else ops.fs.cache_watch
+        keeps = ops.options.read_only or self.watch is not None
+        self.max_entries = max_entries if keeps else 0
         self.fresh_for = min(ops.options.entry_timeout, ops.options.attr_timeout)
         self.kept: OrderedDict[int, KeptListing] = OrderedDict()
         self.entries = 0
@@ -238,10 +272,23 @@ class KeptListings:
     def current(self, ino: int) -> KeptListing | None:
         """Directory *ino*'s kept listing, if still fresh."""
         kept = self.kept.get(ino)
-        if kept is not None and trio.current_time() - kept.read_at >= self.fresh_for:
+        if kept is None:
+            return None
+        if self.watch is not None:
+            attr = self.watch.dir_attr(ino)
+            fresh = attr is not None and attr["change"] == kept.change
+        else:
+            fresh = trio.current_time() - kept.read_at < self.fresh_for
+        if not fresh:
             self._drop(ino)
             return None
         return kept
+
+    def _watched_change(self, ino: int) -> int | None:
+        """Read-write: the change counter the watch holds directory *ino* at
+        (None: not watched)."""
+        attr = None if self.watch is None else self.watch.dir_attr(ino)
+        return None if attr is None else attr["change"]
 
     # ---- gathered from listings through pyfuse3 (fuse/listings.py) --------------
 
@@ -263,7 +310,10 @@ class KeptListings:
             self.gathering.pop(ino, None)
             while len(self.gathering) >= MAX_GATHERING:  # listings left unfinished
                 del self.gathering[next(iter(self.gathering))]
-            g = self.gathering[ino] = Gathering(trio.current_time() - age)
+            change = self._watched_change(ino)
+            if self.watch is not None and change is None:
+                return  # not watched: nothing would say when it changes
+            g = self.gathering[ino] = Gathering(trio.current_time() - age, change)
         else:
             g = self.gathering.get(ino)  # type: ignore[assignment]
             if g is None or g.after != after:  # not from the first page, or another listing's
@@ -278,7 +328,10 @@ class KeptListings:
         if more and entries:
             return
         del self.gathering[ino]
-        if trio.current_time() - g.read_at < self.fresh_for:
+        if self.watch is not None:
+            if self._watched_change(ino) == g.change:  # unchanged since its first page
+                self._add(keep(ino, parent, g.read_at, offsets, g.entries, g.change))
+        elif trio.current_time() - g.read_at < self.fresh_for:
             self._add(keep(ino, parent, g.read_at, offsets, g.entries))
 
     def _add(self, kept: KeptListing) -> None:
@@ -329,12 +382,13 @@ class KeptListings:
         self.kept.move_to_end(ino)
         ops = self.ops
         ops.listings.offsets.setdefault(ino, kept.offsets)
-        lo, hi = max(first, 2) - 2, max(last, 2) - 2  # the entries among the records
-        age = trio.current_time() - kept.read_at  # (under fresh_for: both stay positive)
-        kept.stamp(lo, hi, ops.options.entry_timeout - age, ops.options.attr_timeout - age)
-        ops.told_many(
-            kept.inos[lo:hi], kept.versions[lo:hi], kept.parents[lo:hi], kept.regular[lo:hi]
-        )
+        if kept.with_attrs:
+            lo, hi = max(first, 2) - 2, max(last, 2) - 2  # the entries among the records
+            age = trio.current_time() - kept.read_at  # (under fresh_for: both stay positive)
+            kept.stamp(lo, hi, ops.options.entry_timeout - age, ops.options.attr_timeout - age)
+            ops.told_many(
+                kept.inos[lo:hi], kept.versions[lo:hi], kept.parents[lo:hi], kept.regular[lo:hi]
+            )
         nbytes = kept.starts[last] - kept.starts[first]
         self.queue.libfuse.reply_buf(req, kept.address(first), nbytes)
         if self.counts is not None:

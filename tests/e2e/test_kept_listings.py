@@ -3,8 +3,9 @@
 was listed, listing it again after the kernel dropped its caches makes no
 metadata call and gives exactly the names, inodes and attributes there are,
 across pages of the server's listing and the kernel's READDIRPLUS replies;
-a change made on another mount shows within the mode's timeouts;
-``keep_listings=0`` turns it off."""
+a change made on another mount shows within the mode's timeouts (read-write
+mounts keep names only, while the cache watch keeps the directory: a change
+anywhere shows at the next listing); ``keep_listings=0`` turns it off."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def mounts(
     mounted: ProcessCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, MeteredMount]]:
     """R (-o ro), I (cache=immutable), S (-o ro, BOUND-second timeouts),
-    N (-o ro,keep_listings=0): each a mount of its own."""
+    N (-o ro,keep_listings=0), W (read-write, names only): each a mount of
+    its own."""
     options = {
+        "W": "",
         "R": "ro",
         "I": "cache=immutable",
         "S": f"ro,attr_timeout={BOUND},entry_timeout={BOUND}",
@@ -177,3 +180,38 @@ def test_keep_listings_0_keeps_none(
     assert listing(d) == first
     assert listing_calls(mounted)["readdir"] > before["readdir"]
     assert m.count("listing") == 0
+
+
+def names(d: Path) -> dict[str, tuple[int, bool]]:
+    """name -> (inode, is a directory) as a listing alone shows them."""
+    with os.scandir(d) as it:
+        return {e.name: (e.inode(), e.is_dir(follow_symlinks=False)) for e in it}
+
+
+def test_a_read_write_mount_keeps_names_while_its_watch_keeps_the_directory(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], tree: Path
+) -> None:
+    w = mounts["W"]
+    d = w.mountpoint / tree.name
+    first = listing(d)
+    listed = names(d)
+    assert len(listed) == FILES + 1 and listed["sub"][1]
+    drop_kernel_entries()
+    answered, before = w.count("listing"), listing_calls(mounted)
+    assert names(d) == listed
+    assert listing_calls(mounted) == before
+    assert w.count("listing") > answered
+    # a stat then looks each name up, and finds what there is
+    assert listing(d) == first
+    # a change on another mount: the next listing has it, at once
+    (tree / "made-elsewhere").write_bytes(b"e")
+    (tree / "sample-00003.bin").unlink()
+    now = names(d)
+    assert "made-elsewhere" in now and "sample-00003.bin" not in now
+    # and one made on this mount
+    drop_kernel_entries()
+    names(d)  # (kept again, at the new change counter)
+    (d / "made-here").write_bytes(b"h")
+    drop_kernel_entries()
+    assert "made-here" in names(d)
+    assert set(names(d)) == set(listed) - {"sample-00003.bin"} | {"made-elsewhere", "made-here"}

@@ -136,7 +136,7 @@ def kept_listings(max_entries: int = 1000, fresh: float = 5.0) -> KeptListings:
     options = SimpleNamespace(
         read_only=True, entry_timeout=fresh, attr_timeout=fresh + 1, keep_listings=max_entries
     )
-    ops = SimpleNamespace(options=options)
+    ops = SimpleNamespace(options=options, fs=SimpleNamespace(cache_watch=None))
     return KeptListings(ops, max_entries)  # type: ignore[arg-type]
 
 
@@ -189,7 +189,57 @@ async def test_kept_listings_age_out_and_are_bounded() -> None:
     assert len(k.gathering) == MAX_GATHERING and 100 not in k.gathering
 
 
-def test_a_read_write_mount_keeps_none() -> None:
+class Watch:
+    """What a read-write mount's cache watch says of directories (the
+    change counter it holds each at; absent: not watched)."""
+
+    def __init__(self) -> None:
+        self.dirs: dict[int, int] = {}
+
+    def dir_attr(self, ino: int) -> dict[str, int] | None:
+        change = self.dirs.get(ino)
+        return None if change is None else {"ino": ino, "change": change}
+
+
+def read_write(watch: Watch | None) -> KeptListings:
     options = SimpleNamespace(read_only=False, entry_timeout=1.0, attr_timeout=1.0)
-    k = KeptListings(SimpleNamespace(options=options), 1000)  # type: ignore[arg-type]
-    assert not k.enabled
+    ops = SimpleNamespace(options=options, fs=SimpleNamespace(cache_watch=watch))
+    return KeptListings(ops, 1000)  # type: ignore[arg-type]
+
+
+def test_a_read_write_mount_without_a_cache_watch_keeps_none() -> None:
+    assert not read_write(None).enabled
+
+
+async def test_a_read_write_mount_keeps_names_while_its_watch_keeps_the_directory() -> None:
+    watch = Watch()
+    k = read_write(watch)
+    parts = pages(6, 3)
+    # not watched: nothing would tell a change, nothing kept
+    k.page(9, 1, None, parts[0], True, 0.0, Offsets())
+    k.page(9, 1, parts[0][-1][0], parts[1], False, 0.0, Offsets())
+    assert k.current(9) is None
+    # watched at change 5 from the first page to the last: kept, names only
+    watch.dirs[9] = 5
+    offsets = Offsets()
+    k.page(9, 1, None, parts[0], True, 0.0, offsets)
+    k.page(9, 1, parts[0][-1][0], parts[1], False, 0.0, offsets)
+    kept = k.current(9)
+    assert kept is not None and not kept.with_attrs
+    got = unpack(reply(kept, *kept.span(0, 4096)))
+    assert [n for n, _ in got] == [b".", b".."] + [f"f{i:04d}".encode() for i in range(6)]
+    for _, head in got[2:]:
+        assert head[:22] == (0,) * 22  # node id 0, no attributes
+    assert [h[22] for _, h in got[2:]] == list(range(100, 106))  # their inode numbers
+    assert {h[25] for _, h in got[2:]} == {stat.S_IFREG >> 12}
+    # and long after the mode's timeouts, while the watch holds it
+    await trio.sleep(1.1)
+    assert k.current(9) is kept
+    # a change (the counter moved, or the watch let it go) ends it
+    watch.dirs[9] = 6
+    assert k.current(9) is None
+    # a change between the first page and the last: not kept
+    k.page(9, 1, None, parts[0], True, 0.0, offsets)
+    watch.dirs[9] = 7
+    k.page(9, 1, parts[0][-1][0], parts[1], False, 0.0, offsets)
+    assert k.current(9) is None
