@@ -156,12 +156,17 @@ class DirAhead:
         cache's limit of files (the room it opens ahead into is half that)."""
         if not self.enabled:
             return
+        self.listed_files(parent, [a["ino"] for _, a in entries if stat.S_ISREG(a["mode"])])
+
+    def listed_files(self, parent: int, inos: list[int]) -> None:
+        """`listed`, for the regular files *inos* of directory *parent*
+        (a kept listing's: fuse/kept_listings.py)."""
+        if not self.enabled:
+            return
         where = self._listed_in
         if len(where) >= self.fs.open_cache.limit:
             where.clear()
-        for _, attr in entries:
-            if stat.S_ISREG(attr["mode"]):
-                where[attr["ino"]] = parent
+        where.update(dict.fromkeys(inos, parent))
 
     def opened(self, attr: Attr, nursery: trio.Nursery) -> None:
         """The metadata server opened *attr*'s file (the open cache could

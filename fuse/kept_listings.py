@@ -148,6 +148,7 @@ class KeptListing:
     starts: list[int]  # byte offset of each record, and the end
     resume: dict[int, int]  # an offset the kernel resumes at -> the record after it
     inos: list[int]  # of entry i
+    files: list[int]  # the inodes of its regular files
     versions: list[tuple[int, int, int]]
     parents: list[int]  # attr["parent"] of entry i (0 for a file)
     regular: list[bool]
@@ -227,6 +228,7 @@ def keep(
         starts,
         resume,
         [a["ino"] for _, a in entries],
+        [a["ino"] for _, a in entries if stat.S_ISREG(a["mode"])],
         [version_of(a) for _, a in entries],
         [a["parent"] for _, a in entries],
         [stat.S_ISREG(a["mode"]) for _, a in entries],
@@ -255,7 +257,10 @@ class KeptListings:
         self.watch = None if ops.options.read_only else ops.fs.cache_watch
         keeps = ops.options.read_only or self.watch is not None
         self.max_entries = max_entries if keeps else 0
-        self.fresh_for = min(ops.options.entry_timeout, ops.options.attr_timeout)
+        # answered from for half the mode's timeouts: what it hands the kernel
+        # is then good for at least the other half (entries that expire at
+        # once would send every next open back to the mount as a LOOKUP)
+        self.fresh_for = min(ops.options.entry_timeout, ops.options.attr_timeout) / 2
         self.kept: OrderedDict[int, KeptListing] = OrderedDict()
         self.entries = 0
         self.gathering: dict[int, Gathering] = {}
@@ -382,6 +387,8 @@ class KeptListings:
         self.kept.move_to_end(ino)
         ops = self.ops
         ops.listings.offsets.setdefault(ino, kept.offsets)
+        if first == 0:  # a listing from its start: its files' first opens open it ahead
+            ops.dir_ahead.listed_files(ino, kept.files)
         if kept.with_attrs:
             lo, hi = max(first, 2) - 2, max(last, 2) - 2  # the entries among the records
             age = trio.current_time() - kept.read_at  # (under fresh_for: both stay positive)
