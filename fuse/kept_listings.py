@@ -23,11 +23,13 @@ bookkeeping of each entry told (its lookup count and what the kernel knows
 of it, as a listing through pyfuse3 does: `ShuffleOps.told_many`) and one
 ``fuse_reply_buf``: no round trip, no task, no object per entry.
 
-``-o ro`` and ``cache=immutable``: fresh exactly as long as the mode lets
-the kernel keep the entries a listing brings: within ``min(entry_timeout,
-attr_timeout)`` of the listing's first page, and the entries handed out are
-kept by the kernel that much less (as with a page read ahead, fuse/list_ahead.py), so a change
-made elsewhere shows within those timeouts of the listing, as before.
+``-o ro`` and ``cache=immutable``: answered from within half of
+``min(entry_timeout, attr_timeout)`` of the listing's first page, and the
+entries handed out are kept by the kernel that much less (as with a page
+read ahead, fuse/list_ahead.py), so a change made elsewhere shows within
+those timeouts of the listing, as before; and what it hands out is good
+for at least the other half (entries about to expire would send the next
+open of each back to the mount as a LOOKUP).
 
 A read-write mount keeps names only, and only while its cache watch keeps
 the directory (metadata/cache_watch.py: the server tells the watch of the

@@ -167,12 +167,12 @@ async def test_a_listing_is_kept_once_whole_from_its_first_page_in_order() -> No
 async def test_kept_listings_age_out_and_are_bounded() -> None:
     k = kept_listings(max_entries=20, fresh=5.0)
     (one,) = pages(3, 3)
-    # read 5 s ago or more: past the bound when it comes, not kept
-    k.page(9, 1, None, one, False, 5.0, Offsets())
+    # answered from for half the timeouts (min 5 s): read 2.5 s ago or more, not kept
+    k.page(9, 1, None, one, False, 2.5, Offsets())
     assert k.current(9) is None
-    k.page(9, 1, None, one, False, 4.9, Offsets())
+    k.page(9, 1, None, one, False, 2.4, Offsets())
     assert k.current(9) is not None
-    await trio.sleep(0.2)  # its first page is now 5.1 s old
+    await trio.sleep(0.2)  # its first page is now 2.6 s old
     assert k.current(9) is None and k.entries == 0
     # a directory over a quarter of the bound is not kept
     (big,) = pages(6, 6)
