@@ -106,7 +106,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
         # rw with a cache watch: kernel entries of files it keeps fresh live longer
         self.watched = WatchedEntries(fs) if fs.cache_watch is not None else None
         self.listings = Listings(self)  # directories: opendir, readdir, releasedir
-        # whole listings kept (ro, cache=immutable), answered in libfuse's callback
+        # whole listings kept (names only on rw), answered in libfuse's callback
         self.kept_listings = KeptListings(self, self.options.keep_listings)
         # a directory's files opened ahead on a lookup miss in it
         self.dir_ahead = DirAhead(
