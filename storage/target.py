@@ -325,10 +325,18 @@ class Target:
         return rec
 
     def _changed_since(self, cid: bytes, rec: ChunkRecord) -> bool:
-        """Did the chunk change after *rec* was read? (Refreshes the cache.)"""
+        """Did the chunk change after *rec* was read? (Then its cached record
+        is forgotten, never replaced: a reader holds no lock, and a writer
+        may have cached a newer record since this one loaded; put back, a
+        stale record sent the next write to a file already deleted.)"""
         fresh = self._load(cid)
-        self._records.set(cid, MISSING if fresh is None else fresh)
-        return fresh is None or (fresh.version, fresh.generation) != (rec.version, rec.generation)
+        changed = fresh is None or (fresh.version, fresh.generation) != (
+            rec.version,
+            rec.generation,
+        )
+        if changed:
+            self._records.invalidate(cid)
+        return changed
 
     def _acquire_fd(self, cid: bytes, generation: int) -> FdHandle:
         key = (cid, generation)

@@ -562,6 +562,28 @@ def test_concurrent_readers_see_whole_versions(tmp_path: Path) -> None:
         assert not errors, errors[:3]
 
 
+def test_a_reader_never_puts_back_a_record_a_writer_replaced(tmp_path: Path) -> None:
+    """A reader that re-reads a chunk's record (its read raced an update)
+    while a writer commits a newer one must not leave the older one cached:
+    the next write would start from it, whose file the commit deleted
+    (seen once in CI: "chunk file missing" from the writer)."""
+    with open_store(tmp_path / "t") as store:
+        cid = chunk_id(11, 0)
+        store.write(cid, 0, CS, b"a" * 3000)
+        old = store._record(cid)
+        assert old is not None
+        store.write(cid, 0, CS, b"b" * 3000)  # copy-on-write: a new generation, the old file gone
+        # the reader's record read was taken before that commit
+        load = store._load
+        store._load = lambda c: old  # type: ignore[method-assign]
+        try:
+            assert not store._changed_since(cid, old)
+        finally:
+            store._load = load  # type: ignore[method-assign]
+        store.write(cid, 0, CS, b"c" * 3000)
+        assert bytes(store.read(cid, 0, 3000)) == b"c" * 3000
+
+
 def test_fd_cache_invalidates_a_group(tmp_path: Path) -> None:
     """Grouped keys (a file's chunks) are invalidated together; a handle in
     use stays open until released; eviction keeps the groups consistent."""
