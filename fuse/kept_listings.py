@@ -87,8 +87,7 @@ MAX_GATHERING = 64  # listings gathered at once (the oldest unfinished one dropp
 # nsecs, struct fuse_attr), then struct fuse_dirent without its name
 # (ino, off, namelen, type): FUSE_NAME_OFFSET_DIRENTPLUS bytes
 DIRENTPLUS = struct.Struct("<QQQQIIQQQQQQIIIIIIIIIIQQII")
-NAME_OFFSET = DIRENTPLUS.size  # 152
-assert NAME_OFFSET == 152
+assert DIRENTPLUS.size == 152  # FUSE_NAME_OFFSET_DIRENTPLUS
 # 64-bit words into a record: entry_valid, attr_valid, then both nsecs in one
 ENTRY_VALID, ATTR_VALID, VALID_NSECS = 2, 3, 4
 NS = 1_000_000_000
@@ -352,11 +351,6 @@ class KeptListings:
         kept = self.kept.pop(ino, None)
         if kept is not None:
             self.entries -= len(kept)
-
-    def forget_all(self) -> None:
-        self.kept.clear()
-        self.gathering.clear()
-        self.entries = 0
 
     # ---- READDIRPLUS in libfuse's callback (fuse/read_inode.py) ----------------
 
