@@ -63,6 +63,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -149,7 +150,6 @@ class KeptListing:
     starts: list[int]  # byte offset of each record, and the end
     resume: dict[int, int]  # an offset the kernel resumes at -> the record after it
     inos: list[int]  # of entry i
-    files: list[int]  # the inodes of its regular files
     versions: list[tuple[int, int, int]]
     parents: list[int]  # attr["parent"] of entry i (0 for a file)
     regular: list[bool]
@@ -229,7 +229,6 @@ def keep(
         starts,
         resume,
         [a["ino"] for _, a in entries],
-        [a["ino"] for _, a in entries if stat.S_ISREG(a["mode"])],
         [version_of(a) for _, a in entries],
         [a["parent"] for _, a in entries],
         [stat.S_ISREG(a["mode"]) for _, a in entries],
@@ -281,8 +280,7 @@ class KeptListings:
         if kept is None:
             return None
         if self.watch is not None:
-            attr = self.watch.dir_attr(ino)
-            fresh = attr is not None and attr["change"] == kept.change
+            fresh = self._watched_change(ino) == kept.change
         else:
             fresh = trio.current_time() - kept.read_at < self.fresh_for
         if not fresh:
@@ -364,7 +362,7 @@ class KeptListings:
         if queue is None:
             return False
         try:
-            answered = self._answer(req, ino, size, off)
+            answered = self._answer(queue, req, ino, size, off)
         except Exception:
             log.exception("READDIRPLUS of directory %d from its kept listing", ino)
             self._drop(ino)
@@ -372,9 +370,9 @@ class KeptListings:
         queue.answered(answered)
         return answered
 
-    def _answer(self, req: int, ino: int, size: int, off: int) -> bool:
+    def _answer(self, queue: KernelQueue, req: int, ino: int, size: int, off: int) -> bool:
         kept = self.current(ino)
-        if kept is None or self.queue is None:
+        if kept is None:
             return False
         span = kept.span(off, size)
         if span is None:
@@ -384,7 +382,7 @@ class KeptListings:
         ops = self.ops
         ops.listings.offsets.setdefault(ino, kept.offsets)
         if first == 0:  # a listing from its start: its files' first opens open it ahead
-            ops.dir_ahead.listed_files(ino, kept.files)
+            ops.dir_ahead.listed_files(ino, list(compress(kept.inos, kept.regular)))
         if kept.with_attrs:
             lo, hi = max(first, 2) - 2, max(last, 2) - 2  # the entries among the records
             age = trio.current_time() - kept.read_at  # (under fresh_for: both stay positive)
@@ -393,7 +391,7 @@ class KeptListings:
                 kept.inos[lo:hi], kept.versions[lo:hi], kept.parents[lo:hi], kept.regular[lo:hi]
             )
         nbytes = kept.starts[last] - kept.starts[first]
-        self.queue.libfuse.reply_buf(req, kept.address(first), nbytes)
+        queue.libfuse.reply_buf(req, kept.address(first), nbytes)
         if self.counts is not None:
             self.counts.listing += 1
         return True
