@@ -11,35 +11,47 @@ of the mount's CPU an entry), and a cold scan of 20,000 names ran at
 60,000-100,000 entries/s from one or four processes, where MooseFS does
 135,000-259,000.
 
-So once a listing has gone through the mount whole (every page, from the
-first), the mount keeps it as the reply the kernel wants: every entry as
-its ``struct fuse_direntplus`` record (`record`, the layout libfuse's
-``fuse_add_direntry_plus`` writes; tests/fuse/test_kept_listings.py compares
-the two), '.' and '..' first, end to end in one buffer. A READDIRPLUS of a
-kept directory is then a slice of that buffer (from the offset the kernel
-resumes at to the last record its size holds), the kernel's timeouts
-written into the slice's records (`KeptListing.stamp`), the mount's
-bookkeeping of each entry told (its lookup count and what the kernel knows
-of it, as a listing through pyfuse3 does: `ShuffleOps.told_many`) and one
-``fuse_reply_buf``: no round trip, no task, no object per entry.
+So every page of a listing read through the mount is built once into the
+reply the kernel wants: every entry as its ``struct fuse_direntplus``
+record (fuse/direntplus.py), '.' and '..' first, end to end. A READDIRPLUS
+is then a slice of those records (from the offset the kernel resumes at to
+the last record its size holds), the kernel's timeouts written into the
+slice's records (`Records.stamp`), the mount's bookkeeping of each entry
+told (its lookup count and what the kernel knows of it, as a listing entry
+by entry does: `ShuffleOps.told_many`, and on a read-write mount
+`WatchedEntries.listed`) and one reply: no object per entry.
+
+* While a listing is read (`Gathering`), the pages read so far answer the
+  READDIRPLUS requests that resume inside them in libfuse's callback (no
+  task on pyfuse3's loop); the one that needs the next page goes to
+  pyfuse3's handler (fuse/listings.py), which reads the page and writes its
+  records into pyfuse3's reply in one piece (`into_reply`,
+  fuse/readdir_token.py), not entry by entry. One process's first scan of
+  20,000 names in 100 directories took 10.5-15.5 µs of the mount's CPU an
+  entry entry by entry.
+* Once a listing has gone through the mount whole (every page, from the
+  first), the mount keeps it (`kept`), and answers the kernel's next
+  listings of the directory from it in the callback, with no round trip.
 
 ``-o ro`` and ``cache=immutable``: answered from within half of
-``min(entry_timeout, attr_timeout)`` of the listing's first page, and the
-entries handed out are kept by the kernel that much less (as with a page
-read ahead, fuse/list_ahead.py), so a change made elsewhere shows within
-those timeouts of the listing, as before; and what it hands out is good
-for at least the other half (entries about to expire would send the next
-open of each back to the mount as a LOOKUP).
+``min(entry_timeout, attr_timeout)`` of the page's read (for a kept listing,
+of its first page's), and the entries handed out are kept by the kernel that
+much less (as with a page read ahead, fuse/list_ahead.py), so a change made
+elsewhere shows within those timeouts of the listing, as before; and what it
+hands out is good for at least the other half (entries about to expire
+would send the next open of each back to the mount as a LOOKUP).
 
-A read-write mount keeps names only, and only while its cache watch keeps
-the directory (metadata/cache_watch.py: the server tells the watch of the
+A read-write mount keeps a listing only while its cache watch keeps the
+directory (metadata/cache_watch.py: the server tells the watch of the
 directory's next change before that change is acknowledged, this mount's
-own changes included): the records carry node id 0 (`name_record`), so the
-kernel gets each name, inode number and type, links no entry and caches no
+own changes included), and hands out attributes only to the listing that
+read them, within half the mode's timeouts, as entry by entry: any other
+listing of it gets names only (`Records.strip`: node id 0, so the kernel
+gets each name, inode number and type, links no entry and caches no
 attributes, and a stat after the listing looks the name up as it would
-after any listing older than the mode's 1-second timeouts. The watch keeps
-names fresh, not a file's attributes (a write elsewhere changes a file, not
-its directory), so attributes are never kept in that mode.
+after any listing older than the mode's 1-second timeouts). The watch keeps
+names fresh, not a file's attributes (a chmod or a write changes a file, not
+its directory).
 
 Offsets: a kept listing hands out its directory's offsets (`Offsets`, one
 set per directory inode), and `Listings` takes the kept listing's set for a
@@ -55,23 +67,18 @@ room is needed).
 
 from __future__ import annotations
 
-import bisect
-import ctypes
 import logging
-import stat
-import struct
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import TYPE_CHECKING
 
-import numpy as np
+import pyfuse3
 import trio
 
+from shufflefs.fuse import readdir_token
 from shufflefs.fuse.dir_handles import Offsets
-from shufflefs.fuse.entry_attrs import BLOCK_SIZE
-from shufflefs.fuse.prefetch_hints import version_of
+from shufflefs.fuse.direntplus import Records, build, join
 from shufflefs.metadata.protocol import Attr
 
 if TYPE_CHECKING:
@@ -84,167 +91,17 @@ log = logging.getLogger("shufflefs.fuse")
 DEFAULT_ENTRIES = 1 << 17  # entries kept across directories (keep_listings=): ~500 bytes each
 MAX_ENTRIES = 1 << 24
 MAX_GATHERING = 64  # listings gathered at once (the oldest unfinished one dropped)
-# struct fuse_entry_out (nodeid, generation, entry_valid, attr_valid, their
-# nsecs, struct fuse_attr), then struct fuse_dirent without its name
-# (ino, off, namelen, type): FUSE_NAME_OFFSET_DIRENTPLUS bytes
-DIRENTPLUS = struct.Struct("<QQQQIIQQQQQQIIIIIIIIIIQQII")
-assert DIRENTPLUS.size == 152  # FUSE_NAME_OFFSET_DIRENTPLUS
-# 64-bit words into a record: entry_valid, attr_valid, then both nsecs in one
-ENTRY_VALID, ATTR_VALID, VALID_NSECS = 2, 3, 4
-NS = 1_000_000_000
-
-
-def record(
-    name: bytes, attr: Attr, cookie: int, entry_timeout: float, attr_timeout: float
-) -> bytes:
-    """*attr*'s entry named *name* as READDIRPLUS carries it (what libfuse's
-    ``fuse_add_direntry_plus`` writes for pyfuse3's ``EntryAttributes``:
-    fuse/entry_attrs.py), resuming after it at *cookie*."""
-    ino, mode, size = attr["ino"], attr["mode"], attr["size"]
-    at, mt, ct = attr["atime"], attr["mtime"], attr["ctime"]
-    e_sec, e_nsec = _timeout(entry_timeout)
-    a_sec, a_nsec = _timeout(attr_timeout)
-    head = DIRENTPLUS.pack(
-        ino, 0, e_sec, a_sec, e_nsec, a_nsec,
-        ino, size, (size + 511) // 512, at // NS, mt // NS, ct // NS,
-        at % NS, mt % NS, ct % NS, mode, attr["nlink"], attr["uid"], attr["gid"],
-        attr["rdev"], BLOCK_SIZE, 0,
-        ino, cookie, len(name), stat.S_IFMT(mode) >> 12,
-    )  # fmt: skip
-    return head + name + bytes(-len(name) % 8)
-
-
-def name_record(name: bytes, ino: int, mode: int, cookie: int) -> bytes:
-    """*name*'s entry with no attributes (node id 0: the kernel links no
-    entry and takes no reference; a listing gets the name, inode number and
-    type, a stat then looks the name up)."""
-    head = DIRENTPLUS.pack(*(0,) * 22, ino, cookie, len(name), stat.S_IFMT(mode) >> 12)
-    return head + name + bytes(-len(name) % 8)
-
-
-def dot_record(name: bytes, ino: int, cookie: int) -> bytes:
-    """'.' or '..' (the kernel takes only the inode: fuse/dir_handles.py,
-    `dot_entry`)."""
-    zero = ("size", "atime", "mtime", "ctime", "uid", "gid", "rdev")
-    attr = {**dict.fromkeys(zero, 0), "ino": ino, "mode": stat.S_IFDIR, "nlink": 1}
-    return record(name, attr, cookie, 0.0, 0.0)  # type: ignore[arg-type]
-
-
-def _timeout(seconds: float) -> tuple[int, int]:
-    """libfuse's split of a timeout (calc_timeout_sec/nsec)."""
-    if seconds <= 0:
-        return 0, 0
-    whole = int(seconds)
-    return whole, int((seconds - whole) * 1e9)
-
-
-@dataclass(eq=False)
-class KeptListing:
-    """One directory's listing, kept whole: records 0 and 1 are '.' and
-    '..', record 2 + i the directory's entry i."""
-
-    ino: int
-    read_at: float  # trio time of its first page's read
-    offsets: Offsets
-    records: bytearray
-    starts: list[int]  # byte offset of each record, and the end
-    resume: dict[int, int]  # an offset the kernel resumes at -> the record after it
-    inos: list[int]  # of entry i
-    versions: list[tuple[int, int, int]]
-    parents: list[int]  # attr["parent"] of entry i (0 for a file)
-    regular: list[bool]
-    with_attrs: bool = True  # else names only (read-write: `name_record`)
-    change: int = 0  # read-write: the directory's change counter it was listed at
-    _address: int = 0
-    _view: ctypes.Array[ctypes.c_char] | None = None
-    _words: np.ndarray | None = None  # the records as 64-bit words
-    _entry_words: np.ndarray | None = None  # word index of entry i's record
-
-    def __post_init__(self) -> None:
-        self._view = (ctypes.c_char * len(self.records)).from_buffer(self.records)
-        self._address = ctypes.addressof(self._view)
-        self._words = np.frombuffer(self.records, dtype="<u8")
-        self._entry_words = np.array(self.starts[2:-1], dtype=np.int64) // 8
-
-    def __len__(self) -> int:
-        return len(self.inos)
-
-    def span(self, off: int, size: int) -> tuple[int, int] | None:
-        """The records a READDIRPLUS at offset *off* of *size* bytes gets
-        (first, past the last), or None for an offset not handed out here."""
-        first = off if off <= 2 else self.resume.get(off)
-        if first is None:
-            return None
-        starts = self.starts
-        last = bisect.bisect_right(starts, starts[first] + size, first) - 1
-        return first, max(first, min(last, len(starts) - 1))
-
-    def stamp(self, lo: int, hi: int, entry_timeout: float, attr_timeout: float) -> None:
-        """Write the kernel's timeouts into entries *lo*..*hi*-1."""
-        assert self._words is not None and self._entry_words is not None
-        if hi <= lo:
-            return
-        at = self._entry_words[lo:hi]
-        e_sec, e_nsec = _timeout(entry_timeout)
-        a_sec, a_nsec = _timeout(attr_timeout)
-        words = self._words
-        words[at + ENTRY_VALID] = e_sec
-        words[at + ATTR_VALID] = a_sec
-        words[at + VALID_NSECS] = e_nsec | (a_nsec << 32)
-
-    def address(self, first: int) -> int:
-        return self._address + self.starts[first]
-
-
-def keep(
-    ino: int,
-    parent: int,
-    read_at: float,
-    offsets: Offsets,
-    entries: Sequence[tuple[bytes, Attr]],
-    change: int | None = None,
-) -> KeptListing:
-    """The listing *entries* of directory *ino* (its first page read at
-    *read_at*), as kept (timeouts written when handed out); with a *change*
-    counter (read-write), names only."""
-    parts = [dot_record(b".", ino, 1), dot_record(b"..", parent, 2)]
-    starts = [0, len(parts[0]), len(parts[0]) + len(parts[1])]
-    resume = {}
-    of, end = offsets.of, starts[-1]
-    for i, (name, attr) in enumerate(entries):
-        cookie = of(name)
-        if change is None:
-            part = record(name, attr, cookie, 0.0, 0.0)
-        else:
-            part = name_record(name, attr["ino"], attr["mode"], cookie)
-        parts.append(part)
-        end += len(part)
-        starts.append(end)
-        resume[cookie] = i + 3
-    return KeptListing(
-        ino,
-        read_at,
-        offsets,
-        bytearray(b"".join(parts)),
-        starts,
-        resume,
-        [a["ino"] for _, a in entries],
-        [version_of(a) for _, a in entries],
-        [a["parent"] for _, a in entries],
-        [stat.S_ISREG(a["mode"]) for _, a in entries],
-        change is None,
-        change or 0,
-    )
 
 
 @dataclass(eq=False)
 class Gathering:
-    """A listing of one directory going through pyfuse3 from its first
-    page, its pages gathered to be kept once the last is in."""
+    """A listing of one directory going through the mount from its first
+    page: the records of its pages so far, kept whole once the last is in."""
 
-    read_at: float
     change: int | None  # read-write: the directory's change counter at its first page
-    entries: list[tuple[bytes, Attr]] = field(default_factory=list)
+    parts: list[Records] = field(default_factory=list)  # one per page, in order
+    at: dict[int, int] = field(default_factory=dict)  # an offset handed out -> its part
+    entries: int = 0
     after: bytes | None = None  # the last name gathered (the next page must follow it)
 
 
@@ -253,19 +110,21 @@ class KeptListings:
 
     def __init__(self, ops: ShuffleOps, max_entries: int) -> None:
         self.ops = ops
-        # read-write: names only, while the cache watch keeps the directory
+        # read-write: while the cache watch keeps the directory
         self.watch = None if ops.options.read_only else ops.fs.cache_watch
         keeps = ops.options.read_only or self.watch is not None
         self.max_entries = max_entries if keeps else 0
-        # answered from for half the mode's timeouts: what it hands the kernel
-        # is then good for at least the other half (entries that expire at
-        # once would send every next open back to the mount as a LOOKUP)
+        # attributes handed out for half the mode's timeouts: they are then
+        # good for at least the other half (entries that expire at once would
+        # send every next open back to the mount as a LOOKUP)
         self.fresh_for = min(ops.options.entry_timeout, ops.options.attr_timeout) / 2
-        self.kept: OrderedDict[int, KeptListing] = OrderedDict()
+        self.kept: OrderedDict[int, Records] = OrderedDict()
         self.entries = 0
         self.gathering: dict[int, Gathering] = {}
         self.queue: KernelQueue | None = None
         self.counts: FastAnswerCounts | None = None
+        # pyfuse3's reply to a READDIRPLUS written in one piece (else entry by entry)
+        self.into_replies = self.enabled and readdir_token.layout_ok()
 
     @property
     def enabled(self) -> bool:
@@ -274,7 +133,7 @@ class KeptListings:
     def fresh(self, ino: int) -> bool:
         return self.current(ino) is not None
 
-    def current(self, ino: int) -> KeptListing | None:
+    def current(self, ino: int) -> Records | None:
         """Directory *ino*'s kept listing, if still fresh."""
         kept = self.kept.get(ino)
         if kept is None:
@@ -294,7 +153,7 @@ class KeptListings:
         attr = None if self.watch is None else self.watch.dir_attr(ino)
         return None if attr is None else attr["change"]
 
-    # ---- gathered from listings through pyfuse3 (fuse/listings.py) --------------
+    # ---- pages of listings through pyfuse3 (fuse/listings.py) -------------------
 
     def page(
         self,
@@ -307,7 +166,7 @@ class KeptListings:
         offsets: Offsets,
     ) -> None:
         """A page of directory *ino*'s listing after *after* was read
-        (*age* seconds ago), *more* after it."""
+        (*age* seconds ago), *more* after it: its records are built."""
         if not self.enabled:
             return
         if after is None:
@@ -317,28 +176,33 @@ class KeptListings:
             change = self._watched_change(ino)
             if self.watch is not None and change is None:
                 return  # not watched: nothing would say when it changes
-            g = self.gathering[ino] = Gathering(trio.current_time() - age, change)
+            g = self.gathering[ino] = Gathering(change)
         else:
             g = self.gathering.get(ino)  # type: ignore[assignment]
             if g is None or g.after != after:  # not from the first page, or another listing's
                 return
-            g.read_at = min(g.read_at, trio.current_time() - age)
-        g.entries.extend(entries)
-        if len(g.entries) > self.max_entries // 4:
+        if g.entries + len(entries) > self.max_entries // 4:
             del self.gathering[ino]
             return
+        now = trio.current_time()
+        part = build(ino, parent if after is None else None, now - age, offsets, entries)
+        g.at.update(dict.fromkeys(part.resume, len(g.parts)))
+        g.parts.append(part)
+        g.entries += len(entries)
         if entries:
             g.after = entries[-1][0]
         if more and entries:
             return
         del self.gathering[ino]
-        if self.watch is not None:
-            if self._watched_change(ino) == g.change:  # unchanged since its first page
-                self._add(keep(ino, parent, g.read_at, offsets, g.entries, g.change))
-        elif trio.current_time() - g.read_at < self.fresh_for:
-            self._add(keep(ino, parent, g.read_at, offsets, g.entries))
+        if self.watch is not None and self._watched_change(ino) != g.change:
+            return  # changed since its first page
+        kept = join(g.parts)
+        kept.read_at = min(part.read_at for part in g.parts)
+        kept.change = g.change or 0
+        if self.watch is not None or now - kept.read_at < self.fresh_for:
+            self._add(kept)
 
-    def _add(self, kept: KeptListing) -> None:
+    def _add(self, kept: Records) -> None:
         self._drop(kept.ino)
         self.kept[kept.ino] = kept
         self.entries += len(kept)
@@ -350,14 +214,110 @@ class KeptListings:
         if kept is not None:
             self.entries -= len(kept)
 
+    # ---- what a READDIRPLUS gets ------------------------------------------------
+
+    def locate(
+        self, ino: int, off: int, size: int, told: bool = False
+    ) -> tuple[Records, int, int, bool] | None:
+        """The records a READDIRPLUS of directory *ino* at offset *off* of
+        *size* bytes gets: (records, first, past the last, whether they are
+        the whole listing's); None when the mount has none to give (not
+        listed, not fresh, or the page after *off* not read yet). From the
+        whole listing, an empty span is the listing's end. *told*: the
+        listing asking read its page just now."""
+        kept = self.current(ino)
+        if kept is not None:
+            span = kept.span(off, size)
+            return None if span is None else (kept, *span, True)
+        g = self.gathering.get(ino)
+        if g is None or not g.parts or self._watched_change(ino) != g.change:
+            return None
+        if off <= 2 and not told and self.watch is not None:
+            return None  # read-write: a listing from the start reads its attributes afresh
+        i = 0 if off <= 2 else g.at.get(off)
+        if i is None:
+            return None
+        part = g.parts[i]
+        first = off if off <= 2 else part.resume[off]
+        if first == part.end:  # after a page's last entry: the next page's first
+            if i + 1 == len(g.parts):
+                return None
+            part, first = g.parts[i + 1], 0
+        if trio.current_time() - part.read_at >= self.fresh_for:
+            return None
+        first, last = part.span_from(first, size)
+        return None if last == first else (part, first, last, False)
+
+    def _serve(
+        self, records: Records, first: int, last: int, whole: bool, told: bool = False
+    ) -> tuple[int, int]:
+        """Records *first*..*last*-1 handed to the kernel: the timeouts
+        written into them, the mount's bookkeeping of each entry told (as
+        `ShuffleOps.entry` and, read-write, `WatchedEntries.extend` do for
+        an entry through pyfuse3). Their address and length. *told*: the
+        listing read their page just now (and told `dir_ahead` of it)."""
+        ops, ino = self.ops, records.ino
+        ops.listings.offsets.setdefault(ino, records.offsets)
+        lo, hi = records.entries(first, last)
+        age = trio.current_time() - records.read_at
+        if whole:
+            self.kept.move_to_end(ino)
+            if first == 0 and not told:
+                # a listing from its start: its files' first opens open it ahead
+                ops.dir_ahead.listed_files(ino, list(compress(records.inos, records.regular)))
+            # read-write: the attributes only to the listing that read them,
+            # and not for long (the watch keeps names fresh, not a file's
+            # attributes: a chmod changes a file, not its directory)
+            stale = (first <= 2 and not told) or age >= self.fresh_for
+            if self.watch is not None and records.with_attrs and stale:
+                records.strip()
+        if records.with_attrs and hi > lo:
+            options = ops.options
+            entry_timeout, attr_timeout = options.entry_timeout - age, options.attr_timeout - age
+            records.stamp(lo, hi, entry_timeout, attr_timeout)
+            ops.told_many(
+                records.inos[lo:hi],
+                records.versions[lo:hi],
+                records.parents[lo:hi],
+                records.regular[lo:hi],
+            )
+            if ops.watched is not None:
+                longer = ops.watched.listed(
+                    ino,
+                    records.names[lo:hi],
+                    records.inos[lo:hi],
+                    records.parents[lo:hi],
+                    records.regular[lo:hi],
+                    max(entry_timeout, attr_timeout),
+                )
+                for i, keep in longer:
+                    records.stamp(lo + i, lo + i + 1, keep, keep)
+        return records.address(first), records.starts[last] - records.starts[first]
+
+    def into_reply(self, ino: int, off: int, token: pyfuse3.ReaddirToken, told: bool) -> bool:
+        """Write the records after offset *off* of directory *ino* into
+        pyfuse3's reply to a READDIRPLUS (True), or nothing (False: not
+        there; the listing goes on entry by entry). *told*: the page they
+        come from was just read for this listing (`dir_ahead` knows it)."""
+        if not self.into_replies:
+            return False
+        room = readdir_token.room(token)
+        found = self.locate(ino, off, room, told)
+        if found is None:
+            return False
+        records, first, last, whole = found
+        address, nbytes = self._serve(records, first, last, whole, told)
+        readdir_token.write(token, address, nbytes)
+        return True
+
     # ---- READDIRPLUS in libfuse's callback (fuse/read_inode.py) ----------------
 
     def install(self, queue: KernelQueue, counts: FastAnswerCounts) -> None:
         self.queue, self.counts = queue, counts
 
     def readdirplus(self, req: int, ino: int, size: int, off: int, fi: int) -> bool:
-        """Answer a READDIRPLUS from directory *ino*'s kept listing (True),
-        or decline it (nothing done)."""
+        """Answer a READDIRPLUS of directory *ino* from the records the mount
+        holds (True), or decline it (nothing done)."""
         queue = self.queue
         if queue is None:
             return False
@@ -366,32 +326,17 @@ class KeptListings:
         except Exception:
             log.exception("READDIRPLUS of directory %d from its kept listing", ino)
             self._drop(ino)
+            self.gathering.pop(ino, None)
             answered = False
         queue.answered(answered)
         return answered
 
     def _answer(self, queue: KernelQueue, req: int, ino: int, size: int, off: int) -> bool:
-        kept = self.current(ino)
-        if kept is None:
+        found = self.locate(ino, off, size)
+        if found is None:
             return False
-        span = kept.span(off, size)
-        if span is None:
-            return False
-        first, last = span
-        self.kept.move_to_end(ino)
-        ops = self.ops
-        ops.listings.offsets.setdefault(ino, kept.offsets)
-        if first == 0:  # a listing from its start: its files' first opens open it ahead
-            ops.dir_ahead.listed_files(ino, list(compress(kept.inos, kept.regular)))
-        if kept.with_attrs:
-            lo, hi = max(first, 2) - 2, max(last, 2) - 2  # the entries among the records
-            age = trio.current_time() - kept.read_at  # (under fresh_for: both stay positive)
-            kept.stamp(lo, hi, ops.options.entry_timeout - age, ops.options.attr_timeout - age)
-            ops.told_many(
-                kept.inos[lo:hi], kept.versions[lo:hi], kept.parents[lo:hi], kept.regular[lo:hi]
-            )
-        nbytes = kept.starts[last] - kept.starts[first]
-        queue.libfuse.reply_buf(req, kept.address(first), nbytes)
+        address, nbytes = self._serve(*found)
+        queue.libfuse.reply_buf(req, address, nbytes)
         if self.counts is not None:
             self.counts.listing += 1
         return True

@@ -154,27 +154,26 @@ class Listings:
                 h.parent = (await ops.fs.getattr(h.ino))["parent"] or h.ino
         if h is None:
             raise FsError(errno.EBADF, "directory not open")
-        if start_id == 0:
-            if not pyfuse3.readdir_reply(token, b".", dot_entry(h.ino), 1):
-                return
-            start_id = 1
-        if start_id == 1:
+        if start_id <= 1:
             h.ended = False  # a listing from the start reads afresh
-            if not pyfuse3.readdir_reply(token, b"..", dot_entry(h.parent), 2):
-                return
+        if start_id <= 2:
             after: bytes | None = None
-        elif start_id == 2:
-            after = None
         else:
             after = h.offsets.names.get(start_id)
             if after is None:
                 raise FsError(errno.EINVAL, f"stale directory offset {start_id}")
         if h.ended and after == h.end_after and not h.pending:
             return  # the last page ended here
+        # the records of pages read before (fuse/kept_listings.py: the
+        # callback answers from them too, unless it could not)
+        records = ops.kept_listings
+        if start_id > 2 and records.into_reply(h.ino, start_id, token, told=False):
+            return
         # (the loop runs once per entry of every listing: what it calls is
         # looked up once)
         offset_of, entry_of, lookups, reply = h.offsets.of, ops.entry, ops.lookups, readdir_reply
         extend = None if ops.watched is None else ops.watched.extend
+        off = start_id
         while True:
             if h.pending and h.pending_after == after:
                 entries, more = h.pending, h.pending_more
@@ -182,7 +181,18 @@ class Listings:
                 entries, more, h.age = await self._page(h, after)
                 ops.list_ahead.listed(h.ino, after is None, entries)
                 ops.dir_ahead.listed(h.ino, entries)
-                ops.kept_listings.page(h.ino, h.parent, after, entries, more, h.age, h.offsets)
+                records.page(h.ino, h.parent, after, entries, more, h.age, h.offsets)
+                if records.into_reply(h.ino, off, token, told=True):
+                    h.pending = []  # (the rest of the page: from its records)
+                    return
+            if off <= 1:  # '.' and '..' first
+                if off == 0 and not reply(token, b".", dot_entry(h.ino), 1):
+                    h.pending, h.pending_after, h.pending_more = entries, after, more
+                    return
+                if not reply(token, b"..", dot_entry(h.parent), 2):
+                    h.pending, h.pending_after, h.pending_more = entries, after, more
+                    return
+                off = 2
             age, dir_ino = h.age, h.ino
             for i, (name, attr) in enumerate(entries):
                 entry = entry_of(attr, age)
@@ -198,6 +208,7 @@ class Listings:
             if not more or not entries:
                 h.ended, h.end_after = True, after
                 return
+            off = offset_of(after) if after is not None else off
 
     async def _page(
         self, h: DirHandle, after: bytes | None

@@ -62,11 +62,41 @@ class WatchedEntries:
             return
         if not stat.S_ISREG(entry.st_mode):
             return
-        left = self.fs.open_cache.trusted_for(entry.st_ino)
-        if left <= max(entry.entry_timeout, entry.attr_timeout):
-            return
-        entry.entry_timeout = entry.attr_timeout = left
-        self.learn(parent, name, entry.st_ino)
+        left = self._longer(entry.st_ino, max(entry.entry_timeout, entry.attr_timeout))
+        if left:
+            entry.entry_timeout = entry.attr_timeout = left
+            self.learn(parent, name, entry.st_ino)
+
+    def listed(
+        self,
+        parent: int,
+        names: list[bytes],
+        inos: list[int],
+        parents: list[int],
+        regular: list[bool],
+        timeout: float,
+    ) -> list[tuple[int, float]]:
+        """`extend` for entries of a listing handed to the kernel as records
+        (fuse/kept_listings.py; *parents*: each directory's parent, 0 for a
+        file) with *timeout*: the entries (index, timeout) to keep longer."""
+        longer = []
+        for i, (name, ino, is_dir, is_file) in enumerate(
+            zip(names, inos, parents, regular, strict=True)
+        ):
+            if is_dir:
+                self.directory(ino, parent, name)
+            elif is_file:
+                left = self._longer(ino, timeout)
+                if left:
+                    longer.append((i, left))
+                    self.learn(parent, name, ino)
+        return longer
+
+    def _longer(self, ino: int, than: float) -> float:
+        """How long the kernel may keep file *ino*'s name and attributes
+        when the watch keeps it fresh longer than *than* (else 0)."""
+        left = self.fs.open_cache.trusted_for(ino)
+        return left if left > than else 0.0
 
     def learn(self, parent: int, name: bytes, ino: int) -> None:
         """A name of a file the watch keeps fresh, for `lookup` to answer:

@@ -215,3 +215,29 @@ def test_a_read_write_mount_keeps_names_while_its_watch_keeps_the_directory(
     drop_kernel_entries()
     assert "made-here" in names(d)
     assert set(names(d)) == set(listed) - {"sample-00003.bin"} | {"made-elsewhere", "made-here"}
+
+
+def test_a_read_write_mounts_first_listing_brings_every_entrys_attributes(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], tree: Path
+) -> None:
+    """The first listing of a directory on a read-write mount hands the kernel
+    its entries with their attributes, so an ``ls -l`` right after it looks
+    few names up: the kernel asks for the user's buffer's worth (32 KiB for
+    glibc, about 190 entries) a READDIRPLUS, the first goes through pyfuse3
+    with attributes, a later one may come from the listing kept meanwhile
+    (names only on this mode), and the first LOOKUP of one of those names
+    opens the directory's files ahead (`dir_ahead`), which answers the rest."""
+    w = mounts["W"]
+    for n in (READDIR_PAGE - 56, FILES):  # one page of the server's listing, and two
+        (tree / f"d{n}").mkdir()
+        for i in range(n):
+            (tree / f"d{n}" / f"f{i:04d}").write_bytes(b"y" * i)
+        d = w.mountpoint / tree.name / f"d{n}"
+        before = mounted.meta_calls()
+        first = listing(d)  # scandir, then a stat of each entry
+        after = mounted.meta_calls()
+        looked_up = sum(after.get(k, 0) - before.get(k, 0) for k in ("lookup", "lookup_open"))
+        # (each of the mode's 1-second timeouts would have to expire
+        # mid-listing for a stat to look its name up)
+        assert looked_up < n // 4, (n, looked_up)
+        assert len(first) == n and first["f0099"][2] == 99

@@ -12,20 +12,16 @@ import stat
 from types import SimpleNamespace
 from typing import Any
 
+import pyfuse3
 import pytest
 import trio
 
+from shufflefs.fuse import readdir_token
 from shufflefs.fuse.dir_handles import Offsets, dot_entry
+from shufflefs.fuse.direntplus import DIRENTPLUS, build, dot_record, join, record
 from shufflefs.fuse.entry_attrs import entry_attributes
 from shufflefs.fuse.fast_answers import ENTRY_OFFSET, entry_layout_ok
-from shufflefs.fuse.kept_listings import (
-    DIRENTPLUS,
-    MAX_GATHERING,
-    KeptListings,
-    dot_record,
-    keep,
-    record,
-)
+from shufflefs.fuse.kept_listings import MAX_GATHERING, KeptListings
 
 NAMES = (b"s00001.jpg", b"x", b"abcdefgh", b"\xc3\xa9t\xc3\xa9", b"n" * 255)
 
@@ -81,7 +77,7 @@ def test_dots_are_what_libfuse_writes() -> None:
 
 def a_listing(n: int, read_at: float = 0.0) -> tuple[Any, list[tuple[bytes, Any]]]:
     entries = [(f"f{i:04d}".encode(), an_attr(100 + i)) for i in range(n)]
-    return keep(9, 1, read_at, Offsets(), entries), entries  # type: ignore[arg-type]
+    return build(9, 1, read_at, Offsets(), entries), entries  # type: ignore[arg-type]
 
 
 def unpack(buf: bytes) -> list[tuple[bytes, tuple[int, ...]]]:
@@ -225,11 +221,16 @@ async def test_a_read_write_mount_keeps_names_while_its_watch_keeps_the_director
     k.page(9, 1, None, parts[0], True, 0.0, offsets)
     k.page(9, 1, parts[0][-1][0], parts[1], False, 0.0, offsets)
     kept = k.current(9)
-    assert kept is not None and not kept.with_attrs
+    assert kept is not None and kept.change == 5
+    # with attributes, for half the mode's timeouts; names only after (`strip`)
+    with_attrs = unpack(reply(kept, *kept.span(0, 4096)))
+    assert [h[0] for _, h in with_attrs[2:]] == list(range(100, 106))  # node ids
+    kept.strip()
     got = unpack(reply(kept, *kept.span(0, 4096)))
     assert [n for n, _ in got] == [b".", b".."] + [f"f{i:04d}".encode() for i in range(6)]
-    for _, head in got[2:]:
+    for (_, head), (_, before) in zip(got[2:], with_attrs[2:], strict=True):
         assert head[:22] == (0,) * 22  # node id 0, no attributes
+        assert head[22:] == before[22:]  # the same inode number, offset, name, type
     assert [h[22] for _, h in got[2:]] == list(range(100, 106))  # their inode numbers
     assert {h[25] for _, h in got[2:]} == {stat.S_IFREG >> 12}
     # and long after the mode's timeouts, while the watch holds it
@@ -243,3 +244,106 @@ async def test_a_read_write_mount_keeps_names_while_its_watch_keeps_the_director
     watch.dirs[9] = 7
     k.page(9, 1, parts[0][-1][0], parts[1], False, 0.0, offsets)
     assert k.current(9) is None
+
+
+def test_pages_joined_are_the_listing_built_at_once() -> None:
+    entries = [(f"f{i:04d}".encode(), an_attr(100 + i)) for i in range(10)]
+    offsets = Offsets()
+    whole = build(9, 1, 0.0, offsets, entries)
+    parts = [build(9, 1, 0.0, offsets, entries[:4])]
+    parts += [build(9, None, 0.0, offsets, entries[4:7]), build(9, None, 0.0, offsets, entries[7:])]
+    assert parts[1].lead == 0 and parts[1].span(1, 4096) is None  # no dots in a later page
+    joined = join(parts)
+    assert bytes(joined.records) == bytes(whole.records)
+    assert (joined.starts, joined.resume, joined.inos) == (whole.starts, whole.resume, whole.inos)
+    assert joined.names == [n for n, _ in entries]
+
+
+def listing_ops(fresh: float = 5.0, max_entries: int = 1000) -> Any:
+    """What KeptListings asks of the mount when it hands records out, recorded."""
+    told: list[int] = []
+    options = SimpleNamespace(
+        read_only=True, entry_timeout=fresh, attr_timeout=fresh + 1, keep_listings=max_entries
+    )
+    return SimpleNamespace(
+        options=options,
+        fs=SimpleNamespace(cache_watch=None),
+        listings=SimpleNamespace(offsets={}),
+        dir_ahead=SimpleNamespace(listed_files=lambda ino, files: None),
+        told_many=lambda inos, versions, parents, regular: told.extend(inos),
+        watched=None,
+        told=told,
+    )
+
+
+async def test_a_listing_being_gathered_hands_out_each_page_read_so_far() -> None:
+    ops = listing_ops()
+    k = KeptListings(ops, 1000)
+    offsets = Offsets()
+    parts = pages(10, 4)
+    k.page(9, 1, None, parts[0], True, 0.0, offsets)
+    records, first, last, whole = k.locate(9, 0, 4096)  # type: ignore[misc]
+    assert (first, last, whole) == (0, 6, False)  # '.', '..', the first page's four
+    cookie = offsets.of(parts[0][-1][0])
+    assert k.locate(9, cookie, 4096) is None  # the next page is not read yet
+    k.page(9, 1, parts[0][-1][0], parts[1], True, 0.0, offsets)
+    records, first, last, whole = k.locate(9, cookie, 4096)  # type: ignore[misc]
+    assert [n for n, _ in unpack(reply(records, first, last))] == [n for n, _ in parts[1]]
+    # within a page, from the offset the kernel stands at
+    records, first, last, _ = k.locate(9, offsets.of(parts[1][1][0]), 4096)  # type: ignore[misc]
+    assert [n for n, _ in unpack(reply(records, first, last))] == [n for n, _ in parts[1][2:]]
+    # the last page in: kept whole, its end is the listing's end
+    k.page(9, 1, parts[1][-1][0], parts[2], False, 0.0, offsets)
+    records, first, last, whole = k.locate(9, offsets.of(parts[2][-1][0]), 4096)  # type: ignore[misc]
+    assert whole and first == last
+    # handed out through pyfuse3's reply: the bytes, the timeouts, the entries told
+    token = pyfuse3.ReaddirToken()
+    ctypes.c_uint64.from_address(
+        id(token) + readdir_token.FIELDS_OFFSET + readdir_token.SIZE
+    ).value = 4096
+    try:
+        assert k.into_reply(9, offsets.of(parts[0][1][0]), token, told=False)
+        got = written(token)
+    finally:
+        release(token)
+    assert [n for n, _ in unpack(got)] == [f"f{i:04d}".encode() for i in range(2, 10)]
+    assert {(h[2], h[3]) for _, h in unpack(got)} == {(4, 5)}  # 5 s and 6 s, less their age
+    assert ops.told == list(range(102, 110))
+
+
+def written(token: Any) -> bytes:
+    at = id(token) + readdir_token.FIELDS_OFFSET
+    start = ctypes.c_uint64.from_address(at + readdir_token.BUF_START).value
+    buf = ctypes.c_uint64.from_address(at + readdir_token.BUF).value
+    return ctypes.string_at(start, buf - start) if start else b""
+
+
+def release(token: Any) -> None:
+    """Free a token's buffer, as pyfuse3 does after its reply."""
+    at = id(token) + readdir_token.FIELDS_OFFSET
+    start = ctypes.c_uint64.from_address(at + readdir_token.BUF_START)
+    if start.value:
+        ctypes.CDLL(None).free(ctypes.c_void_p(start.value))
+    start.value = 0
+
+
+def test_a_reply_is_written_where_pyfuse3s_readdir_reply_writes() -> None:
+    assert readdir_token.layout_ok()
+    kept, entries = a_listing(5)
+    token = pyfuse3.ReaddirToken()
+    size = ctypes.c_uint64.from_address(
+        id(token) + readdir_token.FIELDS_OFFSET + readdir_token.SIZE
+    )
+    size.value = 1000
+    try:
+        # entry by entry through pyfuse3, then records after them: one reply
+        assert pyfuse3.readdir_reply(token, b".", dot_entry(9), 1)
+        assert readdir_token.room(token) == 1000 - 160
+        first, last = kept.span(1, readdir_token.room(token))
+        readdir_token.write(token, kept.address(first), kept.starts[last] - kept.starts[first])
+        got = [n for n, _ in unpack(written(token))]
+        assert got == [b".", b".."] + [e[0] for e in entries[:4]]  # what 1,000 bytes hold
+        with pytest.raises(ValueError):
+            readdir_token.write(token, kept.address(0), readdir_token.room(token) + 1)
+    finally:
+        release(token)
