@@ -1,5 +1,8 @@
 """Requests the mount's caches answer, answered in libfuse's callback before
-pyfuse3 sees them: OPEN, RELEASE, LOOKUP and GETATTR; and WRITE when it goes
+pyfuse3 sees them: OPEN, RELEASE, LOOKUP and GETATTR; OPENDIR when the mount
+knows the directory (fuse/listings.py, `open_now`) and every RELEASEDIR (a
+directory scanned from a listing the mount holds costs no task on pyfuse3's
+loop at all: fuse/kept_listings.py); and WRITE when it goes
 behind with no wait, and the GETXATTR of ``security.capability`` the kernel
 sends before each of them, when its absence is known; FLUSH, a written
 file's RELEASE and the SETATTR of a file open for writing (owner, mode,
@@ -155,7 +158,9 @@ class FastAnswerCounts:
     getxattr: int = 0  # security.capability before a write, known absent (ENODATA)
     ioctl: int = 0  # taken while draining the queue: libfuse answers them (ENOSYS)
     hint: int = 0  # prefetch hints by name, queued by a task of their own (fuse/fast_hints.py)
-    listing: int = 0  # READDIRPLUS from a kept listing (fuse/kept_listings.py)
+    listing: int = 0  # READDIRPLUS from a listing's records (fuse/kept_listings.py)
+    opendir: int = 0
+    releasedir: int = 0
 
     def collect(self) -> Iterable[Metric]:
         yield counts_family(
@@ -196,6 +201,8 @@ class FastAnswers(CallbackAnswers):
         self.hooks.fast_write = self.write
         self.hooks.fast_flush = self.flush
         self.hooks.fast_getxattr = self.getxattr
+        self.hooks.fast_opendir = self.opendir
+        self.hooks.fast_releasedir = self.releasedir
         self.queue.on_inline = self._answered_by_libfuse
         if entry_layout_ok():
             self.hooks.fast_lookup = self.lookup
@@ -212,6 +219,7 @@ class FastAnswers(CallbackAnswers):
         self.hooks.fast_open = self.hooks.fast_release = None
         self.hooks.fast_write = self.hooks.fast_flush = self.hooks.fast_getxattr = None
         self.hooks.fast_lookup = self.hooks.fast_getattr = self.hooks.fast_setattr = None
+        self.hooks.fast_opendir = self.hooks.fast_releasedir = None
 
     def open(self, req: int, ino: int, fi: int) -> bool:
         """Answer an OPEN (True) or decline it (nothing done)."""
@@ -240,6 +248,23 @@ class FastAnswers(CallbackAnswers):
             return self._declined()
         self.libfuse.reply_err(req, 0)
         return self._answered("release")
+
+    def opendir(self, req: int, ino: int, fi: int) -> bool:
+        """Answer an OPENDIR (True) or decline it (nothing done); its
+        caching flags are in *fi* already (fuse/read_inode.py)."""
+        fh = self._try("OPENDIR", ino, self.ops.listings.open_now, ino)
+        if fh is None:
+            return self._declined()
+        ctypes.c_uint64.from_address(fi + FH_OFFSET).value = fh
+        if self.libfuse.reply_open(req, fi):  # interrupted: no RELEASEDIR will come
+            self.ops.listings.release(fh)
+        return self._answered("opendir")
+
+    def releasedir(self, req: int, ino: int, fi: int) -> bool:
+        """Answer a RELEASEDIR (True)."""
+        self.ops.listings.release(ctypes.c_uint64.from_address(fi + FH_OFFSET).value)
+        self.libfuse.reply_err(req, 0)
+        return self._answered("releasedir")
 
     def write(self, req: int, ino: int, bufv: int, off: int, fi: int) -> bool:
         """Answer a WRITE (True) or decline it (nothing done)."""

@@ -102,15 +102,29 @@ class Listings:
             # no OPENDIR/RELEASEDIR from now on, listings cached by the
             # kernel (FOPEN_CACHE_DIR): READDIRPLUS names its directory
             raise pyfuse3.FUSEError(errno.ENOSYS)
+        fh = self.open_now(inode)
+        if fh is not None:
+            return fh
+        # (a read-write mount checks the directory is still there)
+        attr = await self.ops.fs.getattr(inode)
+        if not stat.S_ISDIR(attr["mode"]):
+            raise FsError(errno.ENOTDIR, "not a directory")
+        return self._handle(inode, attr["parent"] or inode)
+
+    def open_now(self, inode: int) -> int | None:
+        """OPENDIR's handle when the mount knows the directory's parent
+        (``ro``: from a lookup or listing; read-write: while the cache watch
+        keeps the directory), else None: ask (`open`). Also answered in
+        libfuse's callback (fuse/fast_answers.py)."""
+        if self.ops.inode_reads is not None:
+            return None
         parent = self.ops.parents.get(inode) if self.ops.options.read_only else None
         if parent is None and self.watch is not None:
             watched = self.watch.dir_attr(inode)  # unchanged since it was read
             parent = None if watched is None else watched["parent"] or inode
-        if parent is None:  # (a read-write mount checks the directory is still there)
-            attr = await self.ops.fs.getattr(inode)
-            if not stat.S_ISDIR(attr["mode"]):
-                raise FsError(errno.ENOTDIR, "not a directory")
-            parent = attr["parent"] or inode
+        return None if parent is None else self._handle(inode, parent)
+
+    def _handle(self, inode: int, parent: int) -> int:
         fh = self._next
         self._next += 1
         self.dirs[fh] = DirHandle(inode, parent, self._offsets(inode))

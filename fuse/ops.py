@@ -579,6 +579,7 @@ class ShuffleOps(NowAnswers, XattrOps, pyfuse3.Operations):
 
     @fuse_errors
     async def releasedir(self, fh: int) -> None:
+        READ_INODES.confirm(fh)  # what the fast path reads as the handle (fuse/fast_answers.py)
         self.listings.release(fh)
 
     @fuse_errors

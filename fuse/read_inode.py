@@ -70,6 +70,7 @@ ANCHOR_SYMBOL = "PyInit_pyfuse3"  # exported: its address gives the load base
 # pyfuse3's callbacks for the slots around `read`, in fuse_lowlevel_ops order
 SLOTS = ("open", "read", "write", "flush", "release")
 OPENDIR = "opendir"  # (req, ino, fi), as open
+RELEASEDIR = "releasedir"  # (req, ino, fi), as release
 GETATTR = "getattr"  # (req, ino, fi), as open
 LOOKUP = "lookup"  # (req, parent, name)
 # (req, ino, struct fuse_bufvec *, off, fi): how libfuse hands pyfuse3 a WRITE
@@ -77,7 +78,7 @@ WRITE_BUF = "write_buf"
 SETATTR = "setattr"  # (req, ino, struct stat *, int to_set, fi)
 GETXATTR = "getxattr"  # (req, ino, const char *name, size_t size)
 # slots found by their callback's address
-FOUND = (OPENDIR, GETATTR, LOOKUP, WRITE_BUF, SETATTR, GETXATTR)
+FOUND = (OPENDIR, RELEASEDIR, GETATTR, LOOKUP, WRITE_BUF, SETATTR, GETXATTR)
 PATCHED = ("read", "readdirplus")  # same signature: (req, ino, size, off, fi)
 SCAN_WORDS = 128  # the table starts within the first few words of the session
 TABLE_WORDS = 64  # fuse_lowlevel_ops has fewer slots than this
@@ -211,6 +212,10 @@ class ReadInodes:
     fast_listing: FastRead | None = None
     # set before `install`: OPENDIR's flags for a directory inode (CACHE_DIR_BIT, KEEP_CACHE_BIT)
     dir_flags: Callable[[int], int] | None = None
+    # with `answering`: tried on every OPENDIR (after its flags) and
+    # RELEASEDIR once the handle's offset is confirmed (fuse/fast_answers.py)
+    fast_opendir: FastAnswer | None = None
+    fast_releasedir: FastAnswer | None = None
     naming: bool = False  # the read slot holds the trampoline (READs name their inode)
     # (the operation table, the read slot's index, pyfuse3's callback, the trampoline)
     _read_slot: tuple[Any, int, int, int] | None = None
@@ -326,7 +331,7 @@ class ReadInodes:
             patches[at] = OPEN_CALLBACK(self._open(PYFUSE3_OPEN(address["open"])))
         if self.answering:
             patches[at + SLOTS.index("release")] = OPEN_CALLBACK(
-                self._release(PYFUSE3_OPEN(address["release"]))
+                self._release(PYFUSE3_OPEN(address["release"]), "fast_release")
             )
             patches[slots[WRITE_BUF]] = WRITE_CALLBACK(
                 self._write(PYFUSE3_WRITE(address[WRITE_BUF]))
@@ -347,15 +352,17 @@ class ReadInodes:
             patches[slots[GETXATTR]] = GETXATTR_CALLBACK(
                 self._getxattr(PYFUSE3_GETXATTR(address[GETXATTR]))
             )
+        if self.dir_flags is not None or self.answering:
+            patches[slots[OPENDIR]] = OPEN_CALLBACK(
+                self._opendir(PYFUSE3_OPEN(address[OPENDIR]), self.dir_flags)
+            )
+        if self.answering:
+            patches[slots[RELEASEDIR]] = OPEN_CALLBACK(
+                self._release(PYFUSE3_OPEN(address[RELEASEDIR]), "fast_releasedir")
+            )
         for slot, trampoline in patches.items():
             keep.append(trampoline)
             words[slot] = ctypes.cast(trampoline, ctypes.c_void_p).value
-        if self.dir_flags is not None:
-            dir_opener = OPEN_CALLBACK(
-                self._opendir(PYFUSE3_OPEN(address[OPENDIR]), self.dir_flags)
-            )
-            keep.append(dir_opener)
-            words[slots[OPENDIR]] = ctypes.cast(dir_opener, ctypes.c_void_p).value
         self._keep = tuple(keep)  # alive while the table points at them
         self.naming = True
         self.session = session
@@ -376,12 +383,15 @@ class ReadInodes:
 
         return trampoline
 
-    def _release(self, original: Callable[..., None]) -> Callable[..., None]:
+    def _release(self, original: Callable[..., None], hook: str) -> Callable[..., None]:
+        """RELEASE or RELEASEDIR: the handle read for `confirm` while
+        checking, then offered to the hook named *hook*."""
+
         def trampoline(req: int, ino: int, fi: int) -> None:
             if fi:
                 if self.checking:
                     self.fh_word = ctypes.c_uint64.from_address(fi + FH_OFFSET).value
-                fast = self.fast_release
+                fast = getattr(self, hook)
                 if fast is not None and self.fh_confirmed and fast(req, ino, fi):
                     return
             original(req, ino, fi)
@@ -445,16 +455,20 @@ class ReadInodes:
         return trampoline
 
     def _opendir(
-        self, original: Callable[..., None], flags: Callable[[int], int]
+        self, original: Callable[..., None], flags: Callable[[int], int] | None
     ) -> Callable[..., None]:
         def trampoline(req: int, ino: int, fi: int) -> None:
             if fi:
-                try:
-                    bits = flags(ino)
-                except Exception:  # never into C: list afresh, uncached
-                    log.exception("opendir flags of inode %d", ino)
-                    bits = 0
-                ctypes.c_uint32.from_address(fi + BITS_OFFSET).value |= bits
+                if flags is not None:
+                    try:
+                        bits = flags(ino)
+                    except Exception:  # never into C: list afresh, uncached
+                        log.exception("opendir flags of inode %d", ino)
+                        bits = 0
+                    ctypes.c_uint32.from_address(fi + BITS_OFFSET).value |= bits
+                fast = self.fast_opendir
+                if fast is not None and self.fh_confirmed and fast(req, ino, fi):
+                    return
             original(req, ino, fi)
 
         return trampoline

@@ -241,3 +241,27 @@ def test_a_read_write_mounts_first_listing_brings_every_entrys_attributes(
         # mid-listing for a stat to look its name up)
         assert looked_up < n // 4, (n, looked_up)
         assert len(first) == n and first["f0099"][2] == 99
+
+
+@pytest.mark.parametrize("mode", ["R", "W"])
+def test_opendir_and_releasedir_of_a_known_directory_are_answered_in_the_callback(
+    mounted: ProcessCluster, mounts: dict[str, MeteredMount], tree: Path, mode: str
+) -> None:
+    """``ro`` knows a looked-up directory's parent, a read-write mount while
+    its cache watch keeps the directory: the OPENDIR needs no round trip and
+    is answered with the RELEASEDIR in libfuse's callback (the first few
+    RELEASEDIRs go through pyfuse3, which confirms where libfuse keeps the
+    handle), and the listings they frame are whole."""
+    m = mounts[mode]
+    d = m.mountpoint / tree.name
+    expected = sorted(os.listdir(d))
+    opened, released = m.count("opendir"), m.count("releasedir")
+    for _ in range(3):
+        drop_kernel_entries()
+        assert sorted(os.listdir(d)) == expected
+        assert sorted(os.listdir(d / "sub")) == ["inner"]
+    assert m.count("opendir") > opened and m.count("releasedir") > released
+    # a directory the mount does not know yet is opened the usual way
+    (tree / "fresh").mkdir()
+    (tree / "fresh" / "one").write_bytes(b"1")
+    assert os.listdir(d / "fresh") == ["one"]
