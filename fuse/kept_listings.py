@@ -228,7 +228,9 @@ class KeptListings:
         kept = self.current(ino)
         if kept is not None:
             span = kept.span(off, size)
-            return None if span is None else (kept, *span, True)
+            if span is None or (span[0] == span[1] != kept.end):  # (none fits: not the end)
+                return None
+            return (kept, *span, True)
         g = self.gathering.get(ino)
         if g is None or not g.parts or self._watched_change(ino) != g.change:
             return None

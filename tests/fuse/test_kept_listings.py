@@ -347,3 +347,12 @@ def test_a_reply_is_written_where_pyfuse3s_readdir_reply_writes() -> None:
             readdir_token.write(token, kept.address(0), readdir_token.room(token) + 1)
     finally:
         release(token)
+
+
+async def test_a_reply_too_small_for_the_next_record_is_not_the_end() -> None:
+    k, offsets = KeptListings(listing_ops(), 1000), Offsets()
+    (page,) = pages(3, 3)
+    k.page(9, 1, None, page, False, 0.0, offsets)
+    assert k.locate(9, offsets.of(page[0][0]), 100) is None  # a record takes 160 bytes
+    records, first, last, whole = k.locate(9, offsets.of(page[-1][0]), 100)  # type: ignore[misc]
+    assert whole and first == last == records.end  # after the last: the end
