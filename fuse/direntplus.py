@@ -197,8 +197,9 @@ def build(
 
 def join(parts: Sequence[Records]) -> Records:
     """A listing's pages' records (the first from its start, each next one
-    following the one before) as one listing, read when the first was."""
+    following the one before) as one listing, as old as the oldest."""
     head = parts[0]
+    head.read_at = min(part.read_at for part in parts)
     if len(parts) == 1:
         return head
     starts: list[int] = []

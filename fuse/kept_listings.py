@@ -102,7 +102,11 @@ class Gathering:
     parts: list[Records] = field(default_factory=list)  # one per page, in order
     at: dict[int, int] = field(default_factory=dict)  # an offset handed out -> its part
     entries: int = 0
-    after: bytes | None = None  # the last name gathered (the next page must follow it)
+
+    @property
+    def after(self) -> bytes | None:
+        """The last name gathered (the next page must follow it)."""
+        return next((part.names[-1] for part in reversed(self.parts) if part.names), None)
 
 
 class KeptListings:
@@ -189,15 +193,12 @@ class KeptListings:
         g.at.update(dict.fromkeys(part.resume, len(g.parts)))
         g.parts.append(part)
         g.entries += len(entries)
-        if entries:
-            g.after = entries[-1][0]
         if more and entries:
             return
         del self.gathering[ino]
         if self.watch is not None and self._watched_change(ino) != g.change:
             return  # changed since its first page
         kept = join(g.parts)
-        kept.read_at = min(part.read_at for part in g.parts)
         kept.change = g.change or 0
         if self.watch is not None or now - kept.read_at < self.fresh_for:
             self._add(kept)

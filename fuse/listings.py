@@ -222,7 +222,8 @@ class Listings:
             if not more or not entries:
                 h.ended, h.end_after = True, after
                 return
-            off = offset_of(after) if after is not None else off
+            assert after is not None  # (the page's last entry)
+            off = offset_of(after)
 
     async def _page(
         self, h: DirHandle, after: bytes | None
