@@ -37,7 +37,10 @@ fuse-ro and fuse-immutable rows unless ``--config`` names the shufflefs
 cluster behind DIR);
 ``--ro-mount`` / ``--prefetch-mount`` name mounts for those rows. Without
 any, the client config's cluster and the mount `shufflefs up` made are
-used, and a cluster is started when there is no config.
+used, and a cluster is started when there is no config. ``--remote`` starts
+a cluster whose storage daemons are on hosts of their own and runs every
+mount and worker on a reader host (client/bench_files_remote.py): the
+figures of a training node that is not a storage host.
 """
 
 from __future__ import annotations
@@ -55,12 +58,13 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shufflefs.client import bench_files_remote as remote
 from shufflefs.client import bench_files_work as work
 from shufflefs.client.bench_files_work import FileSet, WorkerPool, split
 from shufflefs.client.data.hinted_reads import prefetch_available
 from shufflefs.client.iobench import drop_caches, embedded_cluster
 from shufflefs.cluster.config import find_client_config
-from shufflefs.cluster.launcher import LocalCluster, free_ports
+from shufflefs.cluster.launcher import LocalCluster
 from shufflefs.cluster.preflight import parse_size
 from shufflefs.fuse.writeback import closes_behind
 
@@ -149,6 +153,21 @@ class Targets:
     notes: list[str] = field(default_factory=list)
     config: str | None = None  # the shufflefs cluster behind the fuse row, if known
     writeback_metrics: str = ""  # the fuse-writeback mount's Prometheus URL
+    remote: remote.RemoteRun | None = None  # --remote: the cluster and its reader host
+
+    @property
+    def netns(self) -> str | None:
+        """The host every worker runs on (None: this one)."""
+        return self.remote.netns if self.remote is not None else None
+
+    def option_mount(
+        self, mountpoint: Path, options: str
+    ) -> contextlib.AbstractContextManager[Path]:
+        """A further ``mount -o OPTIONS`` of the cluster, where the readers are."""
+        if self.remote is not None:
+            return remote.option_mount(self.remote, mountpoint, options)
+        assert self.config is not None
+        return option_mount(self.config, mountpoint, options)
 
 
 def ro_mount_supported() -> bool:
@@ -209,7 +228,12 @@ def targets(
     subdir = f"bench-files-{os.getpid()}"
     t.roots["local"] = str(local / subdir)
     stack.callback(shutil.rmtree, t.roots["local"], True)
-    t.config, mnt, started = cluster_and_mount(args, workdir, stack)
+    if getattr(args, "remote", False):
+        t.remote, t.config, mnt = remote.start(args, workdir, stack)
+        t.notes.append(t.remote.note())
+        started = True
+    else:
+        t.config, mnt, started = cluster_and_mount(args, workdir, stack)
     t.roots["fuse"] = str(mnt / subdir)
     if not started and not args.keep:
         stack.callback(shutil.rmtree, t.roots["fuse"], True)
@@ -220,22 +244,22 @@ def targets(
     elif not ro_mount_supported():
         t.notes.append("fuse-ro: left out: `shufflefs mount -o ro` is not in this tree")
     else:
-        ro = stack.enter_context(option_mount(t.config, workdir / "ro-mnt"))
+        ro = stack.enter_context(t.option_mount(workdir / "ro-mnt", "ro"))
         t.roots["fuse-ro"] = str(ro / subdir)
     if t.config is None:
         t.notes.append("fuse-writeback: left out: no --config for the cluster behind --mount")
     elif "create" in s.ops:
-        [port] = free_ports("127.0.0.1", 1)
-        options = f"writeback,metrics=127.0.0.1:{port}"
-        wb = stack.enter_context(option_mount(t.config, workdir / "writeback-mnt", options))
+        address = remote.metrics_address(t.remote)
+        options = f"writeback,metrics={address}"
+        wb = stack.enter_context(t.option_mount(workdir / "writeback-mnt", options))
         t.roots["fuse-writeback"] = str(wb / f"{subdir}-writeback")
-        t.writeback_metrics = f"http://127.0.0.1:{port}/metrics"
+        t.writeback_metrics = f"http://{address}/metrics"
         stack.callback(shutil.rmtree, t.roots["fuse-writeback"], True)  # (before the unmount)
     if t.config is None:
         t.notes.append("fuse-immutable: left out: no --config for the cluster behind --mount")
     else:
         options = "cache=immutable"
-        immutable = stack.enter_context(option_mount(t.config, workdir / "immutable-mnt", options))
+        immutable = stack.enter_context(t.option_mount(workdir / "immutable-mnt", options))
         t.roots["fuse-immutable"] = str(immutable / subdir)
     # prefetch along the shuffle is for training data: the dataset mode's
     # mount, unless told otherwise
@@ -392,7 +416,7 @@ def cli_files(args: argparse.Namespace) -> int:
             return 2
         if "cold" not in s.caches:
             t.notes.append("cold rows need root (to drop the page caches)")
-        pool = WorkerPool(s.procs)
+        pool = WorkerPool(s.procs, t.netns)
         stack.callback(pool.close)
         rows = create_rows(pool, s, t, progress)
         rows += read_rows(pool, s, t, progress)
@@ -409,6 +433,7 @@ def cli_files(args: argparse.Namespace) -> int:
                 "seed": s.seed,
                 "mount": t.roots["fuse"],
                 "paths": sorted(t.roots, key=ALL_PATHS.index),
+                "remote": t.remote.settings() if t.remote is not None else None,
             },
             "rows": [asdict(r) for r in rows],
             "loader": [asdict(r) for r in loader],

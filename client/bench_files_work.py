@@ -168,7 +168,13 @@ def run_task(task: Task) -> tuple[int, float, float]:
     return count, start, time.monotonic()
 
 
-def worker_main(conn: Connection, index: int) -> None:  # index: which of the pool
+def worker_main(conn: Connection, index: int, netns: str | None = None) -> None:
+    """One worker of the pool (*index*: which), on host *netns* if given
+    (`shufflefs bench files --remote`: a reader host)."""
+    if netns:  # first, before the worker opens a socket or starts a thread
+        from shufflefs.cluster.netns import enter
+
+        enter(netns)
     while True:
         task = conn.recv()
         if task is None:
@@ -180,10 +186,10 @@ def worker_main(conn: Connection, index: int) -> None:  # index: which of the po
 
 
 class WorkerPool(ProcessPool):
-    """P worker processes (`worker_main`)."""
+    """P worker processes (`worker_main`), on host *netns* if given."""
 
-    def __init__(self, n: int) -> None:
-        super().__init__(n, worker_main)
+    def __init__(self, n: int, netns: str | None = None) -> None:
+        super().__init__(n, worker_main, netns)
 
     def run(self, tasks: Sequence[Task]) -> tuple[int, float]:
         """Run one task per worker, all at once: (operations, seconds)."""

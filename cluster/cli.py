@@ -421,13 +421,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="native rows read through the storage daemons even on their own host",
     )
     p.add_argument("--no-cold", action="store_true", help="skip the cold-cache rows")
-    r = p.add_argument_group("--remote: readers off the storage hosts (network namespaces, root)")
-    r.add_argument(
-        "--remote",
-        action="store_true",
-        help="start storage hosts and reader hosts, measure from a reader host, tear all down",
+    r = remote_group(
+        p, "start storage hosts and reader hosts, measure from a reader host, tear all down"
     )
-    r.add_argument("--storage-hosts", type=positive_int, default=3, help="storage hosts")
     r.add_argument("--reader-hosts", type=positive_int, default=1, help="reader hosts")
     r.add_argument("--replicas", type=positive_int, help="default: min(3, storage hosts)")
     r.add_argument(
@@ -488,6 +484,14 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add_bench_files_parser(modes)
 
 
+def remote_group(p: argparse.ArgumentParser, what: str) -> argparse._ArgumentGroup:
+    """The --remote options of a benchmark (*what* --remote does), for more."""
+    r = p.add_argument_group("--remote: readers off the storage hosts (network namespaces, root)")
+    r.add_argument("--remote", action="store_true", help=what)
+    r.add_argument("--storage-hosts", type=positive_int, default=3, help="storage hosts")
+    return r
+
+
 def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     f = modes.add_parser(
         "files",
@@ -509,7 +513,7 @@ def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentPa
     f.add_argument(
         "--replicas",
         type=positive_int,
-        help="copies per chunk of --embedded's cluster (default: as `up`)",
+        help="copies per chunk of --embedded's or --remote's cluster (default: as `up`)",
     )
     f.add_argument("--local-dir", help="where the local directory's set goes (default: /tmp)")
     f.add_argument("--quick", action="store_true", help="2,000 files in 20 directories")
@@ -531,6 +535,9 @@ def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentPa
     f.add_argument("--seed", type=int, default=0, help="of the shuffled order")
     f.add_argument("--keep", action="store_true", help="leave the files in the mount")
     f.add_argument("--json", action="store_true", help="print one JSON object with `rows`")
+    remote_group(
+        f, "start storage hosts and a reader host; every mount and worker on the reader host"
+    )
 
 
 def _files_ops() -> tuple[str, ...]:

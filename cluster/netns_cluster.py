@@ -63,15 +63,27 @@ def mount_on_host(
     netns: str,
     timeout: float = START_TIMEOUT,
     options: str | None = None,
+    name: str | None = None,
 ) -> int:
     """Mount *local* at *mountpoint* by a mount process running on host
     *netns* (seen by every process of this machine), with ``-o options``;
-    returns its pid. `lifecycle.down` unmounts it and stops it like any
-    mount of the cluster."""
+    returns its pid. Without *name* it is the cluster's mount, which
+    `lifecycle.down` unmounts and stops; with one, a further mount with its
+    own pid and log files (``NAME.pid``, ``NAME.log``), the caller's to stop."""
     proc = local.mount_process(mountpoint)
+    argv = proc.argv
+    if name:
+        log_at = argv.index("--log-file") + 1
+        argv = (*argv[:log_at], str(local.logs / f"{name}.log"), *argv[log_at + 1 :])
+        proc = replace(
+            proc,
+            name=name,
+            pid_file=local.run / f"{name}.pid",
+            out_file=local.logs / f"{name}.out",
+        )
     if options:
-        proc = replace(proc, argv=(*proc.argv[:-1], "-o", options, proc.argv[-1]))
-    proc = replace(proc, netns=netns)
+        argv = (*argv[:-1], "-o", options, argv[-1])
+    proc = replace(proc, argv=argv, netns=netns)
     mountpoint.mkdir(parents=True, exist_ok=True)
     pid = procs.start(proc)
     try:
@@ -79,7 +91,8 @@ def mount_on_host(
     except BaseException:
         procs.stop(proc)
         raise
-    (local.run / "mountpoint").write_text(f"{mountpoint}\n")
+    if not name:
+        (local.run / "mountpoint").write_text(f"{mountpoint}\n")
     return pid
 
 

@@ -115,3 +115,21 @@ def test_row_shape_and_ratios() -> None:
     assert {"path", "procs", "cache", "op", "per_s", "ratio_to_local"} <= keys
     assert {p for p, _ in OPERATION} == set(PATHS)
     assert {op for _, op in OPERATION} == {"stat", "scan", "read"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--mount", "/mnt"], "drop --mount"),
+        (["--embedded", "--config", "c.toml"], "drop --embedded, --config"),
+        (["--prefetch-mount", "/p", "--ro-mount", "/r"], "drop --ro-mount, --prefetch-mount"),
+        (["--replicas", "4"], "--replicas 4 needs as many --storage-hosts"),
+    ],
+)
+def test_remote_refuses_what_it_decides_itself(argv: list[str], says: str) -> None:
+    """--remote starts its own cluster and mounts: a clear error (the CLI
+    prints it on one line and exits 2), never a half-started run."""
+    from shufflefs.client.bench_files_remote import check_args
+
+    with pytest.raises(ValueError, match=says):
+        check_args(parse("--remote", *argv))

@@ -398,6 +398,8 @@ CLUSTER_DOWN: list[Case] = [
     case("bench files", "--seed", "--seed", "x"),
     case("bench files", "--keep", "--keep=1"),
     case("bench files", "--json", "--json=1"),
+    case("bench files", "--remote", "--remote", "--mount", "{W}/nope"),
+    case("bench files", "--storage-hosts", "--remote", "--storage-hosts", "0"),
     case("", "COMMAND"),
     case("", "COMMAND", "frobnicate"),
     case("", "--version", "--version=2"),

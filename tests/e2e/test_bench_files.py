@@ -7,11 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from clusters import ProcessCluster, wait_until
+from procfs import open_files
+
+from shufflefs.cluster.netns import NETNS_DIR, namespaces_available
 
 
 @pytest.mark.usefixtures("kernel_caches")  # its cold rows drop them
@@ -101,3 +105,78 @@ def bench_mounts(scratch: Path) -> list[str]:
     with open("/proc/mounts") as f:
         points = [line.split()[1] for line in f]
     return [p for p in points if p.startswith(f"{scratch}/shufflefs-files-")]
+
+
+@pytest.mark.usefixtures("kernel_caches")  # its cold rows drop them
+def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
+    """--remote: a cluster of its own with the storage daemons on hosts of
+    their own; every mount and worker runs on a reader host, no mount has a
+    chunk file open while it reads (no short circuit), every row is there,
+    and nothing is left behind."""
+    why_not = namespaces_available()
+    if why_not is not None:
+        pytest.fail(f"--remote needs network namespaces: {why_not}")
+    scratch = tmp_path / "tmp"  # its temporary directory, apart from other tests' benches
+    scratch.mkdir()
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "files", "--remote",
+         "--local-dir", str(tmp_path), "--files", "60", "--dirs", "3", "--size", "40000",
+         "--procs", "2", "--no-loader", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )  # fmt: skip
+    ours = os.stat("/proc/self/ns/net").st_ino
+    seen: dict[int, tuple[int, list[str]]] = {}  # pid -> (its netns, chunk files it held)
+    try:
+        while bench.poll() is None:
+            for pid in bench_processes(scratch, bench.pid):
+                try:
+                    netns = os.stat(f"/proc/{pid}/ns/net").st_ino
+                    held = [f for f in open_files(pid) if "/remote/cluster/storage" in f]
+                except OSError:  # (gone meanwhile)
+                    continue
+                # (the last host seen: a worker moves there first thing)
+                seen[pid] = (netns, seen.get(pid, (netns, []))[1] + held)
+            time.sleep(0.1)
+        out, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 0, err
+    report = json.loads(out)
+    assert report["settings"]["remote"]["storage_hosts"] == 3
+    assert report["settings"]["remote"]["replicas"] == 3
+    assert any("no short circuit" in n for n in report["notes"])
+    reads = {(r["path"], r["procs"], r["cache"]) for r in report["rows"] if r["op"] == "read"}
+    assert reads == {
+        (p, n, c) for p in ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
+        for n in (1, 2)
+        for c in ("cold", "warm")
+    }  # fmt: skip
+    assert all(r["count"] == 60 for r in report["rows"] if r["op"] != "create")
+    # its mounts and workers were seen, none on this host, none holding a chunk file
+    assert len(seen) >= 4 + 2, seen  # the default, ro, immutable and writeback mounts; workers
+    assert all(netns != ours for netns, _ in seen.values()), seen
+    assert all(held == [] for _, held in seen.values()), seen
+    assert bench_mounts(scratch) == []
+    assert not [n for n in os.listdir(NETNS_DIR) if n.startswith(f"sfs{bench.pid}")]
+    assert [p.name for p in tmp_path.iterdir()] == ["tmp"]  # its local set removed
+
+
+def bench_processes(scratch: Path, bench: int) -> list[int]:
+    """The mounts a bench under *scratch* started and its worker processes."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        mount = b" mount " in cmdline and str(scratch).encode() in cmdline
+        worker = parent == bench and b"spawn_main" in cmdline
+        if mount or worker:
+            found.append(int(entry))
+    return found
