@@ -127,8 +127,10 @@ def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
     )  # fmt: skip
     ours = os.stat("/proc/self/ns/net").st_ino
     seen: dict[int, tuple[int, list[str]]] = {}  # pid -> (its netns, chunk files it held)
+    deadline = time.monotonic() + 600
     try:
         while bench.poll() is None:
+            assert time.monotonic() < deadline, "bench files --remote still running after 600 s"
             for pid in bench_processes(scratch, bench.pid):
                 try:
                     netns = os.stat(f"/proc/{pid}/ns/net").st_ino
@@ -140,9 +142,13 @@ def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
             time.sleep(0.1)
         out, err = bench.communicate(timeout=60)
     finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait()
+        if bench.poll() is None:  # (its SIGTERM removes what it started)
+            bench.send_signal(signal.SIGTERM)
+            try:
+                bench.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                bench.wait()
     assert bench.returncode == 0, err
     report = json.loads(out)
     assert report["settings"]["remote"]["storage_hosts"] == 3
