@@ -37,7 +37,6 @@ class RemoteRun:
     """The cluster of one run and where its readers are."""
 
     cluster: RemoteCluster
-    replicas: int
 
     @property
     def netns(self) -> str:
@@ -52,13 +51,14 @@ class RemoteRun:
     def settings(self) -> dict[str, object]:
         return {
             "storage_hosts": self.cluster.storage_hosts,
-            "replicas": self.replicas,
+            "replicas": self.cluster.replicas,
             "reader_host": self.netns,
         }
 
     def note(self) -> str:
+        c = self.cluster
         return (
-            f"remote: {self.cluster.storage_hosts} storage hosts, {self.replicas} replicas; "
+            f"remote: {c.storage_hosts} storage hosts, {c.replicas} replicas; "
             f"every mount and worker on reader host {self.netns} (no short circuit)"
         )
 
@@ -87,7 +87,7 @@ def start(
     )
     mountpoint = workdir / "mnt"
     cluster.mount(mountpoint)
-    return RemoteRun(cluster, replicas), str(cluster.client_config), mountpoint
+    return RemoteRun(cluster), str(cluster.client_config), mountpoint
 
 
 @contextlib.contextmanager

@@ -118,19 +118,18 @@ def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
         pytest.fail(f"--remote needs network namespaces: {why_not}")
     scratch = tmp_path / "tmp"  # its temporary directory, apart from other tests' benches
     scratch.mkdir()
-    bench = subprocess.Popen(
-        [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "files", "--remote",
-         "--local-dir", str(tmp_path), "--files", "60", "--dirs", "3", "--size", "40000",
-         "--procs", "2", "--no-loader", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TMPDIR": str(scratch)},
-    )  # fmt: skip
+    with (scratch / "out.json").open("w") as out, (scratch / "err.txt").open("w") as err:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "files", "--remote",
+             "--local-dir", str(tmp_path), "--files", "60", "--dirs", "3", "--size", "40000",
+             "--procs", "2", "--no-loader", "--json"],
+            stdout=out, stderr=err, env={**os.environ, "TMPDIR": str(scratch)},
+        )  # fmt: skip
     ours = os.stat("/proc/self/ns/net").st_ino
     seen: dict[int, tuple[int, list[str]]] = {}  # pid -> (its netns, chunk files it held)
     deadline = time.monotonic() + 600
     try:
-        while bench.poll() is None:
-            assert time.monotonic() < deadline, "bench files --remote still running after 600 s"
+        while True:  # look at its processes until it ends (every 0.1 s)
             for pid in bench_processes(scratch, bench.pid):
                 try:
                     netns = os.stat(f"/proc/{pid}/ns/net").st_ino
@@ -139,8 +138,11 @@ def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
                     continue
                 # (the last host seen: a worker moves there first thing)
                 seen[pid] = (netns, seen.get(pid, (netns, []))[1] + held)
-            time.sleep(0.1)
-        out, err = bench.communicate(timeout=60)
+            try:
+                bench.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                assert time.monotonic() < deadline, "bench files --remote still running after 600 s"
     finally:
         if bench.poll() is None:  # (its SIGTERM removes what it started)
             bench.send_signal(signal.SIGTERM)
@@ -149,8 +151,8 @@ def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 bench.kill()
                 bench.wait()
-    assert bench.returncode == 0, err
-    report = json.loads(out)
+    assert bench.returncode == 0, (scratch / "err.txt").read_text()
+    report = json.loads((scratch / "out.json").read_text())
     assert report["settings"]["remote"]["storage_hosts"] == 3
     assert report["settings"]["remote"]["replicas"] == 3
     assert any("no short circuit" in n for n in report["notes"])
