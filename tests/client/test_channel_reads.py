@@ -122,12 +122,14 @@ async def test_a_damaged_block_is_never_served(cluster: ChainCluster) -> None:
     channels.close()
 
 
-def stuck_reads(store: ChunkStore) -> threading.Event:
-    """Make *store*'s reads wait (off the page-cache path) until the event is set."""
-    release = threading.Event()
+def stuck_reads(store: ChunkStore) -> tuple[threading.Event, threading.Event]:
+    """Make *store*'s reads wait (off the page-cache path) until the first
+    event is set; the second is set once a read waits."""
+    release, arrived = threading.Event(), threading.Event()
     real_read = store.read
 
     def stuck(*args: object) -> memoryview:
+        arrived.set()
         release.wait(10)
         return real_read(*args)  # type: ignore[arg-type]
 
@@ -135,7 +137,7 @@ def stuck_reads(store: ChunkStore) -> threading.Event:
     # not through io_uring either: every cold read goes to `read`
     store.read_plan = lambda *args: None  # type: ignore[method-assign]
     store.read = stuck  # type: ignore[method-assign]
-    return release
+    return release, arrived
 
 
 async def test_a_node_dying_with_reads_in_flight_fails_them_then_is_avoided(
@@ -148,7 +150,7 @@ async def test_a_node_dying_with_reads_in_flight_fails_them_then_is_avoided(
     await connected(channels, storage, layout)
     targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
     victim = targets[0]
-    release = stuck_reads(cluster.node_of(victim).store(victim))
+    release, arrived = stuck_reads(cluster.node_of(victim).store(victim))
     for t in targets[1:]:
         storage.replicas.outstanding[t] += 100  # so the victim is asked
     out = bytearray(2 * CS)
@@ -157,7 +159,8 @@ async def test_a_node_dying_with_reads_in_flight_fails_them_then_is_avoided(
         plan([(INO, layout, 0, 2 * CS)]), memoryview(out), lambda r: finished.release()
     )
     channels.flush(lambda: storage.routing.current)
-    await trio.sleep(0.2)  # the request is at the victim, waiting for its disk
+    # the request is at the victim, waiting for its disk
+    assert await trio.to_thread.run_sync(arrived.wait, 10)
     await cluster.stop_node(cluster.node_of(victim), clean=False)  # mgmtd is not told
     release.set()
     assert await trio.to_thread.run_sync(finished.acquire, True, 10)
@@ -182,7 +185,7 @@ async def test_a_silent_node_is_given_up_at_the_deadline(cluster: ChainCluster) 
     channels = ReadChannels(cluster.secret_file.read_bytes(), storage.replicas, timeout=0.3)
     await connected(channels, storage, layout)
     targets = [t["id"] for t in cluster.routing.current.serving_targets(layout["chains"][0])]
-    release = stuck_reads(cluster.node_of(targets[0]).store(targets[0]))
+    release, _ = stuck_reads(cluster.node_of(targets[0]).store(targets[0]))
     try:
         for t in targets[1:]:
             storage.replicas.outstanding[t] += 100
