@@ -115,6 +115,7 @@ class Settings:
     caches: tuple[str, ...]
     loader_workers: int  # 0: no DataLoader rows
     seed: int
+    unbuffered: bool = False  # the read rows open with buffering=0 (no isatty ioctl)
 
     @property
     def proc_counts(self) -> list[int]:
@@ -141,6 +142,7 @@ def settings_from_args(args: argparse.Namespace, root: bool | None = None) -> Se
         caches=caches,
         loader_workers=0 if args.no_loader else args.loader_workers,
         seed=args.seed,
+        unbuffered=bool(args.unbuffered),
     )
 
 
@@ -334,6 +336,8 @@ def read_rows(pool: WorkerPool, s: Settings, t: Targets, progress: bool) -> list
                     operation = OPERATION.get((path, op))
                     if operation is None or path not in t.roots:
                         continue
+                    if s.unbuffered and operation in ("read", "prefetch-read"):
+                        operation += "-unbuffered"
                     tasks = [
                         (operation, t.roots[path], chunk, s.files.size)
                         for chunk in split(items, procs)
@@ -431,6 +435,7 @@ def cli_files(args: argparse.Namespace) -> int:
                 "caches": list(s.caches),
                 "loader_workers": s.loader_workers,
                 "seed": s.seed,
+                "unbuffered": s.unbuffered,
                 "mount": t.roots["fuse"],
                 "paths": sorted(t.roots, key=ALL_PATHS.index),
                 "remote": t.remote.settings() if t.remote is not None else None,

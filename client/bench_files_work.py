@@ -14,6 +14,7 @@ wrong file (or of stale bytes) is caught, by name, in every row.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -102,19 +103,23 @@ def do_scan(root: str, dirs: Sequence[str], size: int) -> int:
     return entries
 
 
-def do_read(root: str, names: Sequence[str], size: int) -> int:
+def do_read(root: str, names: Sequence[str], size: int, buffering: int = -1) -> int:
+    """``open(path, "rb")``, read, close: what a Dataset's ``__getitem__``
+    does (PIL's ``Image.open(path)`` too). With *buffering* 0, the open
+    that asks no ioctl of the file (`--unbuffered`)."""
     for name in names:
-        with open(os.path.join(root, name), "rb") as f:
+        with open(os.path.join(root, name), "rb", buffering=buffering) as f:
             check_bytes(name, f.read(), size)
     return len(names)
 
 
-def do_prefetch_read(root: str, names: Sequence[str], size: int) -> int:
+def do_prefetch_read(root: str, names: Sequence[str], size: int, buffering: int = -1) -> int:
     """`do_read` with each worker hinting its next files to the mount
     (client/data/hinted_reads.py), as a DataLoader over the mount does."""
     from shufflefs.client.data.hinted_reads import read_files
 
-    for name, data in zip(names, read_files([os.path.join(root, n) for n in names]), strict=True):
+    paths = [os.path.join(root, n) for n in names]
+    for name, data in zip(names, read_files(paths, buffering=buffering), strict=True):
         check_bytes(name, data, size)
     return len(names)
 
@@ -151,6 +156,10 @@ OPERATIONS: dict[str, Callable[[str, Sequence[str], int], int]] = {
     "scan": do_scan,
     "read": do_read,
     "prefetch-read": do_prefetch_read,
+    # (`--unbuffered`: Python before 3.14 asks each file opened buffered
+    # whether it is a terminal, an ioctl that FUSE hands to the mount)
+    "read-unbuffered": functools.partial(do_read, buffering=0),
+    "prefetch-read-unbuffered": functools.partial(do_prefetch_read, buffering=0),
     "native-read": do_native_read,
     "native-setup": lambda root, names, size: 0,  # the set-up alone (see `run_task`)
 }

@@ -164,6 +164,12 @@ def add_bench_files_parser(modes: argparse._SubParsersAction[argparse.ArgumentPa
         help="comma-separated: create,stat,scan,read (default: all; files are always created)",
     )
     f.add_argument("--no-cold", action="store_true", help="skip the cold rows")
+    f.add_argument(
+        "--unbuffered",
+        action="store_true",
+        help="open+read+close rows open with buffering=0: no isatty ioctl per file "
+        "(which Python before 3.14 asks of every file opened buffered)",
+    )
     f.add_argument("--no-loader", action="store_true", help="skip the DataLoader rows")
     f.add_argument(
         "--loader-workers", type=positive_int, default=4, help="num_workers of the DataLoader"

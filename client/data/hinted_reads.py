@@ -20,11 +20,14 @@ from shufflefs.client.data.mount_hints import (
 CHUNK = 16  # files hinted per setxattr
 
 
-def read_files(paths: Sequence[str], hint_ahead: int = DEFAULT_AHEAD) -> Iterator[bytes]:
+def read_files(
+    paths: Sequence[str], hint_ahead: int = DEFAULT_AHEAD, buffering: int = -1
+) -> Iterator[bytes]:
     """Each file's bytes, in order, as read (one at a time: a sample is
     used and let go, as a loader does); with *hint_ahead* > 0 and the paths
     on a shufflefs mount with prefetch on, the next *hint_ahead* files are
-    hinted ahead of the reads (nothing is hinted elsewhere)."""
+    hinted ahead of the reads (nothing is hinted elsewhere). Each is opened
+    with *buffering*, as `open` takes it."""
     hints = MountHints.find(paths, hint_ahead, whole_files=True) if hint_ahead > 0 else None
 
     def chunks() -> Iterator[range]:
@@ -37,7 +40,7 @@ def read_files(paths: Sequence[str], hint_ahead: int = DEFAULT_AHEAD) -> Iterato
     try:
         for r in order:
             for i in r:
-                with open(paths[i], "rb") as f:
+                with open(paths[i], "rb", buffering=buffering) as f:
                     yield f.read()
     finally:
         if hints is not None:

@@ -43,6 +43,8 @@ def test_explicit_numbers_ops_and_caches() -> None:
     assert s.loader_workers == 0
     assert settings_from_args(parse(), root=False).caches == ("warm",)
     assert settings_from_args(parse("--no-cold"), root=True).caches == ("warm",)
+    assert settings_from_args(parse("--unbuffered"), root=True).unbuffered
+    assert not settings_from_args(parse(), root=True).unbuffered
     with pytest.raises(ValueError, match="at least"):
         settings_from_args(parse("--size", "8"), root=True)
 
