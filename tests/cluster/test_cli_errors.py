@@ -393,6 +393,7 @@ CLUSTER_DOWN: list[Case] = [
     case("bench files", "--reads", "--reads", "x"),
     case("bench files", "--ops", "--ops", "create,write"),
     case("bench files", "--no-cold", "--no-cold=1"),
+    case("bench files", "--unbuffered", "--unbuffered=1"),
     case("bench files", "--no-loader", "--no-loader=1"),
     case("bench files", "--loader-workers", "--loader-workers", "0"),
     case("bench files", "--seed", "--seed", "x"),
