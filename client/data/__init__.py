@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from shufflefs.client.data.interleave import Schedule
     from shufflefs.client.data.mixture import MixtureSamples
     from shufflefs.client.data.permutation import KeyedPermutation
+    from shufflefs.client.data.sample_files import pil_loader, read_sample
     from shufflefs.client.data.state import combine_states
     from shufflefs.client.data.tokens import TokenWindows
     from shufflefs.client.data.torch import ShuffleLoader
@@ -33,6 +34,8 @@ _WHERE = {
     "Schedule": "shufflefs.client.data.interleave",
     "combine_states": "shufflefs.client.data.state",
     "ShuffleLoader": "shufflefs.client.data.torch",
+    "read_sample": "shufflefs.client.data.sample_files",
+    "pil_loader": "shufflefs.client.data.sample_files",
 }
 
 __all__ = [
@@ -47,6 +50,8 @@ __all__ = [
     "TokenWindowDataset",
     "TokenWindows",
     "combine_states",
+    "pil_loader",
+    "read_sample",
 ]
 
 

@@ -12,11 +12,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from clusters import ProcessCluster, mount_metrics_url, wait_until
-from opsworld import total
+from clusters import ProcessCluster, wait_until
 from procfs import open_files
 
-from shufflefs.client import bench_files_work as work
 from shufflefs.cluster.netns import NETNS_DIR, namespaces_available
 
 
@@ -61,31 +59,6 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
     # the bench removes its files from the mount and the local directory
     assert not any(p.name.startswith("bench-files-") for p in mounted.mountpoint.iterdir())
     assert list(local.iterdir()) == []
-
-
-def test_unbuffered_reads_ask_the_mount_no_ioctl(mounted: ProcessCluster, mnt: Path) -> None:
-    """Python's buffered open asks each file whether it is a terminal (an
-    ioctl the kernel hands to the mount, every time); `--unbuffered`'s
-    read rows open with buffering=0 and ask nothing, with the same bytes."""
-    size = 3000
-    names = []
-    for i in range(12):
-        names.append(f"{i:07d}.bin")
-        (mnt / names[-1]).write_bytes(work.header(i) + os.urandom(size - work.HEADER))
-    url = mount_metrics_url(mounted, mounted.mountpoint)
-
-    def ioctls() -> float:
-        return total(url, "shufflefs_client_fast_answers", op="ioctl")
-
-    # the control: buffered opens' ioctls reach the mount (counted when they
-    # come while it drains its queue, right behind their OPEN: most do)
-    before = ioctls()
-    assert work.OPERATIONS["read"](str(mnt), names, size) == len(names)
-    assert ioctls() > before
-    before = ioctls()
-    assert work.OPERATIONS["read-unbuffered"](str(mnt), names, size) == len(names)
-    assert work.OPERATIONS["prefetch-read-unbuffered"](str(mnt), names, size) == len(names)
-    assert ioctls() == before
 
 
 def test_bench_files_stopped_by_sigterm_leaves_nothing(
