@@ -72,7 +72,7 @@ def test_a_directory_that_cannot_be_listed_does_not_stop_the_hints(
 
 def test_a_warm_epoch_sends_one_batch_in_a_few(tmp_path: Path) -> None:
     """Once the mount answered HELD (the kernel holds every hinted file) for
-    HELD_STREAK sends in a row, one send in PROBE_EVERY goes; a probe it
+    HELD_STREAK getxattrs in a row, one in PROBE_EVERY goes; a probe it
     answers otherwise (a cold file again) brings every send back."""
     paths = [str(tmp_path / f"f{i}") for i in range(400)]
     hints = MountHints(str(tmp_path), paths, whole_files=True)
@@ -95,3 +95,28 @@ def test_a_warm_epoch_sends_one_batch_in_a_few(tmp_path: Path) -> None:
     for i in range(5):
         hints._send_files([i])
     assert len(sent) == mount_hints.HELD_STREAK + 8  # every send again
+
+
+def test_a_large_send_in_a_warm_epoch_is_thinned_after_its_first_answers(
+    tmp_path: Path,
+) -> None:
+    """A hint thread behind its loader merges many batches into one send:
+    the streak is learned from the first NAMED_IN_FLIGHT getxattrs' answers,
+    and the rest of the same send is thinned already."""
+    paths = [str(tmp_path / f"f{i:04d}") for i in range(4000)]
+    hints = MountHints(str(tmp_path), paths, whole_files=True)
+    hints.read_only = True
+    names: list[str] = []
+
+    def get_all(wave: list[str]) -> list[bytes]:
+        names.extend(wave)
+        return [mount_hints.HELD] * len(wave)
+
+    hints._get_all = get_all  # type: ignore[method-assign]
+    hints._send_files(list(range(4000)))  # ~12 paths per name: ~340 names
+    every = sum(n.count("\n") + 1 for n in names)  # files hinted
+    first = mount_hints.NAMED_IN_FLIGHT
+    assert len(names) < first + 4000 // 12 // mount_hints.PROBE_EVERY + 2, len(names)
+    assert every < 4000 // 4  # not the whole epoch
+    # the probes are spread over the send, not its start alone
+    assert any("f39" in n for n in names[first:]), names[first:]
