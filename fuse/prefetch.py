@@ -212,6 +212,7 @@ class Prefetcher:
             **vars(self.counters),
             "listings": self.resolver.listings_made,
             "listings_kept": self.resolver.revalidated,
+            "unlisted": self.resolver.unlisted,
         }
         return json.dumps(state, separators=(",", ":")).encode()
 
@@ -324,8 +325,8 @@ class Prefetcher:
         self, groups: list[tuple[int, list[Hint]]], known: dict[int, tuple[Version, Layout | None]]
     ) -> list[tuple[int, list[Hint], Version, Layout, list[tuple[int, int]]]]:
         """What of *groups* one read takes (up to `_batch_bytes`, at least one
-        file); the rest goes back to the front of the queue, its layouts
-        known now."""
+        file); the rest goes back to the front of the queue, its versions
+        known now (its handles wait in the open cache)."""
         limit = self._batch_bytes
         files: list[tuple[int, list[Hint], Version, Layout, list[tuple[int, int]]]] = []
         length = 0
@@ -340,7 +341,7 @@ class Prefetcher:
                 continue  # not a file, or larger than the whole budget
             if files and length + size > limit:
                 back = [
-                    replace(h, version=known[i][0], layout=known[i][1])
+                    replace(h, version=known[i][0])
                     for i, group in groups[k:]
                     if i in known
                     for h in group

@@ -20,11 +20,13 @@ fetched bytes (`Prefetcher.opened`).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import posixpath
 import stat
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -39,7 +41,7 @@ HELD = b"held"  # ... every hinted file is in the kernel's page cache already (a
 MAX_HINT_ITEMS = 8192  # per setxattr (the kernel caps a value at 64 KiB anyway)
 MAX_PARALLEL_RESOLVES = 64
 LISTING_TTL = 30.0  # s a directory listing is kept to resolve hinted names
-MAX_LISTED = 1 << 20  # names kept over all listings
+MAX_LISTED = 1 << 20  # names kept over all listings (about 300 MB; those under way may pass it)
 PAGE = 4096
 
 Version = tuple[int, int, int]  # (size, mtime, ctime): what close-to-open compares
@@ -55,21 +57,26 @@ class Hint:
     offset: int
     length: int | None  # None: to the end of the file
     name: tuple[int, bytes] | None = None  # (parent inode, name) when hinted by path
-    # from a directory listing: read without an open (else opened for them)
-    layout: Layout | None = None
-    version: Version | None = None  # as listed or looked up (the layout's, if listed)
+    version: Version | None = None  # as listed or looked up
     at: float = 0.0  # time.monotonic() when queued: a READ of the file after it makes it late
+
+
+Listed = tuple[int, int, int, int]  # a listed file: (ino, size, mtime, ctime)
 
 
 @dataclass
 class Listing:
-    """A directory's files as `readdir_layouts` gave them, kept LISTING_TTL
-    from when it was listed or last found unchanged."""
+    """A directory's files as its listing gave them, kept LISTING_TTL from
+    when it was listed or last found unchanged. Only what resolving a name
+    needs (the fetch opens its files and reads by the layouts the opens
+    give): 300 bytes a name, where the whole attributes and layout were 630."""
 
     ino: int
     listed_at: float  # when listed, or last found unchanged (`HintResolver.listing`)
-    files: dict[bytes, tuple[int, Version, Layout]]  # name -> (ino, version, layout)
+    files: dict[bytes, Listed]
     change: int = -1  # the directory's change counter when listed
+    used_at: float = 0.0
+    whole: bool = True  # False: not listed for want of room; its names are looked up
 
 
 def parse_hint(value: bytes) -> list[tuple[bytes, int, int | None]]:
@@ -119,7 +126,9 @@ class HintResolver:
     listed: int = 0  # names in listings
     listings_made: int = 0  # directories listed (again: their change counter moved)
     revalidated: int = 0  # expired listings found unchanged and kept
+    unlisted: int = 0  # directories not listed for want of room (names looked up)
     _busy: dict[bytes, trio.Event] = field(default_factory=dict)  # listings under way
+    _listing_now: int = 0  # directories being listed
 
     async def resolve(self, items: list[tuple[bytes, int, int | None]]) -> list[Hint]:
         """Every path to an inode, by a listing of its directory (kept for
@@ -132,8 +141,14 @@ class HintResolver:
                 raise FsError(errno.EISDIR, "prefetch hint: the mount root is a directory")
             split.append((head, name, off, length))
         listings: dict[bytes, Listing] = {}
-        for head in dict.fromkeys(head for head, _, _, _ in split):
+
+        async def list_one(head: bytes) -> None:
             listings[head] = await self.listing(head)
+
+        # (expired listings each ask the metadata server: at once)
+        await all_or_first_error(
+            [functools.partial(list_one, head) for head in dict.fromkeys(h for h, *_ in split)]
+        )
         hints = []
         limit = trio.CapacityLimiter(MAX_PARALLEL_RESOLVES)
         looked_up: dict[tuple[int, bytes], Attr] = {}
@@ -142,20 +157,17 @@ class HintResolver:
             for head, name, _, _ in split
             if name not in listings[head].files
         }
-        if missing:  # new since the listing, or not a regular file, or absent
 
-            async def lookup(parent: int, name: bytes) -> None:
-                async with limit:
+        async def lookup(parent: int, name: bytes) -> None:
+            async with limit:
+                try:
                     looked_up[(parent, name)] = await self.fs.lookup(parent, name)
+                except FsError as exc:
+                    raise FsError(exc.code, f"prefetch hint: {exc.message}") from None
 
-            try:
-                async with trio.open_nursery() as nursery:
-                    for parent, name in missing:
-                        nursery.start_soon(lookup, parent, name)
-            except* FsError as group:
-                exc = group.exceptions[0]
-                assert isinstance(exc, FsError)
-                raise FsError(exc.code, f"prefetch hint: {exc.message}") from None
+        # names new since the listing, not regular files, absent, or of a
+        # directory not listed
+        await all_or_first_error([functools.partial(lookup, *key) for key in missing])
         for head, name, off, length in split:
             listing = listings[head]
             key = (listing.ino, name)
@@ -166,8 +178,8 @@ class HintResolver:
                     raise FsError(errno.EISDIR, f"prefetch hint: {shown} is not a regular file")
                 hints.append(Hint(attr["ino"], off, length, key, version=version_of(attr)))
             else:
-                ino, version, layout = listing.files[name]
-                hints.append(Hint(ino, off, length, key, layout, version))
+                ino, size, mtime, ctime = listing.files[name]
+                hints.append(Hint(ino, off, length, key, (size, mtime, ctime)))
         return hints
 
     async def listing(self, head: bytes) -> Listing:
@@ -178,6 +190,7 @@ class HintResolver:
         now = trio.current_time()
         kept = self.listings.get(head)
         if kept is not None and now - kept.listed_at < LISTING_TTL:
+            kept.used_at = now
             self.listings.move_to_end(head)  # (the least recently used go first)
             return kept
         done = self._busy[head] = trio.Event()
@@ -191,41 +204,83 @@ class HintResolver:
         attr = await self.fs.resolve(head)
         if not stat.S_ISDIR(attr["mode"]):
             raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
-        if kept is not None and (kept.ino, kept.change) == (attr["ino"], attr["change"]):
-            kept.listed_at = now  # its names are as they were (the files' versions
-            # may not be: each fetch opens its files first, `Prefetcher._fetch`)
+        same = kept is not None and (kept.ino, kept.change) == (attr["ino"], attr["change"])
+        if kept is not None and same and kept.whole:
+            kept.listed_at = kept.used_at = now  # its names are as they were (the files'
+            # versions may not be: each fetch opens its files first, `Prefetcher._fetch`)
             self.revalidated += 1
             self._keep(head, kept)
             return kept
-        files: dict[bytes, tuple[int, Version, Layout]] = {}
+        if not self._room(now):
+            listing = Listing(attr["ino"], now, {}, attr["change"], now, whole=False)
+            self.unlisted += 1
+            self._keep(head, listing)
+            return listing
+        files: dict[bytes, Listed] = {}
         after: bytes | None = None
-        while True:
-            try:
-                page = await self.fs.readdir_layouts(attr["ino"], after, READDIR_MAX)
-            except FsError as exc:
-                if exc.code != errno.ENOSYS:
-                    raise
-                break  # a metadata server of before readdir_layouts: lookups then
-            for name, a, layout in page["entries"]:
-                if layout is not None and stat.S_ISREG(a["mode"]):
-                    files[name] = (a["ino"], version_of(a), layout)
-            if not page["more"] or not page["entries"]:
-                break
-            after = page["entries"][-1][0]
-        listing = Listing(attr["ino"], now, files, attr["change"])
+        self._listing_now += 1
+        try:
+            while True:
+                try:
+                    page = await self.fs.readdir_layouts(attr["ino"], after, READDIR_MAX)
+                except FsError as exc:
+                    if exc.code != errno.ENOSYS:
+                        raise
+                    break  # a metadata server of before readdir_layouts: lookups then
+                for name, a, layout in page["entries"]:
+                    if layout is not None and stat.S_ISREG(a["mode"]):
+                        files[name] = (a["ino"], a["size"], a["mtime"], a["ctime"])
+                if not page["more"] or not page["entries"]:
+                    break
+                after = page["entries"][-1][0]
+        finally:
+            self._listing_now -= 1
+        listing = Listing(attr["ino"], now, files, attr["change"], now)
         self.listings_made += 1
         self._keep(head, listing)
         return listing
 
+    def _room(self, now: float) -> bool:
+        """Whether another directory may be listed: under MAX_LISTED names
+        once listings unused for LISTING_TTL are dropped (least recently
+        used first). Listings in use are not dropped for another: over a
+        dataset larger than the bound, hinted in a random order, that
+        listed every directory again and again (a directory's thousand
+        names for each file hinted in it); its names are looked up instead."""
+        while self.listed >= MAX_LISTED and self.listings:
+            head, oldest = next(iter(self.listings.items()))
+            if now - oldest.used_at < LISTING_TTL:
+                break
+            del self.listings[head]
+            self.listed -= len(oldest.files)
+        # (listings under way counted at the mean size: the first hints of
+        # a job name dozens of directories at once)
+        coming = self._listing_now * (self.listed // max(1, len(self.listings)))
+        return self.listed + coming < MAX_LISTED
+
     def _keep(self, head: bytes, listing: Listing) -> None:
-        """*listing* as the most recently used, the least recently used
-        dropped past MAX_LISTED names."""
-        old = self.listings.pop(head, None)  # (gone already if pushed out meanwhile)
+        """*listing* as the most recently used (the bound is `_room`'s)."""
+        old = self.listings.pop(head, None)  # (gone already if dropped meanwhile)
         self.listings[head] = listing
         self.listed += len(listing.files) - (len(old.files) if old is not None else 0)
-        while self.listed > MAX_LISTED and len(self.listings) > 1:
-            _, dropped = self.listings.popitem(last=False)
-            self.listed -= len(dropped.files)
+
+
+async def all_or_first_error(calls: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run *calls* at once; the first FsError fails the hint (its batch)."""
+    if len(calls) <= 1:
+        for call in calls:
+            await call()  # (no nursery for the common case)
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            for call in calls:
+                nursery.start_soon(call)
+    except* FsError as group:
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        assert isinstance(exc, FsError)
+        raise FsError(exc.code, exc.message) from None
 
 
 def merged_ranges(hints: list[Hint], size: int) -> list[tuple[int, int]]:

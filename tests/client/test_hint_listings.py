@@ -99,6 +99,7 @@ async def test_the_least_recently_used_listings_are_dropped_first(
     for name in (b"a", b"b", b"c"):
         await make_dir(fs, name, 4)
     monkeypatch.setattr(prefetch_hints, "MAX_LISTED", 8)  # two directories' names
+    monkeypatch.setattr(prefetch_hints, "LISTING_TTL", 0.0)  # (every listing unused since)
     resolver = HintResolver(fs)
     await resolver.resolve([(b"a/f00", 0, None)])
     await resolver.resolve([(b"b/f00", 0, None)])
@@ -106,3 +107,30 @@ async def test_the_least_recently_used_listings_are_dropped_first(
     await resolver.resolve([(b"c/f00", 0, None)])
     assert list(resolver.listings) == [b"/a", b"/c"]
     assert resolver.listed == 8
+
+
+async def test_listings_in_use_are_not_dropped_for_another_whose_names_are_looked_up(
+    fs: FileSystem,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dataset larger than MAX_LISTED hinted in a random order: the
+    listings in use stay, and the names of a directory there is no room for
+    are looked up (listing it would push out one in use, listed again soon)."""
+    for name in (b"a", b"b", b"c"):
+        await make_dir(fs, name, 4)
+    monkeypatch.setattr(prefetch_hints, "MAX_LISTED", 8)
+    inos = {
+        (d, n): (await fs.resolve(d + b"/" + n))["ino"]
+        for d in (b"a", b"b", b"c")
+        for n in (b"f00", b"f03")
+    }
+    resolver = HintResolver(fs)
+    calls = counting_listings(fs)
+    for _ in range(3):
+        for d in (b"a", b"b", b"c"):
+            hints = await resolver.resolve([(d + b"/f00", 0, None), (d + b"/f03", 0, None)])
+            assert [h.ino for h in hints] == [inos[(d, b"f00")], inos[(d, b"f03")]]
+    assert len(calls) == 2  # a and b, once each
+    assert list(resolver.listings) == [b"/a", b"/b", b"/c"]
+    assert not resolver.listings[b"/c"].whole
+    assert (resolver.listings_made, resolver.unlisted, resolver.listed) == (2, 1, 8)
