@@ -74,12 +74,19 @@ class MountHints:
     """Sends hints for files of one shufflefs mount (paths given per file index)."""
 
     def __init__(
-        self, root: str, paths: Sequence[str], ahead: int = DEFAULT_AHEAD, whole_files: bool = False
+        self,
+        root: str,
+        paths: Sequence[str],
+        ahead: int = DEFAULT_AHEAD,
+        whole_files: bool = False,
+        absolute: Sequence[str] | None = None,  # the paths made absolute (by `find`)
     ) -> None:
         self.root = root
         self.paths = list(paths)
         cut = len(root.rstrip("/")) + 1
-        self.relative = [os.path.abspath(p)[cut:] for p in paths]
+        if absolute is None:
+            absolute = [os.path.abspath(p) for p in paths]
+        self.relative = [p[cut:] for p in absolute]
         self.ahead = ahead
         self.whole_files = whole_files  # the reads are whole files (else byte ranges)
         self.read_only = False
@@ -108,9 +115,10 @@ class MountHints:
         if mount_state(root) is None:
             return None
         prefix = root.rstrip("/") + "/"
-        if not all(os.path.abspath(p).startswith(prefix) for p in paths):
+        absolute = [os.path.abspath(p) for p in paths]  # (once: 0.6 s for 1.28 M paths)
+        if not all(p.startswith(prefix) for p in absolute):
             return None
-        return cls(root, paths, ahead, whole_files)
+        return cls(root, paths, ahead, whole_files, absolute)
 
     def plan(self, files: Any, offsets: Any, lengths: Any) -> None:
         """Hint one read plan's ranges (index arrays)."""
