@@ -9,12 +9,14 @@ request per directory and page instead of a lookup and an open per file),
 kept LISTING_TTL, then kept again for as long as one `resolve` of the
 directory finds its change counter where it was (no name came, went or was
 replaced since: every such change raises it); a name the listing lacks (new
-since, or not a regular file) is looked up. Listing again on every expiry
-cost a mount of 20,000 hinted files 300 ms of CPU every 30 s, and the
-whole of a large dataset's names as often. A kept listing may be stale: the fetch opens every file
-before reading it (a file removed since is left out, a changed one read at
-its current version), and an open that sees another version drops the
-fetched bytes (`Prefetcher.opened`).
+since, or not a regular file) is looked up, as are the names of a directory
+there was no room to list (`HintResolver._room`). Listing again on every
+expiry cost a mount of 20,000 hinted files 300 ms of CPU every 30 s, and a
+dataset larger than the bound its whole listing again and again. A kept
+listing may be stale: the fetch opens every file before reading it (a file
+removed since is left out, a changed one read at its current version), and
+an open that sees another version drops the fetched bytes
+(`Prefetcher.opened`).
 """
 
 from __future__ import annotations
@@ -131,9 +133,10 @@ class HintResolver:
     _listing_now: int = 0  # directories being listed
 
     async def resolve(self, items: list[tuple[bytes, int, int | None]]) -> list[Hint]:
-        """Every path to an inode, by a listing of its directory (kept for
-        LISTING_TTL), or a lookup for a name the listing lacks; the first
-        failure (ENOENT, ENOTDIR, EISDIR...) fails the whole batch."""
+        """Every path to an inode, by a listing of its directory (`listing`),
+        or a lookup for a name the listing lacks (all names of a directory
+        not listed for want of room); the first failure (ENOENT, ENOTDIR,
+        EISDIR...) fails the whole batch."""
         split = []
         for path, off, length in items:
             head, name = posixpath.split(posixpath.normpath(b"/" + path))
@@ -204,8 +207,15 @@ class HintResolver:
         attr = await self.fs.resolve(head)
         if not stat.S_ISDIR(attr["mode"]):
             raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
-        same = kept is not None and (kept.ino, kept.change) == (attr["ino"], attr["change"])
-        if kept is not None and same and kept.whole:
+        if (
+            kept is not None
+            and kept.whole
+            and (kept.ino, kept.change)
+            == (
+                attr["ino"],
+                attr["change"],
+            )
+        ):
             kept.listed_at = kept.used_at = now  # its names are as they were (the files'
             # versions may not be: each fetch opens its files first, `Prefetcher._fetch`)
             self.revalidated += 1
