@@ -207,15 +207,8 @@ class HintResolver:
         attr = await self.fs.resolve(head)
         if not stat.S_ISDIR(attr["mode"]):
             raise FsError(errno.ENOTDIR, f"prefetch hint: {os.fsdecode(head)} not a directory")
-        if (
-            kept is not None
-            and kept.whole
-            and (kept.ino, kept.change)
-            == (
-                attr["ino"],
-                attr["change"],
-            )
-        ):
+        current = (attr["ino"], attr["change"])
+        if kept is not None and kept.whole and (kept.ino, kept.change) == current:
             kept.listed_at = kept.used_at = now  # its names are as they were (the files'
             # versions may not be: each fetch opens its files first, `Prefetcher._fetch`)
             self.revalidated += 1
