@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from shufflefs.metadata.listing_rows import ReaddirRowsPage
 from shufflefs.metadata.protocol import Attr, ReaddirLayoutsPage, ReaddirPage
 
 if TYPE_CHECKING:
@@ -103,6 +104,13 @@ class NamespaceCalls:
         )
         page["entries"] = [(n, self.overlay(a), lay) for n, a, lay in page["entries"]]
         return page
+
+    async def readdir_rows(
+        self, ino: int, after: bytes | None, limit: int
+    ) -> ReaddirRowsPage | None:
+        """A page of directory *ino* as rows, none of this client's unreported
+        lengths laid over them; None from a server of before rows."""
+        return await self.meta.call_read("readdir", lambda m: m.readdir_rows(ino, after, limit))
 
     async def readdir(
         self, ino: int, after: bytes | None, limit: int, watch: bool = False

@@ -523,6 +523,17 @@ class MetaStub:
         result: ReaddirPage = await self._call("readdir", **args)
         return result
 
+    async def readdir_rows(
+        self, ino: int, after: bytes | None = None, limit: int = 256
+    ) -> ReaddirRowsPage | None:
+        """`readdir`'s page as the server sends it (each entry a row:
+        metadata/listing_rows.py), for callers that keep a few fields of
+        many entries; None from a server that sends no rows."""
+        rows: ReaddirRowsPage | None = await self._rows(
+            "readdir", {"ino": ino, "after": after, "limit": limit}
+        )
+        return rows
+
     async def readdir_layouts(
         self, ino: int, after: bytes | None = None, limit: int = 256
     ) -> ReaddirLayoutsPage:

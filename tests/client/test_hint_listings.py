@@ -17,6 +17,7 @@ import trio
 from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.fuse import prefetch_hints
 from shufflefs.fuse.prefetch_hints import HintResolver
+from shufflefs.metadata import protocol
 from shufflefs.metadata.protocol import ROOT_INODE
 
 OpenFs = Callable[[ClientOptions], Awaitable[FileSystem]]  # the `open_fs` fixture
@@ -38,13 +39,13 @@ async def new_file(fs: FileSystem, parent: int, name: bytes) -> int:
 def counting_listings(fs: FileSystem) -> list[int]:
     """Counts the listing requests *fs* makes (directory inodes)."""
     calls: list[int] = []
-    listing = fs.readdir_layouts
+    listing = fs.readdir_rows
 
     async def counted(ino: int, *args: Any) -> Any:
         calls.append(ino)
         return await listing(ino, *args)
 
-    fs.readdir_layouts = counted  # type: ignore[method-assign]
+    fs.readdir_rows = counted  # type: ignore[method-assign]
     return calls
 
 
@@ -134,3 +135,23 @@ async def test_listings_in_use_are_not_dropped_for_another_whose_names_are_looke
     assert list(resolver.listings) == [b"/a", b"/b", b"/c"]
     assert not resolver.listings[b"/c"].whole
     assert (resolver.listings_made, resolver.unlisted, resolver.listed) == (2, 1, 8)
+
+
+class Everyone(set[str]):
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+async def test_a_metadata_server_of_before_rows_lists_by_maps(
+    fs: FileSystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await make_dir(fs, b"d", 3)
+    monkeypatch.setattr(protocol, "ROWS_REFUSED", Everyone())  # every server refuses rows
+    resolver = HintResolver(fs)
+    hints = await resolver.resolve([(b"d/f00", 0, None), (b"d/f02", 0, None)])
+    assert [h.ino for h in hints] == [
+        (await fs.resolve(b"/d/f00"))["ino"],
+        (await fs.resolve(b"/d/f02"))["ino"],
+    ]
+    assert len(resolver.listings[b"/d"].files) == 3
+    assert resolver.listings_made == 1

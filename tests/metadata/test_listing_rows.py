@@ -111,6 +111,7 @@ async def test_a_server_of_before_rows_still_lists(env: Env) -> None:
         assert address not in listing_rows.ROWS_REFUSED
         assert same(await before.readdir(d, None, 100))
         assert address in listing_rows.ROWS_REFUSED  # asked once, remembered
+        assert await before.readdir_rows(d, None, 100) is None  # (its callers ask for maps)
         assert same(await before.watch_dir(env.session, d, 100))
         assert same(await before.readdir(d, None, 100))
         nursery.cancel_scope.cancel()
