@@ -347,11 +347,14 @@ def _check_sample(args: argparse.Namespace) -> None:
 
 def _check_bench_files(args: argparse.Namespace) -> None:
     """`bench files` may measure any mount (MooseFS too): a cluster is
-    asked only when one is named or none is mounted to measure."""
+    asked only when one is named or none is mounted to measure (``--remote``
+    and ``--embedded`` start their own: $SHUFFLEFS_CONFIG, or the
+    ./.shufflefs of a `make demo`, naming a cluster that is down must not
+    stop them)."""
     for option in ("mount", "ro_mount", "prefetch_mount", "local_dir"):
         if getattr(args, option):
             check_existing_dir(getattr(args, option), "--" + option.replace("_", "-"))
-    named = args.config or not (args.mount or args.embedded)
+    named = args.config or not (args.mount or args.embedded or getattr(args, "remote", False))
     if named and (args.config or find_client_config(None).exists()):
         _check_cluster_answers(args)
 

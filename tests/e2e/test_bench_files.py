@@ -108,11 +108,21 @@ def bench_mounts(scratch: Path) -> list[str]:
 
 
 @pytest.mark.usefixtures("kernel_caches")  # its cold rows drop them
+def stopped_cluster(directory: Path) -> Path:
+    """A client config whose mgmtd is not there (port 9 on loopback: nothing
+    listens)."""
+    (directory / "secret").write_text("0" * 64)
+    config = directory / "stopped-client.toml"
+    config.write_text('mgmtd = "127.0.0.1:9"\nsecret_file = "secret"\n')
+    return config
+
+
 def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
     """--remote: a cluster of its own with the storage daemons on hosts of
     their own; every mount and worker runs on a reader host, no mount has a
     chunk file open while it reads (no short circuit), every row is there,
-    and nothing is left behind."""
+    and nothing is left behind. $SHUFFLEFS_CONFIG naming a cluster that is
+    down (a user's, stopped) changes nothing: --remote starts its own."""
     why_not = namespaces_available()
     if why_not is not None:
         pytest.fail(f"--remote needs network namespaces: {why_not}")
@@ -123,7 +133,8 @@ def test_bench_files_remote_reads_from_a_reader_host(tmp_path: Path) -> None:
             [sys.executable, "-m", "shufflefs.cluster.cli", "bench", "files", "--remote",
              "--local-dir", str(tmp_path), "--files", "60", "--dirs", "3", "--size", "40000",
              "--procs", "2", "--no-loader", "--json"],
-            stdout=out, stderr=err, env={**os.environ, "TMPDIR": str(scratch)},
+            stdout=out, stderr=err, env={**os.environ, "TMPDIR": str(scratch),
+                                         "SHUFFLEFS_CONFIG": str(stopped_cluster(scratch))},
         )  # fmt: skip
     ours = os.stat("/proc/self/ns/net").st_ino
     seen: dict[int, tuple[int, list[str]]] = {}  # pid -> (its netns, chunk files it held)
