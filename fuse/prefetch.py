@@ -210,9 +210,7 @@ class Prefetcher:
             "entries": sum(len(held) for held in self.entries.values()),
             "pending": len(self.pending),
             **vars(self.counters),
-            "listings": self.resolver.listings_made,
-            "listings_kept": self.resolver.revalidated,
-            "unlisted": self.resolver.unlisted,
+            **self.resolver.counts(),
         }
         return json.dumps(state, separators=(",", ":")).encode()
 

@@ -235,38 +235,40 @@ class HintResolver:
         return listing
 
     async def _files(self, ino: int) -> dict[bytes, Listed]:
-        """Directory *ino*'s regular files. Listed as rows (decoded and kept
-        at 0.4 µs a name, against 1.6 for the attributes and layouts of
-        `readdir_layouts`, which a server of before rows still gets asked)."""
+        """Directory *ino*'s regular files, page by page."""
         files: dict[bytes, Listed] = {}
         after: bytes | None = None
         while True:
-            rows = await self.fs.readdir_rows(ino, after, READDIR_MAX)
-            if rows is None:
-                return await self._files_by_maps(ino)
-            for row in rows["entries"]:
-                if stat.S_ISREG(row[MODE_AT]):
-                    files[row[0]] = (row[INO_AT], row[SIZE_AT], row[MTIME_AT], row[CTIME_AT])
-            if not rows["more"] or not rows["entries"]:
+            regular, last, more = await self._page(ino, after)
+            files.update(regular)
+            if not more or last is None:
                 return files
-            after = rows["entries"][-1][0]
+            after = last
 
-    async def _files_by_maps(self, ino: int) -> dict[bytes, Listed]:
-        files: dict[bytes, Listed] = {}
-        after: bytes | None = None
-        while True:
-            try:
-                page = await self.fs.readdir_layouts(ino, after, READDIR_MAX)
-            except FsError as exc:
-                if exc.code != errno.ENOSYS:
-                    raise
-                return files  # a metadata server of before readdir_layouts: lookups then
-            for name, a, _ in page["entries"]:
-                if stat.S_ISREG(a["mode"]):
-                    files[name] = (a["ino"], a["size"], a["mtime"], a["ctime"])
-            if not page["more"] or not page["entries"]:
-                return files
-            after = page["entries"][-1][0]
+    async def _page(
+        self, ino: int, after: bytes | None
+    ) -> tuple[list[tuple[bytes, Listed]], bytes | None, bool]:
+        """A page's regular files, its last name and whether more follow.
+        Read as rows (decoded and kept at 0.4 µs a name, against 1.6 for the
+        attributes and layouts of `readdir_layouts`); a server of before rows
+        gives attribute maps."""
+        rows = await self.fs.readdir_rows(ino, after, READDIR_MAX)
+        if rows is not None:
+            entries = rows["entries"]
+            regular = [
+                (row[0], (row[INO_AT], row[SIZE_AT], row[MTIME_AT], row[CTIME_AT]))
+                for row in entries
+                if stat.S_ISREG(row[MODE_AT])
+            ]
+            return regular, entries[-1][0] if entries else None, rows["more"]
+        page = await self.fs.readdir(ino, after, READDIR_MAX)
+        maps = page["entries"]
+        regular = [
+            (name, (a["ino"], a["size"], a["mtime"], a["ctime"]))
+            for name, a in maps
+            if stat.S_ISREG(a["mode"])
+        ]
+        return regular, maps[-1][0] if maps else None, page["more"]
 
     def _room(self, now: float) -> bool:
         """Whether another directory may be listed: under MAX_LISTED names
@@ -285,6 +287,14 @@ class HintResolver:
         # a job name dozens of directories at once)
         coming = self._listing_now * (self.listed // max(1, len(self.listings)))
         return self.listed + coming < MAX_LISTED
+
+    def counts(self) -> dict[str, int]:
+        """The prefetch state's counts of listings (fuse/prefetch.py, `status`)."""
+        return {
+            "listings": self.listings_made,
+            "listings_kept": self.revalidated,
+            "unlisted": self.unlisted,
+        }
 
     def _keep(self, head: bytes, listing: Listing) -> None:
         """*listing* as the most recently used (the bound is `_room`'s)."""

@@ -516,11 +516,10 @@ class MetaStub:
         stable under concurrent inserts and removals (nothing is skipped or
         repeated that existed throughout the listing). At most READDIR_MAX
         entries per page."""
-        args = {"ino": ino, "after": after, "limit": limit}
-        rows: ReaddirRowsPage | None = await self._rows("readdir", args)
+        rows = await self.readdir_rows(ino, after, limit)
         if rows is not None:
             return {"entries": [entry_of_row(r) for r in rows["entries"]], "more": rows["more"]}
-        result: ReaddirPage = await self._call("readdir", **args)
+        result: ReaddirPage = await self._call("readdir", ino=ino, after=after, limit=limit)
         return result
 
     async def readdir_rows(
