@@ -94,6 +94,36 @@ def test_write_read_overwrite_append_gap(tmp_path: Path) -> None:
         assert store.stats()["used"] == 3025 and store.stats()["chunks"] == 1
 
 
+def test_a_range_of_ids_decodes_only_the_records_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resync and scrub compare one source page (~500 chunks) at a time
+    with `list_range`: records past the range's end are not decoded (each
+    page decoded ten thousand, twenty times the work), across pages too."""
+    with open_store(tmp_path / "t") as store:
+        for ino in range(40):
+            store.write(chunk_id(ino, 0), 0, CS, b"r")
+        monkeypatch.setattr("shufflefs.storage.store.LIST_MAX", 4)
+        decoded: list[bytes] = []
+        decode = ChunkRecord.decode
+
+        def counting(raw: bytes, block_size: int) -> ChunkRecord:
+            decoded.append(raw)
+            return decode(raw, block_size)
+
+        monkeypatch.setattr(ChunkRecord, "decode", staticmethod(counting))
+        got = store.list_range(chunk_id(9, 0), chunk_id(19, 0))
+        assert list(got) == [chunk_id(ino, 0) for ino in range(10, 20)]
+        assert len(decoded) == 10
+        assert list(store.list_range(chunk_id(37, 0), None)) == [
+            chunk_id(38, 0),
+            chunk_id(39, 0),
+        ]
+        page = store.list_chunks(None, 100, chunk_id(2, 0))
+        assert [c["chunk"] for c in page["chunks"]] == [chunk_id(n, 0) for n in range(3)]
+        assert not page["more"]
+
+
 def test_truncate_remove_list_info(tmp_path: Path) -> None:
     with open_store(tmp_path / "t") as store:
         for idx in range(4):
