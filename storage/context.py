@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -80,8 +81,11 @@ class NodeContext:
         self.reindex()
         # for work a thread channel's I/O thread hands back to the loop
         self.trio_token: trio.lowlevel.TrioToken | None = None
+        # the loop's thread (None outside a trio run): the one where nothing may wait
+        self.loop_thread: int | None = None
         with contextlib.suppress(RuntimeError):  # built outside a trio run (a unit test)
             self.trio_token = trio.lowlevel.current_trio_token()
+            self.loop_thread = threading.get_ident()
 
     def reindex(self) -> None:
         """Rebuild the target id index (after mgmtd assigned ids)."""

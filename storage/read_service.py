@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,18 +72,23 @@ class ReadHandlers:
             )
 
     def read_fast(self, items: list[ReadItem]) -> Reply | None:
-        """`read` inline in the connection's reader task when every item is in
-        the page cache (no thread, no task); None to run `read` itself."""
+        """`read` inline in the connection's reader task (or a thread
+        channel's thread) when every item is in the page cache (no thread, no
+        task); None to run `read` itself. A file not held is opened here if
+        its path is in the kernel's caches (storage/cached_open.py); a record
+        not cached is read only off the event loop."""
         self._check_read_size(items)
         stores = self._serving(items)
         data: list[memoryview] = []
         lengths: list[int] = []
+        # a thread channel's thread may read records that are not cached
+        loading = threading.get_ident() != self.node.loop_thread
         for target, chunk, offset, length in items:
             store = stores[target]
             if isinstance(store, int):
                 return None
             try:
-                got = store.read_nowait(chunk, offset, length)
+                got = store.read_nowait(chunk, offset, length, loading)
             except FsError:
                 return None
             if got is None:
@@ -132,7 +138,7 @@ class ReadHandlers:
         page-cache misses are read from here, blocking this thread only, and
         spread over up to `io_threads` threads as on the loop, so that cold
         reads of one request wait for the disk together, not in turn."""
-        results, slow = self._read_cached(items)
+        results, slow = self._read_cached(items, loading=True)
         uring = for_this_thread() if slow else None
         if uring is not None:
             slow = self._read_planned(slow, items, results, uring.pread_many)
@@ -150,9 +156,13 @@ class ReadHandlers:
                     self.node.trio_token.run_sync_soon(self.repairs.schedule, target, chunk)
         return _read_reply(results)
 
-    def _read_cached(self, items: list[ReadItem]) -> tuple[list[memoryview | int], list[int]]:
+    def _read_cached(
+        self, items: list[ReadItem], loading: bool = False
+    ) -> tuple[list[memoryview | int], list[int]]:
         """Each item's bytes if in the page cache, else its errno (negative);
-        and the indices of the items that must wait for the disk."""
+        and the indices of the items that must wait for the disk. *loading*
+        (off the event loop): records not cached are read
+        (`ChunkStore.read_nowait`)."""
         self._check_read_size(items)
         stores = self._serving(items)
         results: list[memoryview | int] = [0] * len(items)
@@ -163,7 +173,7 @@ class ReadHandlers:
                 results[i] = store
                 continue
             try:
-                data = store.read_nowait(chunk, offset, length)
+                data = store.read_nowait(chunk, offset, length, loading)
             except FsError as exc:
                 results[i] = -exc.code
                 continue

@@ -111,16 +111,21 @@ class ChunkStore(WritableTarget):
             raise self._corrupt(cid, rec, bad, problem)
         raise FsError(errno.EAGAIN, f"chunk {cid.hex()} kept changing during the read")
 
-    def read_nowait(self, cid: bytes, offset: int, length: int) -> memoryview | None:
-        """`read` if it can be done without blocking (record and fd cached,
-        data in the page cache: preadv2 with RWF_NOWAIT); None otherwise,
-        and for anything unusual, which `read` then handles in a thread.
-        The hottest call of a daemon (every page-cache read): no plan object."""
+    def read_nowait(
+        self, cid: bytes, offset: int, length: int, loading: bool = False
+    ) -> memoryview | None:
+        """`read` if it can be done without blocking (record cached, file
+        held or its path in the kernel's caches, data in the page cache:
+        preadv2 with RWF_NOWAIT); None otherwise, and for anything unusual,
+        which `read` then handles in a thread. The hottest call of a daemon
+        (every page-cache read): no plan object. *loading* (a thread, never
+        the event loop): a record not cached is read from the records'
+        database (its pages may wait for the disk)."""
         if not self._nowait:
             check_chunk_id(cid)
             _check_range(offset, length)
             return None
-        span = self._cached_span(cid, offset, length, NOWAIT_MAX)
+        span = self._cached_span(cid, offset, length, NOWAIT_MAX, loading)
         if span is None or isinstance(span, memoryview):
             return span
         rec, handle, first, start, stop, end = span
@@ -154,15 +159,22 @@ class ChunkStore(WritableTarget):
         return ReadPlan(rec, handle, first, start, stop, offset - start, end - start)
 
     def _cached_span(
-        self, cid: bytes, offset: int, length: int, limit: int
+        self, cid: bytes, offset: int, length: int, limit: int, loading: bool = False
     ) -> tuple[ChunkRecord, FdHandle, int, int, int, int] | memoryview | None:
         """`read_plan` as a plain tuple (record, referenced fd handle, first
-        block, aligned start, aligned stop, end of the bytes asked for)."""
+        block, aligned start, aligned stop, end of the bytes asked for). A
+        file not held is opened if that waits for no disk (`_open_cached`:
+        on a dataset of more files than the fd cache holds, most reads);
+        *loading*: see `read_nowait`."""
         check_chunk_id(cid)
         _check_range(offset, length)
         rec = self._records.get(cid)
         if rec is None:
-            return None
+            if not loading:
+                return None
+            rec = self._record(cid)
+            if rec is None:
+                return EMPTY
         if isinstance(rec, Missing):
             return EMPTY
         if offset + length > rec.chunk_size:
@@ -177,7 +189,9 @@ class ChunkStore(WritableTarget):
             return None
         handle = self._fds.get((cid, rec.generation))
         if handle is None:
-            return None
+            handle = self._open_cached(cid, rec.generation)
+            if handle is None:
+                return None
         return rec, handle, first, start, stop, end
 
     def finish_read(self, plan: ReadPlan, data: bytearray | None) -> memoryview | None:

@@ -31,6 +31,7 @@ import lmdb
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json, write_json_durably
 from shufflefs.storage.cache import MISSING, FdCache, FdHandle, Missing, RecordCache
+from shufflefs.storage.cached_open import open_cached
 from shufflefs.storage.group_sync import FileSync, GroupRunner
 from shufflefs.storage.layout import (
     CHUNKS_DIR,
@@ -346,6 +347,17 @@ class Target:
         epoch = self._fds.epoch
         fd = os.open(self._path(cid, generation), os.O_RDWR | os.O_CLOEXEC)
         return self._fds.put(key, fd, epoch)
+
+    def _open_cached(self, cid: bytes, generation: int) -> FdHandle | None:
+        """`_acquire_fd` of a file not held, if opening it waits for no
+        disk (storage/cached_open.py); None otherwise, and for a file that
+        is not there (`read` reports it)."""
+        epoch = self._fds.epoch
+        try:
+            fd = open_cached(self._path(cid, generation), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return None
+        return None if fd is None else self._fds.put((cid, generation), fd, epoch)
 
     def _lock(self, cid: bytes) -> threading.Lock:
         return self._locks[hash(cid) % LOCK_STRIPES]

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage import cache as cache_module
 from shufflefs.storage.cache import FdCache, FdHandle
+from shufflefs.storage.cached_open import open_cached
 from shufflefs.storage.crc import block_crcs
 from shufflefs.storage.layout import ChunkRecord, parse_chunk_file_name
 from shufflefs.storage.protocol import chunk_id
@@ -329,6 +330,34 @@ def test_hot_reads_are_served_without_blocking(tmp_path: Path) -> None:
         assert store.read_nowait(chunk_id(2, 9), 0, 10) is None  # not cached: unknown
         assert store.read(chunk_id(2, 9), 0, 10).nbytes == 0
         assert store.read_nowait(chunk_id(2, 9), 0, 10) == b""  # now known missing
+
+
+@pytest.mark.usefixtures("kernel_caches")
+def test_files_the_fd_cache_let_go_are_read_without_a_thread(tmp_path: Path) -> None:
+    """A dataset of more files than the fd cache holds: a page-cache read of
+    a file whose fd was let go is still served by `read_nowait` (opened
+    there, its path being in the kernel's caches: storage/cached_open.py),
+    and a record not cached is read when the caller may wait (*loading*)."""
+    with open_store(tmp_path / "t", fd_cache=2) as store:
+        cids = [chunk_id(6, i) for i in range(8)]
+        for i, cid in enumerate(cids):
+            store.write(cid, 0, CS, bytes([i]) * 3000)
+            assert content(store, cid) == bytes([i]) * 3000  # (records cached)
+        fd = open_cached(str(store.file_path(cids[0])), os.O_RDONLY)
+        if fd is None or not store._nowait:
+            pytest.skip("no openat2 with RESOLVE_CACHED or no RWF_NOWAIT reads here")
+        os.close(fd)
+        opened = store._fds.opened
+        for _ in range(2):
+            for i, cid in enumerate(cids):
+                got = store.read_nowait(cid, 1000, 1500)
+                assert got is not None and bytes(got) == bytes([i]) * 1500
+                assert store.cached_fds <= 2
+        assert store._fds.opened >= opened + 16
+        store._records.invalidate(cids[3])
+        assert store.read_nowait(cids[3], 0, 10) is None  # (the event loop reads no records)
+        got = store.read_nowait(cids[3], 0, 10, loading=True)
+        assert got is not None and bytes(got) == bytes([3]) * 10
 
 
 def test_flipped_byte_is_never_returned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
