@@ -34,6 +34,7 @@ import lmdb
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json
 from shufflefs.rpc.heap import uninitialized
+from shufflefs.storage.cached_open import open_cached
 from shufflefs.storage.cache import FdCache, FdHandle, Missing, RecordCache, raise_fd_limit
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
@@ -169,18 +170,20 @@ class LocalTarget:
     def _open(self, cid: bytes, generation: int, nowait: bool) -> FdHandle | None:
         """A referenced handle on a chunk file (release it after use); None
         if it is gone (the daemon answers) or, with *nowait*, not open yet
-        (opening may wait for the disk: its directory)."""
+        and not to be opened without waiting for the disk (its path not in
+        the dentry cache: storage/cached_open.py)."""
         key = (cid, generation)
         handle = self._fds.get(key)
-        if handle is not None or nowait:
+        if handle is not None:
             return handle
         epoch = self._fds.epoch
+        path = self._chunk_path(cid, generation)
         try:
-            fd = os.open(self._chunk_path(cid, generation), os.O_RDONLY)
+            fd = open_cached(path, os.O_RDONLY) if nowait else os.open(path, os.O_RDONLY)
         except OSError:  # the generation was replaced (copy-on-write): ask the daemon
             self._drop_chunk(cid, key)
             return None
-        return self._fds.put(key, fd, epoch)
+        return None if fd is None else self._fds.put(key, fd, epoch)
 
     def _chunk_path(self, cid: bytes, generation: int) -> str:
         return f"{self._chunks}/{chunk_dir_name(cid)}/{chunk_file_name(cid, generation)}"
@@ -196,7 +199,7 @@ class LocalTarget:
         """The committed bytes of [offset, offset + length) of a chunk (short
         past its end, empty if it does not exist); None if the daemon must
         answer, or, with *nowait*, if the bytes are not in the page cache or
-        the chunk file is not open yet. With *into* (bytes, at least *length*
+        the chunk file is neither open nor in the dentry cache. With *into* (bytes, at least *length*
         long) a range that starts and ends where the checksummed blocks do (a
         whole chunk or file: most reads of samples) is read straight into it,
         and the result is a view of it (one copy of the bytes less; *into* may
@@ -240,8 +243,9 @@ class LocalTarget:
     def plan(
         self, cid: bytes, offset: int, length: int, nowait: bool, into: memoryview | None = None
     ) -> LocalPlan | memoryview | None:
-        """What `read` reads, before it reads: the chunk file (opened here
-        unless *nowait*; released by `finish`) and the blocks to read; or the
+        """What `read` reads, before it reads: the chunk file (opened here;
+        with *nowait* only from the dentry cache; released by `finish`) and
+        the blocks to read; or the
         answer already (empty, or None: the daemon's to answer)."""
         located = self._located(cid, offset, length)
         if not isinstance(located, tuple):

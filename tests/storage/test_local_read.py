@@ -18,6 +18,7 @@ from procfs import deleted_open_files
 
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage import uring
+from shufflefs.storage.cached_open import open_cached
 from shufflefs.storage.layout import parse_chunk_file_name
 from shufflefs.storage.local_read import LocalPlan, LocalTarget
 from shufflefs.storage.protocol import chunk_id
@@ -64,6 +65,31 @@ def test_reads_the_committed_bytes(tmp_path: Path) -> None:
             fast = local.read(cid, off, n, nowait=True)  # None only if not cached
             assert fast is None or bytes(fast) == bytes(data[off : off + n])
     assert local.read(chunk_id(42, 99), 0, 100, False) == b""  # absent: a hole
+    local.close()
+
+
+@pytest.mark.usefixtures("kernel_caches")
+def test_a_file_closed_here_is_read_without_waiting_from_the_dentry_cache(
+    tmp_path: Path,
+) -> None:
+    """A reader of one file per sample has each chunk file closed with its
+    file (`close_file`): the next read without waiting still answers when
+    the chunk file's path and bytes are in the kernel's caches."""
+    store = open_store(tmp_path / "t")
+    cid = chunk_id(8, 0)
+    data = os.urandom(5000)
+    store.write(cid, 0, CS, data)
+    store.close()
+    local = LocalTarget(tmp_path / "t", 7, "cluster-a")
+    got = local.read(cid, 0, 5000, nowait=False)
+    assert got is not None and bytes(got) == data
+    fd = open_cached(str(chunk_file(tmp_path / "t", cid)), os.O_RDONLY)
+    if fd is None:
+        pytest.skip("no openat2 with RESOLVE_CACHED here")
+    os.close(fd)
+    local.close_file(8)
+    fast = local.read(cid, 100, 4000, nowait=True)
+    assert fast is not None and bytes(fast) == data[100:4100]
     local.close()
 
 
