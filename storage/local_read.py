@@ -34,8 +34,8 @@ import lmdb
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json
 from shufflefs.rpc.heap import uninitialized
-from shufflefs.storage.cached_open import open_cached
 from shufflefs.storage.cache import FdCache, FdHandle, Missing, RecordCache, raise_fd_limit
+from shufflefs.storage.cached_open import open_cached
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
     CHUNKS_DIR,
@@ -199,11 +199,11 @@ class LocalTarget:
         """The committed bytes of [offset, offset + length) of a chunk (short
         past its end, empty if it does not exist); None if the daemon must
         answer, or, with *nowait*, if the bytes are not in the page cache or
-        the chunk file is neither open nor in the dentry cache. With *into* (bytes, at least *length*
-        long) a range that starts and ends where the checksummed blocks do (a
-        whole chunk or file: most reads of samples) is read straight into it,
-        and the result is a view of it (one copy of the bytes less; *into* may
-        hold anything after a None)."""
+        the chunk file is neither open nor in the dentry cache. With *into*
+        (bytes, at least *length* long) a range that starts and ends where
+        the checksummed blocks do (a whole chunk or file: most reads of
+        samples) is read straight into it, and the result is a view of it
+        (one copy of the bytes less; *into* may hold anything after a None)."""
         plan = self.plan(cid, offset, length, nowait, into)
         if not isinstance(plan, LocalPlan):
             return plan
