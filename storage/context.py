@@ -14,6 +14,7 @@ import contextlib
 import errno
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import trio
@@ -154,9 +155,8 @@ class NodeContext:
         self, store: ChunkStore, cid: bytes, data: bytes | bytearray, chunk_size: int, version: int
     ) -> None:
         """Replace our copy of a chunk with another replica's (the caller holds
-        the chunk's lock)."""
-
-        def install() -> None:
-            store.commit(store.stage_replace(cid, data, chunk_size, version))
-
-        await self.io(install)
+        the chunk's lock): staged, flushed and committed with the other
+        updates of the target that arrive meanwhile (one thread call, their
+        flushes shared: storage/update_queue.py)."""
+        stage = partial(store.stage_replace, cid, data, chunk_size, version, False)
+        await self.updates(store).write(cid, stage)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import trio
 
@@ -31,6 +33,7 @@ from shufflefs.storage.store import ChunkStore
 log = logging.getLogger("shufflefs.storage.resync")
 
 RESYNC_PAGE = 512  # chunks per list_chunks page while resyncing
+RESYNC_PARALLEL = 16  # chunk copies in flight while resyncing
 RESYNC_RETRIES = 8  # copies of one chunk that keep racing with the chain before a resync pass fails
 RESYNC_POLL = 0.25  # seconds between looks at the routing map for targets to resync
 BUG_PAUSE = 1.0  # seconds before a resync that failed with a bug is started again
@@ -184,6 +187,7 @@ class ResyncWorker:
             start_version,
             source["id"],
         )
+        copy = partial(self.copy_chunk, target, store, sync, stub, source["id"], stats=stats)
         after: bytes | None = None
         while True:
             self._still_current(target, sync)
@@ -195,6 +199,7 @@ class ResyncWorker:
             # ours past it are paged through below)
             bound = theirs[-1]["chunk"] if theirs else after
             ours = await node.io(store.list_range, after, bound) if theirs else {}
+            copies: list[bytes] = []
             for info in theirs:
                 cid = info["chunk"]
                 mine = ours.pop(cid, None)
@@ -204,21 +209,19 @@ class ResyncWorker:
                 if mine is not None and not sync.touched_since(cid, seq0) and same_info(mine, info):
                     sync.trusted.add(cid)
                     continue
-                await self.copy_chunk(target, store, sync, stub, source["id"], cid, stats)
-            for cid in ours:  # ours only: removed on the chain while we were away?
-                if cid not in sync.trusted:
-                    await self.copy_chunk(target, store, sync, stub, source["id"], cid, stats)
+                copies.append(cid)
+            # ours only: removed on the chain while we were away?
+            copies.extend(cid for cid in ours if cid not in sync.trusted)
+            await self._copy_each(copies, copy)
             after = bound
             if not more:
                 break
         while True:  # ours past the source's last chunk
             self._still_current(target, sync)
             tail = await node.io(store.list_chunks, after, RESYNC_PAGE)
-            for info in tail["chunks"]:
-                if info["chunk"] not in sync.trusted:
-                    await self.copy_chunk(
-                        target, store, sync, stub, source["id"], info["chunk"], stats
-                    )
+            await self._copy_each(
+                [i["chunk"] for i in tail["chunks"] if i["chunk"] not in sync.trusted], copy
+            )
             if not tail["more"] or not tail["chunks"]:
                 break
             after = tail["chunks"][-1]["chunk"]
@@ -242,6 +245,35 @@ class ResyncWorker:
             stats.seconds,
             stats.bytes_copied / max(stats.seconds, 1e-6) / 1e6,
         )
+
+    @staticmethod
+    async def _copy_each(cids: list[bytes], copy: Callable[[bytes], Awaitable[None]]) -> None:
+        """*copy* every chunk of *cids*, `RESYNC_PARALLEL` at a time: one
+        copy after the other, a restarted target took 2.8 s for 1,000 chunks
+        of 100 KB (a read from the source, then an install with its own
+        flushes, each waiting for the last); together the installs share a
+        thread call and their flushes (storage/update_queue.py). The first
+        failure stops the others and is raised as it is."""
+        if not cids:
+            return
+        room = trio.Semaphore(RESYNC_PARALLEL)
+        failed: list[FsError | _ChainChanged] = []
+        async with trio.open_nursery() as nursery:
+
+            async def one(cid: bytes) -> None:
+                try:
+                    await copy(cid)
+                except (FsError, _ChainChanged) as exc:
+                    failed.append(exc)
+                    nursery.cancel_scope.cancel()
+                finally:
+                    room.release()
+
+            for cid in cids:  # started in id order, as room frees
+                await room.acquire()
+                nursery.start_soon(one, cid)
+        if failed:
+            raise failed[0]
 
     async def copy_chunk(
         self,

@@ -269,7 +269,12 @@ async def test_resync_waits_out_updates_its_source_took_at_the_older_chain_versi
     assert refused.value.code == errno.ESTALE
 
 
-async def test_resync_copy_never_undoes_an_update_that_overtook_it(cluster: ChainCluster) -> None:
+async def test_resync_copy_never_undoes_an_update_that_overtook_it(
+    cluster: ChainCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shufflefs.storage import resync
+
+    monkeypatch.setattr(resync, "RESYNC_PARALLEL", 1)  # the background pass waits at blocker
     [chain] = cluster.chain_ids()
     head, middle, tail = cluster.members(chain)
     blocker, cid = chunk_id(50, 0), chunk_id(51, 0)
@@ -328,3 +333,34 @@ async def test_periodic_scrub_repairs_damage_nobody_reads(
         f"periodic scrub target={middle} checked=1 corrupt=1" in r.getMessage()
         for r in caplog.records
     )
+
+
+async def test_resync_copies_run_together_and_the_first_failure_ends_them() -> None:
+    """`ResyncWorker._copy_each`: up to RESYNC_PARALLEL copies at once (their
+    installs share the target's flushes); a copy's FsError stops the rest
+    and is raised as itself, not in a group (`resync` tells ESTALE and
+    other errors apart by it)."""
+    from shufflefs.storage import resync
+
+    running = 0
+    most = 0
+    done: list[bytes] = []
+
+    async def copy(cid: bytes) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await trio.sleep(0.01)
+        running -= 1
+        if cid == b"bad":
+            raise FsError(errno.ESTALE, "the chain moved")
+        done.append(cid)
+
+    cids = [bytes([i]) * 16 for i in range(40)]
+    await resync.ResyncWorker._copy_each(cids, copy)
+    assert sorted(done) == sorted(cids) and most == resync.RESYNC_PARALLEL
+    done.clear()
+    with pytest.raises(FsError) as info:
+        await resync.ResyncWorker._copy_each([b"bad", *cids], copy)
+    assert info.value.errno == errno.ESTALE
+    assert len(done) < len(cids)
