@@ -72,7 +72,9 @@ def open_cached(path: str, flags: int) -> int | None:
     err = ctypes.get_errno()
     if err == errno.EAGAIN:
         return None
-    if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG):  # not here: never ask again
+    # no openat2 (ENOSYS, or EPERM from a seccomp filter), or one without
+    # RESOLVE_CACHED (EINVAL: Linux 5.6 to 5.11): never ask again
+    if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.EINVAL):
         _syscall = None
         return None
     raise OSError(err, os.strerror(err), path)

@@ -4,6 +4,8 @@ the disk."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from pathlib import Path
 
@@ -59,3 +61,22 @@ def test_where_openat2_is_missing_the_caller_is_told_none(
     path.write_bytes(b"x")
     monkeypatch.setattr(cached_open, "_syscall", None)
     assert open_cached(str(path), os.O_RDONLY) is None
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EINVAL])
+def test_a_kernel_without_it_is_asked_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """No openat2 (ENOSYS), or one without RESOLVE_CACHED (EINVAL, Linux
+    5.6 to 5.11): None, and the call is never made again."""
+    calls: list[int] = []
+
+    def refused(*args: object) -> int:
+        calls.append(1)
+        ctypes.set_errno(code)
+        return -1
+
+    monkeypatch.setattr(cached_open, "_syscall", refused)
+    assert open_cached(str(tmp_path / "chunk"), os.O_RDONLY) is None
+    assert open_cached(str(tmp_path / "chunk"), os.O_RDONLY) is None
+    assert calls == [1]
