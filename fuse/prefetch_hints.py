@@ -36,7 +36,7 @@ import trio
 from shufflefs.client.fs import FileSystem
 from shufflefs.metadata.listing_rows import ATTR_ROW
 from shufflefs.metadata.protocol import READDIR_MAX, Attr, Layout
-from shufflefs.rpc.errors import FsError
+from shufflefs.rpc.errors import FsError, first_fs_error
 
 PREFETCH_XATTR = b"user.shufflefs.prefetch"  # the hint interface (docs/training-data.md)
 QUEUED = b"queued"  # a hinting getxattr's value: taken
@@ -314,11 +314,7 @@ async def all_or_first_error(calls: list[Callable[[], Awaitable[None]]]) -> None
             for call in calls:
                 nursery.start_soon(call)
     except* FsError as group:
-        exc: BaseException = group
-        while isinstance(exc, BaseExceptionGroup):
-            exc = exc.exceptions[0]
-        assert isinstance(exc, FsError)
-        raise FsError(exc.code, exc.message) from None
+        raise first_fs_error(group) from None
 
 
 def merged_ranges(hints: list[Hint], size: int) -> list[tuple[int, int]]:

@@ -78,3 +78,14 @@ def as_fs_error(exc: BaseException) -> FsError:
     if isinstance(exc, OSError) and exc.errno:
         return FsError(exc.errno, exc.strerror or str(exc))
     return FsError(errno.EIO, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def first_fs_error(group: BaseExceptionGroup[FsError]) -> FsError:
+    """The first FsError of a (nested) group, fresh: what a nursery of calls
+    that each raise FsError raises as the error model's one error (an
+    ``except* FsError`` clause re-raises it alone)."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, FsError)
+    return FsError(exc.code, exc.message)
