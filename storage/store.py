@@ -129,6 +129,10 @@ class ChunkStore(WritableTarget):
         if span is None or isinstance(span, memoryview):
             return span
         rec, handle, first, start, stop, end = span
+        if handle is None:  # (the first try at a read: `read_plan` follows one)
+            handle = self._open_cached(cid, rec.generation)
+            if handle is None:
+                return None
         n = stop - start
         buf = uninitialized(n)
         got = -1
@@ -156,27 +160,29 @@ class ChunkStore(WritableTarget):
         if span is None or isinstance(span, memoryview):
             return span
         rec, handle, first, start, stop, end = span
+        if handle is None:
+            return None
         return ReadPlan(rec, handle, first, start, stop, offset - start, end - start)
 
     def _cached_span(
         self, cid: bytes, offset: int, length: int, limit: int, loading: bool = False
-    ) -> tuple[ChunkRecord, FdHandle, int, int, int, int] | memoryview | None:
-        """`read_plan` as a plain tuple (record, referenced fd handle, first
-        block, aligned start, aligned stop, end of the bytes asked for). A
-        file not held is opened if that waits for no disk (`_open_cached`:
-        on a dataset of more files than the fd cache holds, most reads);
-        *loading*: see `read_nowait`."""
+    ) -> tuple[ChunkRecord, FdHandle | None, int, int, int, int] | memoryview | None:
+        """`read_plan` as a plain tuple (record, referenced fd handle or None
+        if the file is not held, first block, aligned start, aligned stop,
+        end of the bytes asked for); *loading*: see `read_nowait`."""
         check_chunk_id(cid)
         _check_range(offset, length)
-        rec = self._records.get(cid)
-        if rec is None:
-            if not loading:
-                return None
+        if loading:
             rec = self._record(cid)
             if rec is None:
                 return EMPTY
-        if isinstance(rec, Missing):
-            return EMPTY
+        else:
+            cached = self._records.get(cid)
+            if cached is None:
+                return None
+            if isinstance(cached, Missing):
+                return EMPTY
+            rec = cached
         if offset + length > rec.chunk_size:
             raise FsError(
                 errno.EINVAL, f"range {offset}+{length} passes the chunk size {rec.chunk_size}"
@@ -187,12 +193,7 @@ class ChunkStore(WritableTarget):
         first, start, stop, end = span
         if stop - start > limit:
             return None
-        handle = self._fds.get((cid, rec.generation))
-        if handle is None:
-            handle = self._open_cached(cid, rec.generation)
-            if handle is None:
-                return None
-        return rec, handle, first, start, stop, end
+        return rec, self._fds.get((cid, rec.generation)), first, start, stop, end
 
     def finish_read(self, plan: ReadPlan, data: bytearray | None) -> memoryview | None:
         """Give back the plan's fd; the bytes asked for if *data* (the aligned
