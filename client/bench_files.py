@@ -15,7 +15,10 @@ in the mount, then measured through every way in there is:
     fuse-immutable the same through a ``shufflefs mount -o cache=immutable``
     fuse-prefetch  the cache=immutable mount (``--prefetch-mount``), each reader
                    hinting its next files (client/data/hinted_reads.py)
-    native         `FileDataset` of `shufflefs.client.data` over the same files
+    native         `FileDataset` of `shufflefs.client.data` over the same files;
+                   creates: ``shufflefs import`` of the local set into a copy
+                   (client/ingest.py: one process, 64 files in flight),
+                   removed after
 
 Operations: ``create`` (create+write+close per file; the first part of the
 set is written by 1 process, the rest by ``--procs`` P, so both rates come
@@ -155,6 +158,7 @@ class Targets:
     notes: list[str] = field(default_factory=list)
     config: str | None = None  # the shufflefs cluster behind the fuse row, if known
     writeback_metrics: str = ""  # the fuse-writeback mount's Prometheus URL
+    import_spec: str = ""  # the native create row's import (`work.do_import`), if measured
     remote: remote.RemoteRun | None = None  # --remote: the cluster and its reader host
 
     @property
@@ -275,6 +279,9 @@ def targets(
         t.notes.append("native: left out: no --config for the cluster behind --mount")
     else:
         t.roots["native"] = f"shufflefs:///{subdir}\n{t.config}"
+        if "create" in s.ops:  # into a copy of the set, removed after (through the mount)
+            t.import_spec = f"{t.roots['local']}\n/{subdir}-import\n{t.config}"
+            stack.callback(shutil.rmtree, str(mnt / f"{subdir}-import"), True)
     return t
 
 
@@ -319,6 +326,10 @@ def create_rows(pool: WorkerPool, s: Settings, t: Targets, progress: bool) -> li
                 seconds = time.monotonic() - started
             rows.append(Row(path, procs, "warm", "create", count / seconds, count, seconds))
             report(rows[-1], progress)
+    if t.import_spec:  # the native row: `shufflefs import` of the local set, one process
+        count, seconds = pool.run([("import", t.import_spec, names, s.files.size)])
+        rows.append(Row("native", 1, "warm", "create", count / seconds, count, seconds))
+        report(rows[-1], progress)
     return rows
 
 

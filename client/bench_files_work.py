@@ -150,8 +150,24 @@ def do_native_read(spec: str, names: Sequence[str], size: int) -> int:
     return len(names)
 
 
+def do_import(spec: str, names: Sequence[str], size: int) -> int:
+    """`shufflefs import` of the local set (*spec*: its root, the cluster
+    path to copy it to and the client config, a line each): one process,
+    its files in flight together (client/ingest.py)."""
+    from shufflefs.client import Client
+
+    source, dest, config = spec.split("\n")
+    with Client(config) as client:
+        done = client.import_tree(source, dest)
+    if done.failed or done.files != len(names):
+        problems = [*done.errors[:3], *([done.stopped] if done.stopped else [])]
+        raise ValueError(f"import: {done.files} of {len(names)} files; {problems}")
+    return done.files
+
+
 OPERATIONS: dict[str, Callable[[str, Sequence[str], int], int]] = {
     "create": do_create,
+    "import": do_import,
     "stat": do_stat,
     "scan": do_scan,
     "read": do_read,

@@ -30,6 +30,7 @@ import trio
 
 from shufflefs.client.blocking_read import BlockingReader
 from shufflefs.client.fs import ClientOptions, FileSystem, OpenFile
+from shufflefs.client.ingest import DEFAULT_CONCURRENCY, Imported, Importer
 from shufflefs.client.layout import Extent
 from shufflefs.client.paths import current_umask
 from shufflefs.cluster.config import find_client_config, load_client_config
@@ -383,6 +384,21 @@ class Client:
     def write_bytes(self, path: PathLike, data: bytes | bytearray | memoryview) -> int:
         with self.open(path, "wb", buffering=0) as f:
             return int(f.write(data))
+
+    def import_tree(
+        self,
+        source: PathLike,
+        dest: PathLike,
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        skip_existing: bool = False,
+    ) -> Imported:
+        """Copy local *source* (a directory's contents, or a file) to *dest*
+        in the cluster, *concurrency* files in flight: `shufflefs import`
+        (client/ingest.py). Files that fail are named in the result, not
+        raised; a cluster that takes no more stops it (``stopped``)."""
+        importer = Importer(self._fs, concurrency=concurrency, skip_existing=skip_existing)
+        return self._run(importer.run, os.fspath(source), os.fsdecode(dest))
 
     def pread(self, path: PathLike, offset: int, length: int) -> bytes:
         """One positioned read, opening and closing the file around it."""

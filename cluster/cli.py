@@ -27,6 +27,11 @@ from shufflefs.cluster.preflight import (
 )
 from shufflefs.rpc import framing
 
+# `shufflefs import`: files in flight (each holds up to 4 MiB of its bytes while in flight);
+# client/ingest.py's DEFAULT_CONCURRENCY, not imported: the parser stays light
+DEFAULT_IMPORT_CONCURRENCY = 64
+MAX_IMPORT_CONCURRENCY = 256
+
 DEFAULT_MOUNTPOINT = "mnt"
 MAX_LOCAL_STORAGE_NODES = 64
 MAX_TARGETS_PER_NODE = 64
@@ -53,6 +58,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "df": ("shufflefs.cluster.cli_df", "cli_df"),
     "info": ("shufflefs.cluster.cli_info", "cli_info"),
     "warmup": ("shufflefs.cluster.cli_warmup", "cli_warmup"),
+    "import": ("shufflefs.cluster.cli_import", "cli_import"),
     "top": ("shufflefs.cluster.cli_top", "cli_top"),
 }
 
@@ -228,6 +234,31 @@ def add_ops_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     p.add_argument(
         "--concurrency", type=positive_int, default=8, help="4 MiB reads in flight at once"
+    )
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the totals")
+
+    p = sub.add_parser(
+        "import",
+        help="copy a local directory tree (a dataset) into the cluster, many files at once",
+        description="Copies SOURCE into the cluster: a directory's contents go into DEST "
+        "(made, with missing parents, if need be), a file to DEST (or into it, if DEST is a "
+        "directory). DEST is a path on a shufflefs mount of this machine or inside the "
+        "cluster. Permission bits are kept; links are copied as links; other special "
+        "files are left out and named. Exit 1 if any file failed.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="a local directory or file")
+    p.add_argument("dest", metavar="DEST", help="where it goes, on a mount or in the cluster")
+    p.add_argument(
+        "--concurrency",
+        type=int_in(1, MAX_IMPORT_CONCURRENCY),
+        default=DEFAULT_IMPORT_CONCURRENCY,
+        help="files in flight at once",
+    )
+    p.add_argument(
+        "--skip-existing",
+        action="store_true",
+        help="leave files already there with their source's size (finish a run that stopped)",
     )
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object with the totals")

@@ -1,4 +1,4 @@
-"""What the file-level admin commands (`info`, `warmup`) share: naming a file
+"""What the file-level commands (`info`, `warmup`, `import`) share: naming a file
 by its path on a mount or in the cluster, and a client session to read it.
 
 ``/mnt/shufflefs/data/x`` (a path on a shufflefs mount of this machine) and
@@ -32,11 +32,17 @@ ADMIN_OPTIONS = ClientOptions(meta_timeout=5.0, read_timeout=10.0, retry_budget=
 
 
 def cluster_path(path: str) -> str:
-    """The path inside the cluster of *path* (see the module docstring)."""
+    """The path inside the cluster of *path* (see the module docstring). A
+    path that does not exist yet (where `import` is to put a tree) is on a
+    mount if its nearest existing ancestor is."""
     absolute = os.path.abspath(path)
-    mount = mount_of(absolute) if os.path.exists(absolute) else None
+    existing, rest = absolute, ""
+    while not os.path.exists(existing) and existing != "/":
+        existing, name = os.path.split(existing)
+        rest = os.path.join(name, rest) if rest else name
+    mount = mount_of(existing)
     if mount is not None and mount.fstype == FSTYPE:
-        rel = os.path.relpath(os.path.realpath(absolute), mount.point)
+        rel = os.path.relpath(os.path.join(os.path.realpath(existing), rest), mount.point)
         return "/" if rel == "." else "/" + rel
     return "/" + path.lstrip("/") if not path.startswith("/") else path
 

@@ -45,7 +45,7 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
             assert r["count"] == 24, r  # every file once (scan: every entry)
         if r["path"] == "local":
             assert r["ratio_to_local"] == 1.0
-    assert dict(created) == {"local": 24, "fuse": 24, "fuse-writeback": 24}
+    assert dict(created) == {"local": 24, "fuse": 24, "fuse-writeback": 24, "native": 24}
     reads = {(r["path"], r["procs"], r["cache"]) for r in rows if r["op"] == "read"}
     assert reads == {
         (p, n, c) for p in ("local", "fuse", "fuse-ro", "fuse-immutable", "fuse-prefetch", "native")
