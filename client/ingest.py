@@ -35,12 +35,11 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
 from shufflefs.client.fs import FileSystem
-from shufflefs.metadata.protocol import Attr
 from shufflefs.rpc.errors import FsError, first_fs_error
 
 PIECE = 4 << 20  # bytes read and written at a time (a file bigger than this streams)
@@ -91,6 +90,18 @@ class Imported:
             "files_per_second": round(self.files / seconds, 1) if seconds > 0 else None,
             "bytes_per_second": round(self.bytes / seconds) if seconds > 0 else None,
         }
+
+
+class Held(NamedTuple):
+    """What a destination directory holds under a name (small: a listing
+    of a directory of a million samples is kept whole)."""
+
+    ino: int
+    mode: int
+    size: int
+
+
+Listing = dict[bytes, Held]
 
 
 @dataclass(frozen=True)
@@ -179,7 +190,7 @@ class Importer:
 
     # ---- the destination ----------------------------------------------------
 
-    async def _dest_dir(self, dest: bytes, mode: int) -> tuple[int, dict[bytes, Attr] | None]:
+    async def _dest_dir(self, dest: bytes, mode: int) -> tuple[int, Listing | None]:
         """The inode of directory *dest* (made, with its missing parents) and,
         if it was there and *skip_existing*, what it holds."""
         ino = 1
@@ -222,20 +233,21 @@ class Importer:
                 errno.ENOENT, f"{os.fsdecode(dest)}: no such directory to put it in"
             ) from None
 
-    async def _listing(self, ino: int) -> dict[bytes, Attr]:
+    async def _listing(self, ino: int) -> Listing:
         """Every entry of directory *ino*, by name."""
-        out: dict[bytes, Attr] = {}
+        out: Listing = {}
         after: bytes | None = None
         while True:
             page = await self.fs.readdir(ino, after, READDIR_PAGE)
-            out.update(page["entries"])
+            for name, attr in page["entries"]:
+                out[name] = Held(attr["ino"], attr["mode"], attr["size"])
             if not page["more"] or not page["entries"]:
                 return out
             after = page["entries"][-1][0]
 
     # ---- the walk -----------------------------------------------------------
 
-    async def _copy_dir(self, src: bytes, ino: int, existing: dict[bytes, Attr] | None) -> None:
+    async def _copy_dir(self, src: bytes, ino: int, existing: Listing | None) -> None:
         try:
             entries = await trio.to_thread.run_sync(_scan, src)
         except OSError as exc:
@@ -251,8 +263,8 @@ class Importer:
                 await self._copy_entry(path, ino, existing, entry)
 
     async def _make_dir(
-        self, path: bytes, parent: int, entry: _Entry, existing: dict[bytes, Attr] | None
-    ) -> tuple[int, dict[bytes, Attr] | None] | None:
+        self, path: bytes, parent: int, entry: _Entry, existing: Listing | None
+    ) -> tuple[int, Listing | None] | None:
         """The destination directory of *entry* (made here, or the one there),
         and what it holds if it was there and *skip_existing*; None if there
         is none (named as an error: its contents are left out)."""
@@ -268,20 +280,23 @@ class Importer:
             if exc.code != errno.EEXIST:
                 self.done.problem(self.done.errors, f"{_shown(path)}: {exc.message}")
                 return None
-        attr = (existing or {}).get(entry.name) or await self.fs.lookup(parent, entry.name)
-        if not stat.S_ISDIR(attr["mode"]):
+        held = (existing or {}).get(entry.name)
+        if held is None:
+            attr = await self.fs.lookup(parent, entry.name)
+            held = Held(attr["ino"], attr["mode"], attr["size"])
+        if not stat.S_ISDIR(held.mode):
             self.done.problem(
                 self.done.errors, f"{_shown(path)}: not a directory in the cluster; left out"
             )
             return None
-        return attr["ino"], (await self._listing(attr["ino"]) if self.skip_existing else None)
+        return held.ino, (await self._listing(held.ino) if self.skip_existing else None)
 
     async def _copy_entry(
-        self, path: bytes, parent: int, existing: dict[bytes, Attr] | None, entry: _Entry
+        self, path: bytes, parent: int, existing: Listing | None, entry: _Entry
     ) -> None:
         if stat.S_ISREG(entry.mode):
             there = existing.get(entry.name) if existing is not None else None
-            if there is not None and stat.S_ISREG(there["mode"]) and there["size"] == entry.size:
+            if there is not None and stat.S_ISREG(there.mode) and there.size == entry.size:
                 self.done.skipped += 1
                 return
             await self._limit.acquire()  # the walk waits here while the files fill the window
@@ -295,7 +310,7 @@ class Importer:
             )
 
     async def _copy_link(
-        self, path: bytes, parent: int, existing: dict[bytes, Attr] | None, entry: _Entry
+        self, path: bytes, parent: int, existing: Listing | None, entry: _Entry
     ) -> None:
         assert entry.target is not None
         if existing is not None and entry.name in existing:

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.client.ingest import Imported, Importer
 from shufflefs.cluster.cli_errors import UsageError
-from shufflefs.cluster.cli_files import cluster_path, with_filesystem
+from shufflefs.cluster.cli_files import FSTYPE, cluster_path, with_filesystem
+from shufflefs.cluster.preflight import mount_of
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.rpc.client import RpcClient
 
@@ -52,6 +53,11 @@ def cli_import(args: argparse.Namespace) -> int:
     if not os.path.lexists(source):
         raise UsageError(f"{args.source}: no such file or directory", errno.ENOENT)
     dest = cluster_path(args.dest)
+    mount = mount_of(source)
+    if mount is not None and mount.fstype == FSTYPE:  # a tree on a shufflefs mount
+        inside = cluster_path(source).rstrip("/") + "/"
+        if (dest.rstrip("/") + "/").startswith(inside):
+            raise UsageError(f"{args.dest} is inside {args.source}: it would copy itself forever")
     started = time.monotonic()
 
     async def run(fs: FileSystem, mgmtd: MgmtdStub, rpc: RpcClient) -> Imported:

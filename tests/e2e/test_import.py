@@ -149,3 +149,17 @@ def test_import_from_python_and_the_cli_default(
         assert client.read_bytes("/from-python/c2/s39.jpg") == b"2/39" * 500
         again = client.import_tree(src, "/from-python", skip_existing=True)
         assert (again.files, again.skipped) == (0, 120)
+
+
+def test_import_refuses_a_tree_into_itself(ops_cluster: ProcessCluster) -> None:
+    tree = ops_cluster.mountpoint / "selfish"
+    tree.mkdir()
+    (tree / "f").write_bytes(b"once")
+    for dest in (tree, tree / "copy", "/selfish/copy"):
+        r = run_cli(
+            ["import", str(tree), str(dest), "--config", str(ops_cluster.client_config)],
+            Path.cwd(),
+        )
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "would copy itself forever" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert os.listdir(tree) == ["f"]
