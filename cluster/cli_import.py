@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.client.ingest import Imported, Importer
-from shufflefs.cluster.cli_errors import UsageError
+from shufflefs.cluster.cli_errors import UsageError, innermost
 from shufflefs.cluster.cli_files import FSTYPE, cluster_path, with_filesystem
 from shufflefs.cluster.preflight import mount_of
 from shufflefs.cluster.protocol import MgmtdStub
@@ -59,6 +59,7 @@ def cli_import(args: argparse.Namespace) -> int:
         if (dest.rstrip("/") + "/").startswith(inside):
             raise UsageError(f"{args.dest} is inside {args.source}: it would copy itself forever")
     started = time.monotonic()
+    importer: Importer | None = None
 
     async def run(fs: FileSystem, mgmtd: MgmtdStub, rpc: RpcClient) -> Imported:
         with tqdm(
@@ -74,6 +75,7 @@ def cli_import(args: argparse.Namespace) -> int:
                 bar.update(files)
                 bar.set_postfix_str(f"{written[0] / (1 << 20):,.0f} MiB", refresh=False)
 
+            nonlocal importer
             importer = Importer(
                 fs,
                 concurrency=args.concurrency,
@@ -83,7 +85,17 @@ def cli_import(args: argparse.Namespace) -> int:
             return await importer.run(source, dest)
 
     # the client's usual retries: a server that fails over mid-import is ridden through
-    done = with_filesystem(args, run, ClientOptions(local_reads=False))
+    try:
+        done = with_filesystem(args, run, ClientOptions(local_reads=False))
+    except BaseException as raised:
+        if isinstance(innermost(raised), KeyboardInterrupt) and importer is not None:
+            d = importer.done  # (what was done so far; the files in flight may be short)
+            print(
+                f"interrupted after {d.files:,} files ({d.skipped:,} already there): "
+                "run it again with --skip-existing to finish",
+                file=sys.stderr,
+            )
+        raise
     seconds = time.monotonic() - started
     if args.json:
         out: dict[str, Any] = done.as_json(seconds)

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +167,44 @@ def test_import_refuses_a_tree_into_itself(ops_cluster: ProcessCluster) -> None:
         assert r.returncode == 2, r.stdout + r.stderr
         assert "would copy itself forever" in r.stderr and len(r.stderr.splitlines()) == 1
     assert os.listdir(tree) == ["f"]
+
+
+def test_an_interrupted_import_is_finished_by_running_it_again(
+    ops_cluster: ProcessCluster, tmp_path: Path
+) -> None:
+    src = tmp_path / "dataset"
+    for d in range(8):
+        (src / f"c{d}").mkdir(parents=True)
+        for i in range(400):
+            (src / f"c{d}" / f"s{i:03d}").write_bytes(os.urandom(8000))
+    argv = [sys.executable, "-m", "shufflefs.cluster.cli", "import", str(src), "/interrupted"]
+    argv += ["--config", str(ops_cluster.client_config)]
+    importer = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # (as at a terminal)
+    )
+    dest = ops_cluster.mountpoint / "interrupted"
+
+    def landed() -> int:
+        try:
+            return sum(len(os.listdir(dest / d)) for d in os.listdir(dest))
+        except FileNotFoundError:
+            return 0
+
+    deadline = time.monotonic() + 60
+    while landed() < 100 and importer.poll() is None:
+        assert time.monotonic() < deadline, "the import made no progress"
+        time.sleep(0.02)
+    importer.send_signal(signal.SIGINT)
+    out, err = importer.communicate(timeout=60)
+    assert importer.returncode == 130, out + err
+    assert err.startswith("interrupted after ") and "--skip-existing" in err, err
+    out2 = import_json(ops_cluster, str(src), "/interrupted", "--skip-existing")
+    assert out2["files"] + out2["skipped"] == 3200 and out2["files"] > 0
+    for d in range(8):
+        for i in range(400):
+            rel = Path(f"c{d}") / f"s{i:03d}"
+            assert (dest / rel).read_bytes() == (src / rel).read_bytes(), rel
