@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import trio
 
 from shufflefs.client.fs import FileSystem
+from shufflefs.metadata.protocol import ROOT_INODE
 from shufflefs.rpc.errors import FsError, first_fs_error
 
 PIECE = 4 << 20  # bytes read and written at a time (a file bigger than this streams)
@@ -193,7 +194,7 @@ class Importer:
     async def _dest_dir(self, dest: bytes, mode: int) -> tuple[int, Listing | None]:
         """The inode of directory *dest* (made, with its missing parents) and,
         if it was there and *skip_existing*, what it holds."""
-        ino = 1
+        ino = ROOT_INODE
         made = False
         for part in [p for p in dest.split(b"/") if p]:
             try:
