@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import trio
 
 from shufflefs.client.fs import FileSystem
-from shufflefs.metadata.protocol import ROOT_INODE
+from shufflefs.metadata.protocol import ROOT_INODE, Attr
 from shufflefs.rpc.errors import FsError, first_fs_error
 
 PIECE = 4 << 20  # bytes read and written at a time (a file bigger than this streams)
@@ -101,6 +101,10 @@ class Held(NamedTuple):
     mode: int
     size: int
 
+    @classmethod
+    def of(cls, attr: Attr) -> Held:
+        return cls(attr["ino"], attr["mode"], attr["size"])
+
 
 Listing = dict[bytes, Held]
 
@@ -113,14 +117,16 @@ class _Entry:
     target: bytes | None  # a link's
 
 
+def _entry(path: bytes, name: bytes, st: os.stat_result) -> _Entry:
+    """Local *path* (not followed), to be copied as *name*."""
+    target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+    return _Entry(name, st.st_mode, st.st_size, target)
+
+
 def _scan(path: bytes) -> list[_Entry]:
     """(worker thread) The entries of local directory *path*, in name order."""
-    out = []
     with os.scandir(path) as it:
-        for e in it:
-            st = e.stat(follow_symlinks=False)
-            target = os.readlink(e.path) if stat.S_ISLNK(st.st_mode) else None
-            out.append(_Entry(e.name, st.st_mode, st.st_size, target))
+        out = [_entry(e.path, e.name, e.stat(follow_symlinks=False)) for e in it]
     out.sort(key=lambda e: e.name)
     return out
 
@@ -132,10 +138,6 @@ def _read(path: bytes, offset: int, length: int) -> bytes:
         return os.pread(fd, length, offset)
     finally:
         os.close(fd)
-
-
-def _shown(path: bytes) -> str:
-    return os.fsdecode(path)
 
 
 class Importer:
@@ -173,21 +175,16 @@ class Importer:
                     await self._copy_dir(src, ino, existing)
                 elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
                     parent, name = await self._dest_file(os.fsencode(dest), os.path.basename(src))
-                    existing = await self._listing(parent) if self.skip_existing else None
-                    await self._copy_entry(src, parent, existing, self._entry(src, name, st))
+                    existing = await self._held(parent, name) if self.skip_existing else None
+                    await self._copy_entry(src, parent, existing, _entry(src, name, st))
                 else:
-                    self.done.problem(self.done.left_out, f"{_shown(src)}: not a regular file")
+                    self.done.problem(self.done.left_out, f"{os.fsdecode(src)}: not a regular file")
         except* FsError as group:
             exc = first_fs_error(group)
             if exc.code not in STOPPING:
                 raise exc from None
             self.done.stopped = f"{exc.message} (errno {exc.code})"
         return self.done
-
-    @staticmethod
-    def _entry(path: bytes, name: bytes, st: os.stat_result) -> _Entry:
-        target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
-        return _Entry(name, st.st_mode, st.st_size, target)
 
     # ---- the destination ----------------------------------------------------
 
@@ -234,6 +231,16 @@ class Importer:
                 errno.ENOENT, f"{os.fsdecode(dest)}: no such directory to put it in"
             ) from None
 
+    async def _held(self, parent: int, name: bytes) -> Listing:
+        """What directory *parent* holds under *name* alone (a listing of one)."""
+        try:
+            attr = await self.fs.lookup(parent, name)
+        except FsError as exc:
+            if exc.code != errno.ENOENT:
+                raise
+            return {}
+        return {name: Held.of(attr)}
+
     async def _listing(self, ino: int) -> Listing:
         """Every entry of directory *ino*, by name."""
         out: Listing = {}
@@ -241,7 +248,7 @@ class Importer:
         while True:
             page = await self.fs.readdir(ino, after, READDIR_PAGE)
             for name, attr in page["entries"]:
-                out[name] = Held(attr["ino"], attr["mode"], attr["size"])
+                out[name] = Held.of(attr)
             if not page["more"] or not page["entries"]:
                 return out
             after = page["entries"][-1][0]
@@ -252,7 +259,7 @@ class Importer:
         try:
             entries = await trio.to_thread.run_sync(_scan, src)
         except OSError as exc:
-            self.done.problem(self.done.errors, f"{_shown(src)}: {exc.strerror or exc}")
+            self.done.problem(self.done.errors, f"{os.fsdecode(src)}: {exc.strerror or exc}")
             return
         for entry in entries:
             path = src + b"/" + entry.name
@@ -279,15 +286,15 @@ class Importer:
             if exc.code in STOPPING:
                 raise
             if exc.code != errno.EEXIST:
-                self.done.problem(self.done.errors, f"{_shown(path)}: {exc.message}")
+                self.done.problem(self.done.errors, f"{os.fsdecode(path)}: {exc.message}")
                 return None
         held = (existing or {}).get(entry.name)
         if held is None:
             attr = await self.fs.lookup(parent, entry.name)
-            held = Held(attr["ino"], attr["mode"], attr["size"])
+            held = Held.of(attr)
         if not stat.S_ISDIR(held.mode):
             self.done.problem(
-                self.done.errors, f"{_shown(path)}: not a directory in the cluster; left out"
+                self.done.errors, f"{os.fsdecode(path)}: not a directory in the cluster; left out"
             )
             return None
         return held.ino, (await self._listing(held.ino) if self.skip_existing else None)
@@ -307,7 +314,7 @@ class Importer:
             await self._copy_link(path, parent, existing, entry)
         else:
             self.done.problem(
-                self.done.left_out, f"{_shown(path)}: not a regular file, directory or link"
+                self.done.left_out, f"{os.fsdecode(path)}: not a regular file, directory or link"
             )
 
     async def _copy_link(
@@ -329,7 +336,7 @@ class Importer:
         except FsError as exc:
             if exc.code in STOPPING:
                 raise
-            self.done.problem(self.done.errors, f"{_shown(path)}: {exc.message}")
+            self.done.problem(self.done.errors, f"{os.fsdecode(path)}: {exc.message}")
 
     async def _same_link(self, parent: int, entry: _Entry) -> bool:
         """Is the entry at *entry*'s name a link to the same target?"""
@@ -358,9 +365,9 @@ class Importer:
         except FsError as exc:
             if exc.code in STOPPING:
                 raise
-            self.done.problem(self.done.errors, f"{_shown(path)}: {exc.message}")
+            self.done.problem(self.done.errors, f"{os.fsdecode(path)}: {exc.message}")
         except OSError as exc:  # reading the source
-            self.done.problem(self.done.errors, f"{_shown(path)}: {exc.strerror or exc}")
+            self.done.problem(self.done.errors, f"{os.fsdecode(path)}: {exc.strerror or exc}")
         else:
             self.done.files += 1
             self.done.bytes += written

@@ -80,6 +80,15 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float = 60.0) -> N
         time.sleep(0.2)
 
 
+def files_landed(top: Path) -> int:
+    """Entries in the directories under *top* (0 while it does not exist):
+    how far a copy of a tree of one level of directories has got."""
+    try:
+        return sum(len(os.listdir(top / d)) for d in os.listdir(top))
+    except FileNotFoundError:
+        return 0
+
+
 def chunk_files(data_dir: Path, ino: int) -> list[Path]:
     """The chunk files of inode *ino* on every storage target of a local
     cluster (their names start with the chunk id: the inode as 16 hex

@@ -9,12 +9,11 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from cliworld import run_cli
-from clusters import ProcessCluster
+from clusters import ProcessCluster, files_landed, wait_until
 
 from shufflefs.client.ingest import PIECE
 
@@ -187,17 +186,9 @@ def test_an_interrupted_import_is_finished_by_running_it_again(
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # (as at a terminal)
     )
     dest = ops_cluster.mountpoint / "interrupted"
-
-    def landed() -> int:
-        try:
-            return sum(len(os.listdir(dest / d)) for d in os.listdir(dest))
-        except FileNotFoundError:
-            return 0
-
-    deadline = time.monotonic() + 60
-    while landed() < 100 and importer.poll() is None:
-        assert time.monotonic() < deadline, "the import made no progress"
-        time.sleep(0.02)
+    wait_until(
+        "100 files imported", lambda: files_landed(dest) >= 100 or importer.poll() is not None
+    )
     importer.send_signal(signal.SIGINT)
     out, err = importer.communicate(timeout=60)
     assert importer.returncode == 130, out + err

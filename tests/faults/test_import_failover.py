@@ -7,10 +7,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from clusters import ProcessCluster
+from clusters import ProcessCluster, files_landed, wait_until
 
 FILES_PER_DIR = 250
 DIRS = 12
@@ -34,20 +33,14 @@ def test_kill9_storage_during_import(fault_cluster: ProcessCluster, tmp_path: Pa
         )  # fmt: skip
         try:
             dest = c.mountpoint / "imported"
-
-            def landed() -> int:
-                try:
-                    return sum(len(os.listdir(dest / d)) for d in os.listdir(dest))
-                except FileNotFoundError:
-                    return 0
-
-            deadline = time.monotonic() + 120
-            while landed() < total // 10:
-                assert importer.poll() is None, "the import ended before the kill"
-                assert time.monotonic() < deadline, "the import made no progress"
-                time.sleep(0.05)
+            wait_until(
+                "a tenth of the files imported",
+                lambda: files_landed(dest) >= total // 10 or importer.poll() is not None,
+                timeout=120,
+            )
+            assert importer.poll() is None, "the import ended before the kill"
             c.kill("storage3")
-            at_kill = landed()
+            at_kill = files_landed(dest)
             _, err = importer.communicate(timeout=300)
         finally:
             if importer.poll() is None:
