@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import trio
 
 from shufflefs.client.cache_watch import CacheWatch
+from shufflefs.client.creates import Creates
 from shufflefs.client.layout import Extent, plan
 from shufflefs.client.length_reports import (
     BEHIND_LINGER,
@@ -150,6 +151,7 @@ class FileSystem(NamespaceCalls, PathOps):
         # the metadata calls of read-only opens (batched) and of giving handles back
         self.read_only = calls = ReadOnlyCalls(self.meta, self.session)
         self.closes = Closes(self.meta, self.session, calls.release)
+        self.creates = Creates(self.session)  # overlapping ones in one call
         self.open_cache = OpenCache(
             calls.fresh_attr,
             calls.open,
@@ -364,9 +366,7 @@ class FileSystem(NamespaceCalls, PathOps):
         self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int
     ) -> tuple[OpenFile, Attr]:
         try:
-            res = await self.session.call(
-                "create", lambda m, s: m.create(parent, name, mode, flags, uid, gid, s)
-            )
+            res = await self.creates.create(parent, name, mode, flags, uid, gid)
         except BaseException:
             self._dirs_changing(parent)  # (whether it landed is not known)
             raise

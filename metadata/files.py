@@ -31,8 +31,11 @@ from shufflefs.metadata.jobs import record_truncate
 from shufflefs.metadata.lifetime import free_if_orphan, remove_handle
 from shufflefs.metadata.namespace import LayoutSource, make_inode
 from shufflefs.metadata.protocol import (
+    SESSION_EXPIRED,
     Attr,
     ClosedFile,
+    CreatedFile,
+    NewFile,
     OpenResult,
     WrittenClose,
     is_read_only_handle,
@@ -147,6 +150,35 @@ class FileOps:
             }
 
         return self.txns.write(body)
+
+    def create_files(
+        self, files: list[NewFile], session: int, layout: LayoutSource
+    ) -> list[CreatedFile]:
+        """`create_files`: `create` of each file, each in its own nested
+        transaction, so one that fails (EEXIST with O_EXCL, a name too long)
+        is answered its `[errno, message]` while the others stand. A session
+        that expired fails the whole call (before anything is made), as it
+        fails `create`: the client opens a new one and sends it again."""
+        created: list[CreatedFile] = []
+        for f in files:
+            try:
+                opened = self.create(
+                    f["parent"],
+                    f["name"],
+                    f["mode"],
+                    f["flags"],
+                    f["uid"],
+                    f["gid"],
+                    session,
+                    layout,
+                )
+            except FsError as exc:
+                if exc.code == SESSION_EXPIRED and not created:
+                    raise
+                created.append({"opened": None, "error": exc.to_wire()})
+            else:
+                created.append({"opened": opened, "error": None})
+        return created
 
     def open(self, ino: int, flags: int, session: int) -> OpenResult:
         """A read-only open takes an in-memory handle and no write

@@ -175,6 +175,24 @@ class ClosedFile(TypedDict):
     error: list[Any] | None  # [errno, message] if this close failed
 
 
+class NewFile(TypedDict):
+    """One file of `create_files`: `create`'s arguments but the session."""
+
+    parent: int
+    name: bytes
+    mode: int
+    flags: int
+    uid: int
+    gid: int
+
+
+class CreatedFile(TypedDict):
+    """How one create of `create_files` went (each on its own)."""
+
+    opened: OpenResult | None  # what `create` answers (None: it failed)
+    error: list[Any] | None  # [errno, message] if this create failed
+
+
 class FsStats(TypedDict):
     files: int  # inodes in use
     max_files: int
@@ -192,6 +210,7 @@ MUTATIONS = frozenset(
         "mknod",
         "mkdir",
         "create",
+        "create_files",
         "open",
         "release",
         "release_read_only",
@@ -391,6 +410,12 @@ class MetaStub:
             gid=gid,
             session=session,
         )
+        return result
+
+    async def create_files(self, files: list[NewFile], session: int) -> list[CreatedFile]:
+        """`create` of many files (at most READDIR_MAX), each on its own,
+        all in one group commit. ENOSYS from a server of before it."""
+        result: list[CreatedFile] = await self._call("create_files", files=files, session=session)
         return result
 
     async def open(self, ino: int, flags: int, session: int) -> OpenResult:

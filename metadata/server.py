@@ -18,10 +18,13 @@ from typing import Any
 from shufflefs.metadata.handles_service import SessionsAndHandles
 from shufflefs.metadata.listing_rows import ReaddirRowsPage
 from shufflefs.metadata.protocol import (
+    READDIR_MAX,
     Attr,
+    CreatedFile,
     FilesPage,
     FsStats,
     Layout,
+    NewFile,
     OpenResult,
     PendingJob,
     ReaddirLayoutsPage,
@@ -220,6 +223,32 @@ class MetaService(SessionsAndHandles):
             layout=self.new_layout,
         )
         return await self._settle_open(result, flags, session)
+
+    @rpc_method
+    async def create_files(
+        self, files: list[NewFile], session: int, request: list[int] | None = None
+    ) -> list[CreatedFile]:
+        """Many files' creates in one call and one group commit (what a
+        client's overlapping creates send together: `shufflefs import`,
+        several writers on a mount): each answered on its own."""
+        if len(files) > READDIR_MAX:
+            raise FsError(errno.E2BIG, f"create_files: {len(files)} files, at most {READDIR_MAX}")
+        await self._ensure_chains()
+        created = await self._mutate(
+            "create_files",
+            self.store.create_files,
+            request=request,
+            files=files,
+            session=session,
+            layout=self.new_layout,
+        )
+        for f, c in zip(files, created, strict=True):
+            if c["opened"] is not None:
+                try:
+                    await self._settle_open(c["opened"], f["flags"], session)
+                except FsError as exc:
+                    c["opened"], c["error"] = None, exc.to_wire()
+        return created
 
     @rpc_method
     async def unlink(self, parent: int, name: bytes, request: list[int] | None = None) -> Attr:

@@ -1,0 +1,88 @@
+"""A client's overlapping creates go in one `create_files` call
+(client/creates.py): the first alone at once, the ones that arrive while it
+is in flight together in the next; each caller gets its own file, or its
+own error; a server of before `create_files` (ENOSYS) gets a `create` each.
+The metadata server is the real one (tests/metaservice.py); the session
+stand-in hands it our session id."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+from metaservice import Env
+from metaservice import env as env  # the fixture
+
+from shufflefs.client.creates import Creates
+from shufflefs.metadata.protocol import ROOT_INODE, MetaStub, OpenResult
+from shufflefs.rpc import FsError
+
+NEW = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+
+
+class SessionOf:
+    """`Session.call`'s part: each call with our session; *refuse* makes a
+    method ENOSYS (a server of before it)."""
+
+    def __init__(self, env: Env, refuse: str = "") -> None:
+        self.env, self.refuse = env, refuse
+        self.calls: list[str] = []
+
+    async def call(self, what: str, fn: Callable[[MetaStub, int], Awaitable[Any]]) -> Any:
+        self.calls.append(what)
+        if what == self.refuse:
+            raise FsError(errno.ENOSYS, f"no method {what!r}")
+        return await fn(self.env.meta, self.env.session)
+
+
+async def _create_all(creates: Creates, names: list[bytes]) -> dict[bytes, OpenResult | int]:
+    out: dict[bytes, OpenResult | int] = {}
+
+    async def one(name: bytes) -> None:
+        try:
+            out[name] = await creates.create(ROOT_INODE, name, 0o644, NEW, 0, 0)
+        except FsError as exc:
+            out[name] = exc.code
+
+    async with trio.open_nursery() as nursery:
+        for name in names:
+            nursery.start_soon(one, name)
+    return out
+
+
+async def test_overlapping_creates_share_one_call_each_answered_on_its_own(env: Env) -> None:
+    await env.create(ROOT_INODE, b"taken")
+    session = SessionOf(env)
+    creates = Creates(session)  # type: ignore[arg-type]
+    names = [b"f%02d" % i for i in range(20)] + [b"taken"]
+    out = await _create_all(creates, names)
+    assert session.calls == ["create", "create_files"]  # the first alone, the rest together
+    assert (creates.batch.calls, creates.batch.asked) == (1, 20)
+    assert out[b"taken"] == errno.EEXIST
+    inos = set()
+    for name in names[:-1]:
+        opened = out[name]
+        assert not isinstance(opened, int) and opened.get("created")
+        assert (await env.meta.lookup(ROOT_INODE, name))["ino"] == opened["attr"]["ino"]
+        inos.add(opened["attr"]["ino"])
+        await env.meta.release(opened["attr"]["ino"], opened["handle"], env.session)
+    assert len(inos) == 20
+
+
+@pytest.mark.parametrize("names", [[b"a"], [b"a", b"b", b"c"]])
+async def test_a_server_without_create_files_gets_a_create_each(
+    env: Env, names: list[bytes]
+) -> None:
+    session = SessionOf(env, refuse="create_files")
+    creates = Creates(session)  # type: ignore[arg-type]
+    out = await _create_all(creates, names)
+    assert all(not isinstance(v, int) for v in out.values())
+    assert session.calls.count("create") == len(names)
+    out = await _create_all(creates, [b"d", b"e"])  # no batch tried again
+    assert session.calls.count("create_files") <= 1
+    for opened in out.values():
+        assert not isinstance(opened, int)
