@@ -14,6 +14,8 @@ waits for nothing more than before.
 
 from __future__ import annotations
 
+import trio
+
 from shufflefs.client.open_batch import Batcher
 from shufflefs.client.session import Session
 from shufflefs.metadata.protocol import SESSION_EXPIRED, CreatedFile, NewFile, OpenResult
@@ -57,7 +59,12 @@ class Creates:
         return {"opened": opened, "error": None}
 
     async def _many(self, files: list[NewFile]) -> list[CreatedFile | None]:
-        created: list[CreatedFile] = await self.session.call(
-            "create_files", lambda m, s: m.create_files(files, s)
-        )
+        # shielded from its leader's cancellation (bounded by the calls'
+        # timeouts and retry budget): the files may be made already, and
+        # the others, asking again alone, would meet their own files (EEXIST
+        # with O_EXCL) and leave the handles taken for them behind
+        with trio.CancelScope(shield=True):
+            created: list[CreatedFile] = await self.session.call(
+                "create_files", lambda m, s: m.create_files(files, s)
+            )
         return list(created)

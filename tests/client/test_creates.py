@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from metaservice import Env
 from metaservice import env as env  # the fixture
 
@@ -86,3 +87,46 @@ async def test_a_server_without_create_files_gets_a_create_each(
     assert session.calls.count("create_files") <= 1
     for opened in out.values():
         assert not isinstance(opened, int)
+
+
+async def test_a_cancelled_leader_leaves_its_batch_answered(env: Env) -> None:
+    """The caller that sends a batch is cancelled after the server made the
+    files: the others still get their own files, not EEXIST from asking
+    again alone (the call is shielded from its leader's cancellation)."""
+    session = SessionOf(env)
+    creates = Creates(session)  # type: ignore[arg-type]
+    made, reply = trio.Event(), trio.Event()
+    calls = session.call
+
+    async def call_held(what: str, fn: Callable[[MetaStub, int], Awaitable[Any]]) -> Any:
+        result = await calls(what, fn)
+        if what == "create_files":
+            made.set()
+            await reply.wait()  # the reply held back until the leader is cancelled
+        return result
+
+    session.call = call_held  # type: ignore[method-assign]
+    out: dict[bytes, OpenResult | int] = {}
+
+    async def one(name: bytes, scope: trio.CancelScope | None = None) -> None:
+        with scope or trio.CancelScope():
+            try:
+                out[name] = await creates.create(ROOT_INODE, name, 0o644, NEW, 0, 0)
+            except FsError as exc:
+                out[name] = exc.code
+
+    leader = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, b"alone")  # in flight: the next ones batch behind it
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, b"lead", leader)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(one, b"other")
+        await made.wait()
+        leader.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        reply.set()
+    assert session.calls == ["create", "create_files"]
+    other = out[b"other"]
+    assert not isinstance(other, int) and other.get("created")
+    assert (await env.meta.lookup(ROOT_INODE, b"lead"))["ino"] != other["attr"]["ino"]
