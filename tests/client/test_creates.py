@@ -95,14 +95,16 @@ async def test_a_cancelled_leader_leaves_its_batch_answered(env: Env) -> None:
     again alone (the call is shielded from its leader's cancellation)."""
     session = SessionOf(env)
     creates = Creates(session)  # type: ignore[arg-type]
-    made, reply = trio.Event(), trio.Event()
+    first_reply, made, reply = trio.Event(), trio.Event(), trio.Event()
     calls = session.call
 
     async def call_held(what: str, fn: Callable[[MetaStub, int], Awaitable[Any]]) -> Any:
         result = await calls(what, fn)
-        if what == "create_files":
+        if what == "create":
+            await first_reply.wait()  # in flight until the batch behind it is gathered
+        else:
             made.set()
-            await reply.wait()  # the reply held back until the leader is cancelled
+            await reply.wait()  # held back until the leader is cancelled
         return result
 
     session.call = call_held  # type: ignore[method-assign]
@@ -119,9 +121,11 @@ async def test_a_cancelled_leader_leaves_its_batch_answered(env: Env) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(one, b"alone")  # in flight: the next ones batch behind it
         await trio.testing.wait_all_tasks_blocked()
+        assert session.calls == ["create"]
         nursery.start_soon(one, b"lead", leader)
-        await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(one, b"other")
+        await trio.testing.wait_all_tasks_blocked()
+        first_reply.set()
         await made.wait()
         leader.cancel()
         await trio.testing.wait_all_tasks_blocked()
