@@ -3,13 +3,18 @@
 A create is a durable mutation: the metadata server makes the file in a
 group commit (metadata/writer.py), so creates that overlap already share
 its fsync; what each still pays alone is its round trip, on both sides.
-Creates that arrive while one is in flight (`shufflefs import`'s files in
-flight, several writer processes on a mount, `tar x` with a writeback
-mount's closes behind) wait for it to end and go together in one
+Creates asked *together* (`shufflefs import`'s 64 files in flight) that
+arrive while one is in flight wait for it to end and go together in one
 `create_files` call (client/open_batch.py:Batcher, as overlapping opens
 and closes go): one round trip for all, each answered on its own. A
-create with nothing in flight goes alone at once, so a single writer
-waits for nothing more than before.
+create with nothing in flight goes alone at once.
+
+A mount's creates are not asked together: its few writers' creates
+overlap by two or three, and one that waits for the call in flight before
+its own goes out loses more than the shared call saves (both would have
+shared a group commit anyway). Loopback, 4 writer processes x 400 files
+of 110 KB through a mount, 1 replica, five alternated rounds: 333-390
+files/s batched against 354-414 not.
 """
 
 from __future__ import annotations
@@ -28,9 +33,17 @@ class Creates:
         self.batch: Batcher[NewFile, CreatedFile] = Batcher(self._one, self._many, "create")
 
     async def create(
-        self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        flags: int,
+        uid: int,
+        gid: int,
+        together: bool = True,
     ) -> OpenResult:
-        """`create` (its reply), in one call with the creates that overlap it."""
+        """`create` (its reply): with *together*, in one call with the
+        creates that overlap it; else in a call of its own at once."""
         f: NewFile = {
             "parent": parent,
             "name": name,
@@ -39,7 +52,7 @@ class Creates:
             "uid": uid,
             "gid": gid,
         }
-        created = await self.batch.get(f)
+        created = await (self.batch.get(f) if together else self._one(f))
         if created["error"] is not None:
             error = FsError.from_wire(created["error"])
             if error.code != SESSION_EXPIRED:

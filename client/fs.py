@@ -363,10 +363,19 @@ class FileSystem(NamespaceCalls, PathOps):
         return f, self.overlay(attr)
 
     async def create(
-        self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        flags: int,
+        uid: int,
+        gid: int,
+        together: bool = False,
     ) -> tuple[OpenFile, Attr]:
+        """*together*: in one call with the overlapping creates also asked
+        together (many in flight: `shufflefs import`; client/creates.py)."""
         try:
-            res = await self.creates.create(parent, name, mode, flags, uid, gid)
+            res = await self.creates.create(parent, name, mode, flags, uid, gid, together)
         except BaseException:
             self._dirs_changing(parent)  # (whether it landed is not known)
             raise

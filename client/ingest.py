@@ -347,7 +347,13 @@ class Importer:
         try:
             first = await trio.to_thread.run_sync(_read, path, 0, min(entry.size, PIECE))
             f, _ = await self.fs.create(
-                parent, entry.name, stat.S_IMODE(entry.mode), CREATE_FLAGS, self._uid, self._gid
+                parent,
+                entry.name,
+                stat.S_IMODE(entry.mode),
+                CREATE_FLAGS,
+                self._uid,
+                self._gid,
+                together=True,  # the files in flight: their creates in one call
             )
             written = 0
             try:

@@ -134,3 +134,20 @@ async def test_a_cancelled_leader_leaves_its_batch_answered(env: Env) -> None:
     other = out[b"other"]
     assert not isinstance(other, int) and other.get("created")
     assert (await env.meta.lookup(ROOT_INODE, b"lead"))["ino"] != other["attr"]["ino"]
+
+
+async def test_creates_not_asked_together_each_go_at_once(env: Env) -> None:
+    """A mount's creates (`together=False`, `FileSystem.create`'s default):
+    a call each, none waiting for another's."""
+    session = SessionOf(env)
+    creates = Creates(session)  # type: ignore[arg-type]
+    out: dict[bytes, OpenResult] = {}
+
+    async def one(name: bytes) -> None:
+        out[name] = await creates.create(ROOT_INODE, name, 0o644, NEW, 0, 0, together=False)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(one, b"m%d" % i)
+    assert session.calls == ["create"] * 5 and creates.batch.calls == 0
+    assert len({o["attr"]["ino"] for o in out.values()}) == 5
