@@ -57,11 +57,9 @@ from shufflefs.client.read_only_calls import ReadOnlyCalls
 from shufflefs.client.session import Session
 from shufflefs.client.storage_client import StorageClient
 from shufflefs.client.write_behind import InodeState, LastAttrs, WriteBehind, drain
-from shufflefs.cluster.protocol import Capacity
 from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import (
     Attr,
-    FsStats,
     Layout,
     MetaStub,
     MountInfo,
@@ -336,11 +334,6 @@ class FileSystem(NamespaceCalls, PathOps):
             return None
         return (st, st.attr) if time.monotonic() - st.attr_at < within else None
 
-    async def statfs(self) -> tuple[Capacity, FsStats]:
-        capacity = await self.routing.mgmtd.capacity()
-        stats = await self.meta.call_read("statfs", lambda m: m.statfs())
-        return capacity, stats
-
     # ---- open files -------------------------------------------------------------
 
     def _track(self, res: OpenResult, flags: int, fresh: bool = True) -> tuple[OpenFile, Attr]:
@@ -372,8 +365,7 @@ class FileSystem(NamespaceCalls, PathOps):
         gid: int,
         together: bool = False,
     ) -> tuple[OpenFile, Attr]:
-        """*together*: in one call with the overlapping creates also asked
-        together (many in flight: `shufflefs import`; client/creates.py)."""
+        """*together*: see client/creates.py (the import's files in flight)."""
         try:
             res = await self.creates.create(parent, name, mode, flags, uid, gid, together)
         except BaseException:

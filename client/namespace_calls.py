@@ -1,4 +1,4 @@
-"""The namespace calls of `FileSystem` (a base of it): mkdir, link,
+"""The namespace calls of `FileSystem` (a base of it): statfs, mkdir, link,
 unlink, rename, listings, xattrs: each one metadata call, its attributes
 laid over by this client's own (`FileSystem.overlay`)."""
 
@@ -7,19 +7,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from shufflefs.cluster.protocol import Capacity
 from shufflefs.metadata.listing_rows import ReaddirRowsPage
-from shufflefs.metadata.protocol import Attr, ReaddirLayoutsPage, ReaddirPage
+from shufflefs.metadata.protocol import Attr, FsStats, ReaddirLayoutsPage, ReaddirPage
 
 if TYPE_CHECKING:
     from shufflefs.client.cache_watch import CacheWatch
     from shufflefs.client.meta_client import MetaClient
     from shufflefs.client.open_cache import OpenCache
     from shufflefs.client.write_behind import InodeState, LastAttrs
+    from shufflefs.cluster.routing import RoutingCache
 
 
 class NamespaceCalls:
     if TYPE_CHECKING:
         meta: MetaClient
+        routing: RoutingCache
         cache_watch: CacheWatch | None
         inodes: dict[int, InodeState]
 
@@ -42,6 +45,11 @@ class NamespaceCalls:
             )
             for name, a in entries
         ]
+
+    async def statfs(self) -> tuple[Capacity, FsStats]:
+        capacity = await self.routing.mgmtd.capacity()
+        stats = await self.meta.call_read("statfs", lambda m: m.statfs())
+        return capacity, stats
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         self._dirs_changing(parent)
