@@ -21,7 +21,6 @@ Every service runs the same code as on a real cluster
 from __future__ import annotations
 
 import errno
-import random
 import socket
 import subprocess
 import time
@@ -476,47 +475,12 @@ def default_replicas(storage_nodes: int, replicas: int | None) -> int:
     return 3 if storage_nodes >= 3 else 1
 
 
-PORT_FLOOR = 20000  # ports handed out from here up to the kernel's ephemeral range
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel gives an outgoing connection."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_ports(host: str, count: int) -> list[int]:
-    """Ports free right now on *host* (held open together so they differ).
-
-    Taken below the kernel's ephemeral range: a port from that range, let go
-    here until its daemon binds it, can meanwhile become the local port of
-    an outgoing connection (the daemons starting before it connect to each
-    other), and the daemon then fails to start (EADDRINUSE). Where that
-    range leaves no room below it, any port the kernel gives."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    low = _ephemeral_low()
-    candidates: list[int] = []
-    if low - PORT_FLOOR >= 4 * count:
-        candidates = random.sample(range(PORT_FLOOR, low), min(low - PORT_FLOOR, 64 * count))
-    socks: list[socket.socket] = []
+    """Ports free right now on *host* (held open together so they differ)."""
+    socks = []
     try:
-        for port in candidates:
-            if len(socks) == count:
-                break
-            s = socket.socket(family)
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                s.close()
-                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                    continue  # (taken: the next one)
-                raise
-            socks.append(s)
-        while len(socks) < count:
-            s = socket.socket(family)
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
             socks.append(s)
             s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
