@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import errno
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import trio
 
 from shufflefs.cluster import procs
-from shufflefs.cluster.cli_errors import UsageError
+from shufflefs.cluster.cli_errors import StartFailed, UsageError
 from shufflefs.cluster.config import CONFIG_ENV, find_client_config
 from shufflefs.cluster.etcd_procs import wait_healthy
 from shufflefs.cluster.launcher import (
@@ -46,6 +47,8 @@ from shufflefs.cluster.startup import (
 )
 from shufflefs.rpc.errors import FsError
 
+FORMAT_ATTEMPTS = 3  # a fresh cluster whose picked port was taken meanwhile: format again
+
 
 def up(
     data_dir: str | Path,
@@ -70,59 +73,100 @@ def up(
     servers); an existing cluster keeps the control plane it was formatted with."""
     cluster = LocalCluster(data_dir)
     mount_at = check_mountpoint(mountpoint) if mountpoint is not None else None
-    if cluster.exists():
-        if ha and not cluster.layout().ha:
-            raise UsageError(
-                f"{cluster.dir} was formatted without --ha (one mgmtd); the control plane is "
-                "fixed at format (use a new --data-dir for an HA cluster)"
+    for attempt in range(1, FORMAT_ATTEMPTS + 1):
+        formatted_over: set[Path] | None = None  # what data_dir held before this call formatted it
+        if cluster.exists():
+            if ha and not cluster.layout().ha:
+                raise UsageError(
+                    f"{cluster.dir} was formatted without --ha (one mgmtd); the control plane "
+                    "is fixed at format (use a new --data-dir for an HA cluster)"
+                )
+            added = reconcile_shape(
+                cluster, storage_nodes, replicas, chunk_size, host, meta_servers, targets_per_node
             )
-        added = reconcile_shape(
-            cluster, storage_nodes, replicas, chunk_size, host, meta_servers, targets_per_node
-        )
-        if added:
-            names = ", ".join(added)
-            print(f"added {names}; mgmtd places their targets (see `shufflefs status`)", file=out)
-    else:
-        nodes = storage_nodes or DEFAULT_STORAGE_NODES
-        cluster.format(
-            nodes,
-            default_replicas(nodes, replicas),
-            chunk_size or DEFAULT_CHUNK_SIZE,
-            host or DEFAULT_HOST,
-            meta_servers=meta_servers or (HA_MGMTDS if ha else 1),
-            targets_per_node=targets_per_node or 1,
-            ha=ha,
-        )
-        print(f"formatted a new cluster in {cluster.dir}", file=out)
-        if ha:
-            print(f"highly available: {HA_MGMTDS} etcd members, {HA_MGMTDS} mgmtd", file=out)
-        elif not meta_servers or meta_servers == 1:
-            print("one metadata server: for failover, format with --meta-servers 3", file=out)
-    cluster.check_configs()
-    startup = Startup(cluster, out)
-    try:
-        services = cluster.services()
-        etcds = [s for s in services if s.program]
-        if etcds:  # mgmtd keeps its state in them
-            wait_healthy(cluster.etcd(), {s.name: startup.ensure(s) for s in etcds}, timeout)
-        mgmtds = [s for s in services if s.argv[0] == "mgmtd"]
-        pids = {s.name: startup.ensure(s) for s in mgmtds}  # the others register with it
-        trio.run(wait_services_ready, cluster, pids, timeout)
-        others = [s for s in services if s not in etcds and s not in mgmtds]
-        pids.update({s.name: startup.ensure(s) for s in others})
-        trio.run(wait_services_ready, cluster, pids, timeout)
-        missing = trio.run(wait_writable, cluster, pids, timeout)
-        if missing is not None:
-            print(
-                f"warning: still waiting for {missing} after {timeout:g}s: new files are "
-                "refused (EROFS) until then; `shufflefs status` shows the targets",
-                file=out,
+            if added:
+                names = ", ".join(added)
+                print(
+                    f"added {names}; mgmtd places their targets (see `shufflefs status`)",
+                    file=out,
+                )
+        else:
+            formatted_over = set(cluster.dir.iterdir()) if cluster.dir.is_dir() else set()
+            nodes = storage_nodes or DEFAULT_STORAGE_NODES
+            cluster.format(
+                nodes,
+                default_replicas(nodes, replicas),
+                chunk_size or DEFAULT_CHUNK_SIZE,
+                host or DEFAULT_HOST,
+                meta_servers=meta_servers or (HA_MGMTDS if ha else 1),
+                targets_per_node=targets_per_node or 1,
+                ha=ha,
             )
-        if mount_at is not None:
-            mount_local(cluster, mount_at, startup, timeout)
-    except BaseException as exc:
-        raise startup.abort(exc) from None
-    return cluster
+            print(f"formatted a new cluster in {cluster.dir}", file=out)
+            if ha:
+                print(f"highly available: {HA_MGMTDS} etcd members, {HA_MGMTDS} mgmtd", file=out)
+            elif not meta_servers or meta_servers == 1:
+                print("one metadata server: for failover, format with --meta-servers 3", file=out)
+        cluster.check_configs()
+        startup = Startup(cluster, out)
+        try:
+            start_and_mount(cluster, startup, mount_at, timeout, out)
+            return cluster
+        except BaseException as exc:
+            report = startup.abort(exc)
+            taken = port_taken(report)
+            if formatted_over is None or attempt == FORMAT_ATTEMPTS or taken is None:
+                raise report from None
+        # The ports were free when format picked them, and something (another
+        # program's outgoing connection, often) took one before its service
+        # bound it. A cluster this call formatted holds nothing yet: format it
+        # again, on ports picked now.
+        print(f"{taken}; formatting again on other ports", file=out)
+        unformat(cluster.dir, formatted_over)
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def start_and_mount(
+    cluster: LocalCluster, startup: Startup, mount_at: Path | None, timeout: float, out: Any
+) -> None:
+    """Start what is not running, in order, wait until it is ready, and mount."""
+    services = cluster.services()
+    etcds = [s for s in services if s.program]
+    if etcds:  # mgmtd keeps its state in them
+        wait_healthy(cluster.etcd(), {s.name: startup.ensure(s) for s in etcds}, timeout)
+    mgmtds = [s for s in services if s.argv[0] == "mgmtd"]
+    pids = {s.name: startup.ensure(s) for s in mgmtds}  # the others register with it
+    trio.run(wait_services_ready, cluster, pids, timeout)
+    others = [s for s in services if s not in etcds and s not in mgmtds]
+    pids.update({s.name: startup.ensure(s) for s in others})
+    trio.run(wait_services_ready, cluster, pids, timeout)
+    missing = trio.run(wait_writable, cluster, pids, timeout)
+    if missing is not None:
+        print(
+            f"warning: still waiting for {missing} after {timeout:g}s: new files are "
+            "refused (EROFS) until then; `shufflefs status` shows the targets",
+            file=out,
+        )
+    if mount_at is not None:
+        mount_local(cluster, mount_at, startup, timeout)
+
+
+def port_taken(report: BaseException) -> str | None:
+    """*report*'s message if `up` failed because a service found its port taken."""
+    if isinstance(report, StartFailed) and os.strerror(errno.EADDRINUSE) in report.message:
+        return report.message
+    return None
+
+
+def unformat(data_dir: Path, before: set[Path]) -> None:
+    """Remove what a format wrote into *data_dir* (all but *before*)."""
+    for entry in data_dir.iterdir():
+        if entry in before:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def reconcile_shape(
