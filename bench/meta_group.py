@@ -42,7 +42,8 @@ from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.launcher import LocalCluster, mgmtd_name
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.metadata.protocol import ROOT_INODE, Attr, MetaStub
+from shufflefs.metadata.protocol import ROOT_INODE, Attr
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import open_rpc_client
 from shufflefs.rpc.retry import retrying
 

@@ -24,9 +24,10 @@ import trio
 
 from shufflefs.cluster.protocol import RoutingInfo
 from shufflefs.cluster.routing import Routing
-from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.metadata.protocol import ROOT_INODE
 from shufflefs.metadata.server import MetaService
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import RpcServer, open_rpc_client
 
 SECRET = os.urandom(32)

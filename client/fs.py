@@ -61,12 +61,12 @@ from shufflefs.cluster.routing import RoutingCache
 from shufflefs.metadata.protocol import (
     Attr,
     Layout,
-    MetaStub,
     MountInfo,
     OpenResult,
     OwedAttrs,
     is_read_only_handle,
 )
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError

@@ -25,7 +25,8 @@ from shufflefs.client.open_batch import Batcher
 from shufflefs.client.session import Session
 from shufflefs.client.write_behind import InodeState
 from shufflefs.metadata.checks import check_setattr
-from shufflefs.metadata.protocol import Attr, ClosedFile, MetaStub, OwedAttrs, WrittenClose
+from shufflefs.metadata.protocol import Attr, ClosedFile, OwedAttrs, WrittenClose
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.errors import FsError
 
 log = logging.getLogger("shufflefs.client.length_reports")

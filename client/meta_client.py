@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.metadata.protocol import MetaStub
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.retry import retrying

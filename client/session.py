@@ -17,7 +17,8 @@ from typing import TypeVar
 import trio
 
 from shufflefs.client.meta_client import MetaClient
-from shufflefs.metadata.protocol import SESSION_EXPIRED, MetaStub, MountInfo
+from shufflefs.metadata.protocol import SESSION_EXPIRED, MountInfo
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.errors import FsError
 

@@ -17,7 +17,8 @@ from shufflefs.cluster.metrics_registry import MetricsEndpoint, endpoints
 from shufflefs.cluster.preflight import load_client
 from shufflefs.cluster.protocol import Capacity, MgmtdStub, RoutingInfo
 from shufflefs.cluster.routing import Routing
-from shufflefs.metadata.protocol import MetaStub, SessionInfo
+from shufflefs.metadata.protocol import SessionInfo
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.addresses import mgmtd_addresses
 from shufflefs.rpc.client import RpcClient, open_rpc_client
 from shufflefs.rpc.errors import FsError

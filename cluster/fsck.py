@@ -41,7 +41,8 @@ from shufflefs.cluster.cli_errors import explain_connection_error
 from shufflefs.cluster.progress import Progress
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.cluster.routing import Routing
-from shufflefs.metadata.protocol import Layout, MetaStub, PendingJob
+from shufflefs.metadata.protocol import Layout, PendingJob
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.client import RpcClient
 from shufflefs.rpc.errors import FsError
 from shufflefs.storage.protocol import CHUNK_ID, StorageStub, chain_call_timeout

@@ -33,7 +33,7 @@ from shufflefs.cluster.cli_errors import (
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.cluster.routing import Routing
-from shufflefs.metadata.protocol import MetaStub
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.client import RpcClient, open_rpc_client
 from shufflefs.rpc.errors import FsError
 

@@ -37,7 +37,7 @@ log = logging.getLogger("shufflefs.metadata.server")
 
 
 class MetaService(SessionsAndHandles):
-    """The rpc methods of `metadata.protocol.MetaStub`, over one NamespaceStore.
+    """The rpc methods of `metadata.stub.MetaStub`, over one NamespaceStore.
 
     *routing* returns the current routing map; it is consulted for the chains
     of new files and for the storage targets that jobs are carried out on.

@@ -18,9 +18,9 @@ import trio
 
 from shufflefs.cluster.protocol import RoutingInfo
 from shufflefs.cluster.routing import Routing
-from shufflefs.metadata.protocol import MetaStub
 from shufflefs.metadata.server import MetaService
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client, rpc_method
 
 SECRET = b"0123456789abcdef0123456789abcdef"

@@ -15,7 +15,8 @@ import trio
 
 from shufflefs.client.cache_watch import CacheWatch
 from shufflefs.client.fs import ClientOptions, FileSystem
-from shufflefs.metadata.protocol import ROOT_INODE, MetaStub, WatchedDirPage
+from shufflefs.metadata.protocol import ROOT_INODE, WatchedDirPage
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.errors import FsError
 
 from .test_open_cache import OpenFs

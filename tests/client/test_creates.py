@@ -19,7 +19,8 @@ from metaservice import Env
 from metaservice import env as env  # the fixture
 
 from shufflefs.client.creates import Creates
-from shufflefs.metadata.protocol import ROOT_INODE, MetaStub, OpenResult
+from shufflefs.metadata.protocol import ROOT_INODE, OpenResult
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import FsError
 
 NEW = os.O_CREAT | os.O_EXCL | os.O_WRONLY

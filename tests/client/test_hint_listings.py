@@ -17,7 +17,7 @@ import trio
 from shufflefs.client.fs import ClientOptions, FileSystem
 from shufflefs.fuse import prefetch_hints
 from shufflefs.fuse.prefetch_hints import HintResolver
-from shufflefs.metadata import protocol
+from shufflefs.metadata import stub
 from shufflefs.metadata.protocol import ROOT_INODE
 
 OpenFs = Callable[[ClientOptions], Awaitable[FileSystem]]  # the `open_fs` fixture
@@ -146,7 +146,7 @@ async def test_a_metadata_server_of_before_rows_lists_by_maps(
     fs: FileSystem, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await make_dir(fs, b"d", 3)
-    monkeypatch.setattr(protocol, "ROWS_REFUSED", Everyone())  # every server refuses rows
+    monkeypatch.setattr(stub, "ROWS_REFUSED", Everyone())  # every server refuses rows
     resolver = HintResolver(fs)
     hints = await resolver.resolve([(b"d/f00", 0, None), (b"d/f02", 0, None)])
     assert [h.ino for h in hints] == [

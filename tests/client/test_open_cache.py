@@ -23,7 +23,8 @@ import trio
 from clusters import ChainCluster
 
 from shufflefs.client.fs import ClientOptions, FileSystem
-from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.metadata.protocol import ROOT_INODE
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.errors import FsError
 
 OpenFs = Callable[[ClientOptions], Awaitable[FileSystem]]  # the `open_fs` fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from clusters import ChainCluster
 
-from shufflefs.metadata.protocol import MetaStub
+from shufflefs.metadata.stub import MetaStub
 
 
 async def test_metadata_server_joins_the_in_process_cluster(cluster: ChainCluster) -> None:

@@ -20,7 +20,7 @@ from harness import evict
 from shufflefs.client.data import FileDataset
 from shufflefs.client.data.urls import client_for
 from shufflefs.cluster.config import load_client_config
-from shufflefs.metadata.protocol import MetaStub
+from shufflefs.metadata.stub import MetaStub
 
 DIRS = 3
 PER_DIR = 40

@@ -18,7 +18,7 @@ from harness import shufflefs
 from shufflefs.client import Client
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.routing import Routing
-from shufflefs.metadata.protocol import MetaStub
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.client import open_rpc_client
 from shufflefs.storage.protocol import StorageStub, chunk_id
 

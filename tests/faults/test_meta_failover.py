@@ -37,9 +37,10 @@ from harness import shufflefs
 from shufflefs.client.meta_client import MetaClient
 from shufflefs.cluster.config import load_client_config
 from shufflefs.cluster.routing import RoutingCache
-from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.metadata.protocol import ROOT_INODE
 from shufflefs.metadata.records import ALL_DBS, DB_INFO
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import open_rpc_client
 
 STORM = str(Path(__file__).parent / "meta_storm.py")
@@ -415,7 +416,7 @@ def test_a_follower_catches_up_from_the_log_then_from_a_snapshot(tmp_path: Path)
 
 SPLIT_BRAIN = """
 import sys, trio
-from shufflefs.metadata.protocol import MetaStub
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc.client import open_rpc_client
 from shufflefs.rpc.errors import FsError
 

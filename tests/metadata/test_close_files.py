@@ -10,7 +10,8 @@ import errno
 import pytest
 from metaservice import Env
 
-from shufflefs.metadata.protocol import READDIR_MAX, ROOT_INODE, MetaStub, WrittenClose
+from shufflefs.metadata.protocol import READDIR_MAX, ROOT_INODE, WrittenClose
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import FsError
 
 ROOT = ROOT_INODE

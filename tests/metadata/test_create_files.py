@@ -13,13 +13,8 @@ import os
 import pytest
 from metaservice import Env
 
-from shufflefs.metadata.protocol import (
-    READDIR_MAX,
-    ROOT_INODE,
-    SESSION_EXPIRED,
-    MetaStub,
-    NewFile,
-)
+from shufflefs.metadata.protocol import READDIR_MAX, ROOT_INODE, SESSION_EXPIRED, NewFile
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import FsError
 
 ROOT = ROOT_INODE

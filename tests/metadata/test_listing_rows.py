@@ -13,13 +13,8 @@ from metaservice import SECRET
 
 from shufflefs.metadata import listing_rows
 from shufflefs.metadata.listing_rows import ATTR_ROW, entry_of_row
-from shufflefs.metadata.protocol import (
-    ROOT_INODE,
-    Attr,
-    MetaStub,
-    ReaddirPage,
-    WatchedDirPage,
-)
+from shufflefs.metadata.protocol import ROOT_INODE, Attr, ReaddirPage, WatchedDirPage
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import FsError, RpcServer, rpc_method
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import trio
 from metaservice import Env
 
 from shufflefs.metadata import request_ids
-from shufflefs.metadata.protocol import ROOT_INODE, MetaStub
+from shufflefs.metadata.protocol import ROOT_INODE
 from shufflefs.metadata.records import ALL_DBS, DB_INFO, DB_REQUESTS, pack
 from shufflefs.metadata.replication import (
     NOT_ACKNOWLEDGED,
@@ -25,6 +25,7 @@ from shufflefs.metadata.replication import (
 )
 from shufflefs.metadata.replication_snapshot import SnapshotReceiver, send_snapshot
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.metadata.writer import Writer
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client
 from tests.metaservice import SECRET

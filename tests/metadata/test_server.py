@@ -23,14 +23,9 @@ from shufflefs.cluster.node import advertised_address, listen_address
 from shufflefs.cluster.protocol import RoutingInfo, TargetRegistration, TargetUsage
 from shufflefs.metadata.config import MetaConfig
 from shufflefs.metadata.process import main, serve
-from shufflefs.metadata.protocol import (
-    RENAME_EXCHANGE,
-    ROOT_INODE,
-    SESSION_EXPIRED,
-    XATTR_CREATE,
-    MetaStub,
-)
+from shufflefs.metadata.protocol import RENAME_EXCHANGE, ROOT_INODE, SESSION_EXPIRED, XATTR_CREATE
 from shufflefs.metadata.store import NamespaceStore
+from shufflefs.metadata.stub import MetaStub
 from shufflefs.rpc import FsError, RpcServer, open_rpc_client, rpc_method
 from shufflefs.rpc.cluster_secret import generate_secret, load_secret
 from shufflefs.rpc.config import load_config
