@@ -44,6 +44,7 @@ from shufflefs.metadata.protocol import ROOT_INODE, Attr
 from shufflefs.rpc.errors import FsError, first_fs_error
 
 PIECE = 4 << 20  # bytes read and written at a time (a file bigger than this streams)
+INLINE_READ_MAX = 1 << 20  # a file up to this size is read on the event loop if cached
 DEFAULT_CONCURRENCY = 64  # files in flight (`shufflefs import --concurrency`)
 READDIR_PAGE = 1024
 MAX_NAMED = 1000  # problems kept to report (the rest are counted)
@@ -138,6 +139,27 @@ def _read(path: bytes, offset: int, length: int) -> bytes:
         return os.pread(fd, length, offset)
     finally:
         os.close(fd)
+
+
+def _read_cached(path: bytes, length: int) -> bytearray | None:
+    """The first *length* bytes of local file *path* (that many: the caller
+    knows its size) if the page cache holds them all, else None. Never
+    waits for the disk (``RWF_NOWAIT``), so it runs on the event loop: a
+    source read a moment ago, or written before the import, is most of
+    what an import copies, and the worker thread's hand-off both ways costs
+    more than the copy (a sixth of the import's CPU, 110 KB files)."""
+    buf = bytearray(length)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None  # (the worker thread's read names the error)
+    try:
+        got = os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
+    except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without it
+        return None
+    finally:
+        os.close(fd)
+    return buf if got == length else None
 
 
 class Importer:
@@ -345,7 +367,11 @@ class Importer:
 
     async def _copy_file(self, path: bytes, parent: int, entry: _Entry) -> None:
         try:
-            first = await trio.to_thread.run_sync(_read, path, 0, min(entry.size, PIECE))
+            first: bytes | bytearray | None = None
+            if 0 < entry.size <= INLINE_READ_MAX:
+                first = _read_cached(path, entry.size)
+            if first is None:
+                first = await trio.to_thread.run_sync(_read, path, 0, min(entry.size, PIECE))
             f, _ = await self.fs.create(
                 parent,
                 entry.name,
