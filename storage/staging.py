@@ -41,7 +41,6 @@ from shufflefs.storage.cache import FdHandle
 from shufflefs.storage.crc import (
     CRC_TYPECODE,
     block_crcs,
-    crc32c,
     first_bad_block,
     zero_block_crc,
 )
@@ -566,25 +565,28 @@ class WritableTarget(WholeFiles):
         b1 = block_count(end, bs)
         lo = b0 * bs
         hi = min(b1 * bs, new_len)
-        span = bytearray(hi - lo)  # zeros: the gap of a sparse append
-        for b in sorted({b0, b1 - 1}):
-            blo = b * bs
-            if rec is None or blo >= old_len:
-                continue
-            if offset <= blo and end >= min(blo + bs, new_len):
-                continue  # wholly overwritten
-            old = self._read_block_verified(cid, rec, fd, b)
-            span[blo - lo : blo - lo + len(old)] = old
-        span[offset - lo : end - lo] = data
+        span: Data
+        if lo == offset and hi == end:
+            span = data  # its blocks hold nothing else (a new sample file's chunk)
+        else:
+            span = bytearray(hi - lo)  # zeros: the gap of a sparse append
+            for b in sorted({b0, b1 - 1}):
+                blo = b * bs
+                if rec is None or blo >= old_len:
+                    continue
+                if offset <= blo and end >= min(blo + bs, new_len):
+                    continue  # wholly overwritten
+                old = self._read_block_verified(cid, rec, fd, b)
+                span[blo - lo : blo - lo + len(old)] = old
+            span[offset - lo : end - lo] = data
         crcs = array(CRC_TYPECODE, rec.crcs[:b0]) if rec is not None else array(CRC_TYPECODE)
-        zero = zero_block_crc(bs)
         view = memoryview(span)
-        for blo in range(lo, hi, bs):
-            bhi = min(blo + bs, hi)
-            if blo >= old_len and bhi <= offset and bhi - blo == bs:
-                crcs.append(zero)
-            else:
-                crcs.append(crc32c(bytes(view[blo - lo : bhi - lo])))
+        # the whole blocks of a sparse append's gap, [z0, z1), are zeros
+        z0 = min(hi, max(lo, block_count(old_len, bs) * bs))
+        z1 = max(z0, min(hi, offset // bs * bs))
+        crcs.extend(block_crcs(view[: z0 - lo], bs))
+        crcs.extend(array(CRC_TYPECODE, [zero_block_crc(bs)]) * ((z1 - z0) // bs))
+        crcs.extend(block_crcs(view[z1 - lo :], bs))
         if rec is not None and b1 < len(rec.crcs):
             crcs.extend(rec.crcs[b1:])
         return crcs
