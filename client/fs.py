@@ -468,10 +468,11 @@ class FileSystem(NamespaceCalls, PathOps):
         if pieces:
             await reads.read(pieces, out, cold)
 
-    async def write(self, fh: int, offset: int, data: Buffer) -> int:
+    async def write(self, fh: int, offset: int, data: Buffer, owned: bool = False) -> int:
         """Write-behind (see client/write_behind.py): returns once the bytes
         are handed over, unless `options.write_buffer` bytes of the file are
-        already in flight; a failure is reported by the next call."""
+        already in flight; a failure is reported by the next call. *owned*:
+        the caller never changes *data* again, so it is not copied."""
         f = self.file(fh)
         if f.layout is None:
             raise FsError(errno.EINVAL, "not a regular file")
@@ -481,7 +482,7 @@ class FileSystem(NamespaceCalls, PathOps):
         if n == 0:
             return 0
         st = self.inodes[f.ino]
-        await self.write_behind.write(f.ino, f.layout, st, offset, data)
+        await self.write_behind.write(f.ino, f.layout, st, offset, data, owned)
         _wrote(st, offset + n)
         return n
 

@@ -385,7 +385,7 @@ class Importer:
             try:
                 data = first
                 while data:
-                    await self.fs.write(f.fh, written, data)
+                    await self.fs.write(f.fh, written, data, owned=True)  # (read for it alone)
                     written += len(data)
                     if written >= entry.size:
                         break  # (a file that grew meanwhile: copied as it was listed)

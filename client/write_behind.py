@@ -37,11 +37,12 @@ log = logging.getLogger("shufflefs.client.write_behind")
 
 @dataclass(eq=False)
 class Queued:
-    """A chunk piece not sent yet: its bytes grow while it waits."""
+    """A chunk piece not sent yet: its bytes grow while it waits (a
+    caller's buffer it handed over is copied only when more joins it)."""
 
     chain: int
     offset: int  # in the chunk
-    data: bytearray
+    data: bytearray | memoryview
 
 
 @dataclass
@@ -177,9 +178,17 @@ class WriteBehind:
         self.limit = limit  # bytes in flight per file (0: every write waits)
 
     async def write(
-        self, ino: int, layout: Layout, st: InodeState, offset: int, data: Buffer
+        self,
+        ino: int,
+        layout: Layout,
+        st: InodeState,
+        offset: int,
+        data: Buffer,
+        owned: bool = False,
     ) -> None:
-        """Write *data* at *offset*: behind when there is room, else wait for room."""
+        """Write *data* at *offset*: behind when there is room, else wait for
+        room. *owned*: the caller hands *data* over and never changes it (as
+        if it were `bytes`), so it is sent as it is, not copied."""
         raise_write_error(st)
         nursery = self.storage.background
         if nursery is None or self.limit <= 0:
@@ -189,7 +198,7 @@ class WriteBehind:
         while st.pending_bytes and st.pending_bytes + n > self.limit:
             await st.progress.wait()
             raise_write_error(st)
-        self.queue(ino, layout, st, offset, data)
+        self.queue(ino, layout, st, offset, data, owned)
 
     def room(self, st: InodeState, n: int) -> bool:
         """Would `write` of *n* bytes go behind at once (no wait for room,
@@ -201,22 +210,35 @@ class WriteBehind:
             and not (st.pending_bytes and st.pending_bytes + n > self.limit)
         )
 
-    def queue(self, ino: int, layout: Layout, st: InodeState, offset: int, data: Buffer) -> None:
-        """Hand *data* to writes in the background (there is room: `room`)."""
+    def queue(
+        self,
+        ino: int,
+        layout: Layout,
+        st: InodeState,
+        offset: int,
+        data: Buffer,
+        owned: bool = False,
+    ) -> None:
+        """Hand *data* to writes in the background (there is room: `room`).
+        It is copied (the caller may reuse its buffer) unless it is `bytes`
+        or *owned*."""
         nursery = self.storage.background
         assert nursery is not None
         n = len(memoryview(data))
         view = memoryview(data).cast("B")
+        keep = owned or isinstance(data, bytes)  # nobody changes these bytes after us
         for p in plan([(ino, layout, offset, n)]):
             piece = view[p[4] : p[4] + p[3]]
             st.pending_bytes += p[3]
             waiting = st.queued.get(p[1])
             if waiting is not None and waiting.offset + len(waiting.data) == p[2]:
+                if not isinstance(waiting.data, bytearray):
+                    waiting.data = bytearray(waiting.data)  # (a view of a buffer handed over)
                 waiting.data += piece  # continues the piece waiting its turn
                 continue
             before = st.chunk_tails.get(p[1])
             done = st.chunk_tails[p[1]] = trio.Event()
-            queued = Queued(p[0], p[2], bytearray(piece))  # a copy: the caller may reuse its buffer
+            queued = Queued(p[0], p[2], piece if keep else bytearray(piece))
             if before is not None:
                 st.queued[p[1]] = queued
             nursery.start_soon(self._write_piece, ino, layout, st, p[1], queued, before, done)

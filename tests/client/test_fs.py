@@ -132,6 +132,39 @@ async def test_small_writes_behind_a_sent_one_go_as_one(fs: FileSystem) -> None:
     await fs.release(f.fh)
 
 
+async def test_buffers_handed_over_are_sent_as_they_are(fs: FileSystem) -> None:
+    """`bytes`, and a buffer written with ``owned=True`` (the import's), go
+    to the storage client as they are, not copied; one that more joins
+    while it waits is copied then, and the caller's buffer is left alone."""
+    f = await create(fs, b"handed")
+    real: WritePiece = fs.storage.writes.write_piece
+    held = trio.Event()
+    release = trio.Event()
+    sent: list[tuple[int, object]] = []  # (offset in the chunk, the buffer the bytes are in)
+
+    async def write_piece(ino: int, layout: Layout, p: Piece, data: memoryview) -> None:
+        sent.append((p[2], data.obj))
+        if not held.is_set():
+            held.set()
+            await release.wait()
+        await real(ino, layout, p, data)
+
+    fs.storage.writes.write_piece = write_piece  # type: ignore[method-assign]
+    first = bytearray(os.urandom(1000))
+    await fs.write(f.fh, 0, first, owned=True)  # sent at once, then held
+    await held.wait()
+    second, third = os.urandom(1000), bytearray(os.urandom(1000))
+    await fs.write(f.fh, 1000, second)  # waits behind the first, as it is
+    await fs.write(f.fh, 2000, third, owned=True)  # joins the second: copied now
+    release.set()
+    await fs.flush(f.fh)
+    assert [offset for offset, _ in sent] == [0, 1000]
+    assert sent[0][1] is first  # not copied
+    assert sent[1][1] is not second and sent[1][1] is not third  # joined in a copy
+    assert await fs.read(f.fh, 0, 3000) == first + second + third
+    await fs.release(f.fh)
+
+
 async def test_write_failure_is_reported_at_flush(
     meta_cluster: ChainCluster, open_fs: OpenFs
 ) -> None:
