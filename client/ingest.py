@@ -44,7 +44,11 @@ from shufflefs.metadata.protocol import ROOT_INODE, Attr
 from shufflefs.rpc.errors import FsError, first_fs_error
 
 PIECE = 4 << 20  # bytes read and written at a time (a file bigger than this streams)
-INLINE_READ_MAX = 1 << 20  # a file up to this size is read on the event loop if cached
+INLINE_READ_MAX = 1 << 20  # a file up to this size is read on the event loop if cached...
+# ...and on one of these (a disk or memory of this machine: no server to wait for)
+LOCAL_FSTYPES = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "ramfs", "overlay"}
+)
 DEFAULT_CONCURRENCY = 64  # files in flight (`shufflefs import --concurrency`)
 READDIR_PAGE = 1024
 MAX_NAMED = 1000  # problems kept to report (the rest are counted)
@@ -116,12 +120,37 @@ class _Entry:
     mode: int  # st_mode, not following a link
     size: int
     target: bytes | None  # a link's
+    dev: int  # st_dev: the filesystem it is on
 
 
 def _entry(path: bytes, name: bytes, st: os.stat_result) -> _Entry:
     """Local *path* (not followed), to be copied as *name*."""
     target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
-    return _Entry(name, st.st_mode, st.st_size, target)
+    return _Entry(name, st.st_mode, st.st_size, target, st.st_dev)
+
+
+def local_devices(mountinfo: str = "/proc/self/mountinfo") -> frozenset[int]:
+    """The devices (``st_dev``) of this machine's mounts of a filesystem
+    in `LOCAL_FSTYPES`. Only their files are opened on the event loop
+    (`_read_cached`): an open on NFS, SMB or a FUSE mount (another cluster's
+    included) may wait on a server, and the loop keeps the client's session
+    alive. A mount made during the import is not listed, so its files go
+    to the worker thread."""
+    out: set[int] = set()
+    try:
+        with open(mountinfo) as f:
+            for line in f:
+                fields = line.split()
+                try:
+                    major, minor = fields[2].split(":")
+                    fstype = fields[fields.index("-") + 1]
+                except (IndexError, ValueError):
+                    continue
+                if fstype in LOCAL_FSTYPES:
+                    out.add(os.makedev(int(major), int(minor)))
+    except OSError:
+        pass  # (every read then goes to the worker thread)
+    return frozenset(out)
 
 
 def _scan(path: bytes) -> list[_Entry]:
@@ -181,6 +210,7 @@ class Importer:
         self._limit = trio.Semaphore(max(1, concurrency))
         self._uid = os.getuid()
         self._gid = os.getgid()
+        self._local_devices = local_devices()
         self._nursery: trio.Nursery | None = None
 
     async def run(self, source: str | bytes, dest: str) -> Imported:
@@ -368,7 +398,7 @@ class Importer:
     async def _copy_file(self, path: bytes, parent: int, entry: _Entry) -> None:
         try:
             first: bytes | bytearray | None = None
-            if 0 < entry.size <= INLINE_READ_MAX:
+            if 0 < entry.size <= INLINE_READ_MAX and entry.dev in self._local_devices:
                 first = _read_cached(path, entry.size)
             if first is None:
                 first = await trio.to_thread.run_sync(_read, path, 0, min(entry.size, PIECE))

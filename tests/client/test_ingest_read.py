@@ -1,12 +1,14 @@
-"""The import reads a cached source file on the event loop (`_read_cached`,
-``RWF_NOWAIT``) and leaves anything else to the worker thread's read."""
+"""The import reads a cached source file of a local filesystem on the event
+loop (`_read_cached`, ``RWF_NOWAIT``) and leaves anything else to the worker
+thread's read."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from shufflefs.client.ingest import _read_cached
+from shufflefs.client.ingest import LOCAL_FSTYPES, _read_cached, local_devices
+from shufflefs.cluster.preflight import mount_of
 
 
 def test_a_cached_file_is_read_whole(tmp_path: Path) -> None:
@@ -32,3 +34,27 @@ def test_a_file_shorter_than_listed_or_gone_is_left_to_the_thread(tmp_path: Path
     path.write_bytes(b"x" * 1000)
     assert _read_cached(os.fsencode(path), 5000) is None  # listed at 5,000 bytes
     assert _read_cached(os.fsencode(tmp_path / "gone"), 10) is None
+
+
+def test_only_files_on_local_filesystems_are_read_on_the_loop(tmp_path: Path) -> None:
+    """`local_devices` lists the mounts of local filesystems from mountinfo:
+    not NFS, not a FUSE mount (a shufflefs one included), not a line it
+    cannot parse."""
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "29 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "30 29 0:23 / /dev/shm rw shared:2 - tmpfs tmpfs rw\n"
+        "31 29 0:52 / /data rw,relatime shared:3 - nfs4 server:/data rw,vers=4.2\n"
+        "32 29 0:53 / /mnt/other rw,nosuid shared:4 - fuse.shufflefs shufflefs rw\n"
+        "33 29 8:16 / /scratch rw master:5 - xfs /dev/sdb rw\n"
+        "a line it cannot parse\n"
+    )
+    assert local_devices(str(mountinfo)) == {
+        os.makedev(254, 0),
+        os.makedev(0, 23),
+        os.makedev(8, 16),
+    }
+    assert local_devices(str(tmp_path / "none")) == frozenset()  # (all to the thread)
+    here = mount_of(tmp_path)
+    if here is not None and here.fstype in LOCAL_FSTYPES:  # this machine's own table
+        assert os.stat(tmp_path).st_dev in local_devices()
