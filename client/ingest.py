@@ -176,7 +176,7 @@ def _read_cached(path: bytes, length: int) -> bytearray | None:
     waits for the disk (``RWF_NOWAIT``), so it runs on the event loop: a
     source read a moment ago, or written before the import, is most of
     what an import copies, and the worker thread's hand-off both ways costs
-    more than the copy (a sixth of the import's CPU, 110 KB files)."""
+    more than the copy (a third of the import's CPU, 110 KB files)."""
     buf = bytearray(length)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
