@@ -152,8 +152,11 @@ def start_and_mount(
 
 
 def port_taken(report: BaseException) -> str | None:
-    """*report*'s message if `up` failed because a service found its port taken."""
-    if isinstance(report, StartFailed) and os.strerror(errno.EADDRINUSE) in report.message:
+    """*report*'s message if `up` failed because a service found its port
+    taken (ours say "Address already in use", etcd "bind: address already
+    in use")."""
+    taken = os.strerror(errno.EADDRINUSE).lower()
+    if isinstance(report, StartFailed) and taken in report.message.lower():
         return report.message
     return None
 

@@ -14,7 +14,7 @@ import pytest
 from cliworld import processes_naming, run_cli, shufflefs_ok
 
 from shufflefs.cluster import cli_errors, launcher
-from shufflefs.cluster.lifecycle import up
+from shufflefs.cluster.lifecycle import port_taken, up
 
 HOST = "127.0.0.1"
 
@@ -87,3 +87,15 @@ def test_an_existing_cluster_keeps_its_ports_and_up_says_which_is_taken(
     assert "formatting again" not in out.getvalue()
     assert cluster.layout().storage_ports == [port]
     assert processes_naming(str(data)) == []
+
+
+def test_what_counts_as_a_taken_port() -> None:
+    ours = "storage1 exited during start-up (exit 1): Address already in use (full log: x)"
+    etcd = (  # etcd 3.x's own last line
+        "etcd1 exited during start-up (exit 1): 2026-12-07 12:14:01.292525 C | etcdmain: "
+        "listen tcp 127.0.0.1:34339: bind: address already in use (full log: x)"
+    )
+    assert port_taken(cli_errors.StartFailed(ours)) == ours
+    assert port_taken(cli_errors.StartFailed(etcd)) == etcd
+    assert port_taken(cli_errors.StartFailed("meta exited during start-up: disk full")) is None
+    assert port_taken(cli_errors.UsageError("Address already in use")) is None  # not a start-up
