@@ -136,20 +136,21 @@ def local_devices(mountinfo: str = "/proc/self/mountinfo") -> frozenset[int]:
     included) may wait on a server, and the loop keeps the client's session
     alive. A mount made during the import is not listed, so its files go
     to the worker thread."""
-    out: set[int] = set()
     try:
         with open(mountinfo) as f:
-            for line in f:
-                fields = line.split()
-                try:
-                    major, minor = fields[2].split(":")
-                    fstype = fields[fields.index("-") + 1]
-                except (IndexError, ValueError):
-                    continue
-                if fstype in LOCAL_FSTYPES:
-                    out.add(os.makedev(int(major), int(minor)))
+            lines = f.readlines()
     except OSError:
-        pass  # (every read then goes to the worker thread)
+        return frozenset()  # every read goes to the worker thread
+    out: set[int] = set()
+    for line in lines:
+        fields = line.split()
+        try:
+            major, minor = fields[2].split(":")
+            fstype = fields[fields.index("-") + 1]
+        except (IndexError, ValueError):
+            continue
+        if fstype in LOCAL_FSTYPES:
+            out.add(os.makedev(int(major), int(minor)))
     return frozenset(out)
 
 
@@ -177,11 +178,11 @@ def _read_cached(path: bytes, length: int) -> bytearray | None:
     source read a moment ago, or written before the import, is most of
     what an import copies, and the worker thread's hand-off both ways costs
     more than the copy (a third of the import's CPU, 110 KB files)."""
-    buf = bytearray(length)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None  # (the worker thread's read names the error)
+    buf = bytearray(length)
     try:
         got = os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
     except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without it
