@@ -1,7 +1,8 @@
 """Writes to the storage daemons: every chunk piece to the head of its chain.
 
 The head stages the bytes, forwards them down the chain and answers once
-every serving replica holds them durably (CRAQ; see docs/storage.md). A head
+every serving replica holds them durably (CRAQ; see docs/storage.md).
+Concurrent pieces for one head share a frame (`WriteBatcher`). A head
 that went silent is taken out of its chain by mgmtd; the write then stops
 waiting for it (`routing_changed`) and is retried on the new head.
 """
@@ -16,12 +17,13 @@ import trio
 
 from shufflefs.client.layout import Piece, plan
 from shufflefs.client.storage_parts import StoragePart
+from shufflefs.client.write_batcher import WriteBatcher
 from shufflefs.cluster.routing import ChainWatch, Routing
 from shufflefs.metadata.protocol import Layout
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.retry import TRANSIENT, retrying
 from shufflefs.rpc.transport import Buffer
-from shufflefs.storage.protocol import StorageStub, chain_call_timeout
+from shufflefs.storage.protocol import chain_call_timeout
 
 MAX_PARALLEL_CHUNK_WRITES = 8
 
@@ -30,6 +32,11 @@ MAX_PARALLEL_CHUNK_WRITES = 8
 class ChainWriter(StoragePart):
     # writes awaiting a head, cancelled if their chain changes (`routing_changed`)
     in_flight: ChainWatch = field(default_factory=ChainWatch)
+    # concurrent writes to one head share a frame (client/write_batcher.py)
+    batcher: WriteBatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batcher = WriteBatcher(self.rpc, self.timeout)
 
     async def write(self, ino: int, layout: Layout, offset: int, data: Buffer) -> None:
         """Write *data* at *offset*; returns once every chunk piece is acknowledged."""
@@ -74,20 +81,13 @@ class ChainWriter(StoragePart):
         head = serving[0]
         # never give up before the head could answer for the rest of its chain
         timeout = max(self.timeout, chain_call_timeout(len(routing.write_targets(p[0]))))
-        stub = StorageStub(self.rpc, routing.target_address(head["id"]), timeout)
+        address = routing.target_address(head["id"])
+        item = (head["id"], chain["id"], chain["version"], p[1], p[2], layout["chunk_size"], data)
         # a head that went silent is taken out of the chain by mgmtd: then
         # stop waiting for it and retry on the new head at once
         try:
             with self.in_flight.watching(chain["id"], chain["version"]) as watch:
-                await stub.write(
-                    head["id"],
-                    chain["id"],
-                    chain["version"],
-                    p[1],
-                    p[2],
-                    layout["chunk_size"],
-                    data,
-                )
+                await self.batcher.write(address, item, timeout)
         except FsError as exc:
             if exc.code in TRANSIENT:
                 self.replicas.failed(routing, head["id"], exc)

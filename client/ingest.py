@@ -49,7 +49,13 @@ INLINE_READ_MAX = 1 << 20  # a file up to this size is read on the event loop if
 LOCAL_FSTYPES = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "ramfs", "overlay"}
 )
-DEFAULT_CONCURRENCY = 64  # files in flight (`shufflefs import --concurrency`)
+# files in flight (`shufflefs import --concurrency`): many, so that their chain
+# writes fill big `write_many` frames (3 replicas, 110 KB files: 593 files/s at
+# 64, 733 at 128, 774 at 256 in one run, docs/operations.md)
+DEFAULT_CONCURRENCY = 256
+# ...holding at most this many bytes of their contents at once (a file's size,
+# at most a PIECE): 64 big files' worth
+BYTES_IN_FLIGHT = 64 * PIECE
 READDIR_PAGE = 1024
 MAX_NAMED = 1000  # problems kept to report (the rest are counted)
 # the cluster takes nothing more: stop rather than fail every file the same way
@@ -192,6 +198,29 @@ def _read_cached(path: bytes, length: int) -> bytearray | None:
     return buf if got == length else None
 
 
+class ByteBudget:
+    """At most *limit* bytes held at once, in any amounts (one bigger than
+    the limit is granted the whole limit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def acquire(self, n: int) -> int:
+        """Wait until *n* bytes fit; returns what was granted (for `release`)."""
+        n = min(n, self.limit)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while self.held + n > self.limit:
+            await self._lot.park()
+        self.held += n
+        return n
+
+    def release(self, n: int) -> None:
+        self.held -= n
+        self._lot.unpark_all()
+
+
 class Importer:
     """One import: a walk of the source that keeps *concurrency* files in
     flight (`run`); *progress(files, nbytes)* is told of each file done."""
@@ -209,6 +238,7 @@ class Importer:
         self.progress = progress
         self.done = Imported()
         self._limit = trio.Semaphore(max(1, concurrency))
+        self._bytes = ByteBudget(BYTES_IN_FLIGHT)
         self._uid = os.getuid()
         self._gid = os.getgid()
         self._local_devices = local_devices()
@@ -361,8 +391,13 @@ class Importer:
                 self.done.skipped += 1
                 return
             await self._limit.acquire()  # the walk waits here while the files fill the window
+            try:
+                held = await self._bytes.acquire(min(entry.size, PIECE))
+            except BaseException:
+                self._limit.release()
+                raise
             assert self._nursery is not None
-            self._nursery.start_soon(self._copy_file, path, parent, entry)
+            self._nursery.start_soon(self._copy_file, path, parent, entry, held)
         elif stat.S_ISLNK(entry.mode):
             await self._copy_link(path, parent, existing, entry)
         else:
@@ -396,7 +431,7 @@ class Importer:
         attr = await self.fs.lookup(parent, entry.name)
         return stat.S_ISLNK(attr["mode"]) and await self.fs.readlink(attr["ino"]) == entry.target
 
-    async def _copy_file(self, path: bytes, parent: int, entry: _Entry) -> None:
+    async def _copy_file(self, path: bytes, parent: int, entry: _Entry, held: int) -> None:
         try:
             first: bytes | bytearray | None = None
             if 0 < entry.size <= INLINE_READ_MAX and entry.dev in self._local_devices:
@@ -437,4 +472,5 @@ class Importer:
             if self.progress is not None:
                 self.progress(1, written)
         finally:
+            self._bytes.release(held)
             self._limit.release()

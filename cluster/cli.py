@@ -29,7 +29,7 @@ from shufflefs.rpc import framing
 
 # `shufflefs import`: files in flight (each holds up to 4 MiB of its bytes while in flight);
 # client/ingest.py's DEFAULT_CONCURRENCY, not imported: the parser stays light
-DEFAULT_IMPORT_CONCURRENCY = 64
+DEFAULT_IMPORT_CONCURRENCY = 256
 MAX_IMPORT_CONCURRENCY = 256
 
 DEFAULT_MOUNTPOINT = "mnt"

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -113,6 +113,20 @@ class LockTable:
     async def update(self, target: int, cid: bytes) -> AsyncIterator[None]:
         """Held by everything that changes or copies one chunk, from stage to commit."""
         async with self._file(target, ino_of(cid), False), self._chunk(target, cid):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def updates(self, target: int, cids: Sequence[bytes]) -> AsyncIterator[None]:
+        """`update` of many chunks at once (a batch of writes): every file's
+        lock once, in order, then every chunk's, in order. Taking a file's
+        lock a second time could wait behind a truncation queued meanwhile
+        for the first; the order keeps batches and lone updates from
+        waiting on each other in a circle."""
+        async with contextlib.AsyncExitStack() as stack:
+            for ino in sorted({ino_of(cid) for cid in cids}):
+                await stack.enter_async_context(self._file(target, ino, False))
+            for cid in sorted(set(cids)):
+                await stack.enter_async_context(self._chunk(target, cid))
             yield
 
     @contextlib.asynccontextmanager

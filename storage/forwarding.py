@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -30,12 +30,14 @@ from shufflefs.cluster.protocol import TargetInfo
 from shufflefs.cluster.routing import ChainWatch, Routing
 from shufflefs.rpc import FsError
 from shufflefs.rpc.errors import CONNECTION_FAILURES
+from shufflefs.rpc.transport import Buffer
 from shufflefs.storage.chain import Place
 from shufflefs.storage.context import NodeContext
 from shufflefs.storage.protocol import (
     FORWARD_TIMEOUT,
     NEED_FULL,
     StorageStub,
+    WriteResult,
     chain_call_timeout,
 )
 
@@ -257,30 +259,95 @@ class Forwarding:
             except FsError as exc:
                 if exc.code != NEED_FULL or update.full:
                     raise
-                content = await whole_chunk()
-                self.full_resends += 1
-                log.info(
-                    "replica needs the whole chunk target=%d chunk=%s version=%d bytes=%d: %s",
-                    succ["id"],
-                    update.cid.hex(),
-                    update.version,
-                    len(content),
-                    exc.message,
-                )
-                await stub.replicate(
+                await self._resend_whole(stub, place, update, await whole_chunk(), exc)
+
+        await self.call_successor(place, send)
+
+    async def _resend_whole(
+        self,
+        stub: StorageStub,
+        place: Place,
+        update: ForwardedUpdate,
+        content: bytes,
+        refusal: FsError,
+    ) -> WriteResult:
+        """Send *update* again as the whole new chunk (*content*): our
+        successor refused its delta with `NEED_FULL` (*refusal*)."""
+        succ = place.successor
+        assert succ is not None
+        self.full_resends += 1
+        log.info(
+            "replica needs the whole chunk target=%d chunk=%s version=%d bytes=%d: %s",
+            succ["id"],
+            update.cid.hex(),
+            update.version,
+            len(content),
+            refusal.message,
+        )
+        return await stub.replicate(
+            succ["id"],
+            place.chain,
+            place.version,
+            update.cid,
+            0,
+            update.chunk_size,
+            update.version,
+            update.base_version,
+            True,
+            content,
+        )
+
+    async def forward_updates(
+        self,
+        place: Place,
+        updates: Sequence[tuple[ForwardedUpdate, Buffer]],
+        whole_chunk: Callable[[int], Awaitable[bytes]],
+    ) -> list[WriteResult | FsError]:
+        """`forward_update` of many updates of one chain in one
+        `replicate_many`: per update the successor's result or its error.
+        One the successor answers `NEED_FULL` is sent again whole, alone
+        (*whole_chunk(i)*: update i as staged here). A failure of the call
+        as a whole (the successor unreachable, the chain changed) raises, as
+        `forward_update` does."""
+        succ = place.successor
+        assert succ is not None
+        out: list[WriteResult | FsError] = []
+
+        async def send(stub: StorageStub) -> None:
+            items = [
+                (
                     succ["id"],
                     place.chain,
                     place.version,
-                    update.cid,
-                    0,
-                    update.chunk_size,
-                    update.version,
-                    update.base_version,
-                    True,
-                    content,
+                    u.cid,
+                    0 if u.full else u.offset,
+                    u.chunk_size,
+                    u.version,
+                    u.base_version,
+                    u.full,
+                    len(data),
                 )
+                for u, data in updates
+            ]
+            results = await stub.replicate_many(items, [data for _, data in updates])
+            for i, result in enumerate(results):
+                u = updates[i][0]
+                if isinstance(result, FsError) and result.code == NEED_FULL and not u.full:
+                    try:
+                        content = await whole_chunk(i)
+                    except FsError as exc:  # not staged here: that update fails alone
+                        out.append(exc)
+                        continue
+                    try:
+                        result = await self._resend_whole(stub, place, u, content, result)
+                    except FsError as exc:
+                        if exc.code in CONNECTION_FAILURES:
+                            raise
+                        result = exc
+                out.append(result)
 
         await self.call_successor(place, send)
+        return out
 
     async def forward_file_op(
         self, place: Place, ino: int, size: int | None, chunk_size: int

@@ -4,10 +4,11 @@ A chunk is identified by (inode, chunk index), packed as 12 bytes big-endian;
 its hex form names the chunk's file on a target. Bulk bytes always travel as
 the frame's raw payload, never inside msgpack.
 
-Clients send `write`, and the metadata server `truncate_file`/`remove_file`/
-`remove_files`, to the head of a chain; replicas forward them with `replicate` /
-`replicate_truncate` / `replicate_remove` / `replicate_remove_files` (the
-protocol: docs/storage.md, "Chain replication"). Errors a caller acts on:
+Clients send `write` (or many at once, `write_many`), and the metadata server
+`truncate_file`/`remove_file`/`remove_files`, to the head of a chain; replicas
+forward them with `replicate` (`replicate_many`) / `replicate_truncate` /
+`replicate_remove` / `replicate_remove_files` (the protocol: docs/storage.md,
+"Chain replication" and "Batched writes"). Errors a caller acts on:
 
 * ``ESTALE``: the chain version is not the daemon's (the caller refreshes its
   routing map and retries), the target is not where the call belongs in the
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any, TypedDict
 
 from shufflefs.rpc.client import RpcClient
+from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.transport import Buffer
 
 # A replica's answer to an update built on a version it does not hold: send
@@ -75,6 +77,38 @@ MAX_FILES_REMOVED = 1024
 class WriteResult(TypedDict):
     version: int  # the chunk's version after this write (rises by one per update)
     length: int  # the chunk's committed length after this write
+
+
+# One write of `write_many`: [target (the chain's head), chain, chain_version,
+# chunk_id, offset in chunk, chunk_size, length]; its bytes are the next
+# *length* bytes of the frame's payload (the items' bytes end to end).
+WriteItem = tuple[int, int, int, bytes, int, int, int]
+# One update of `replicate_many`: [target, chain, chain_version, chunk_id,
+# offset, chunk_size, version, base_version, full, length], as `replicate`.
+ReplicateItem = tuple[int, int, int, bytes, int, int, int, int, bool, int]
+# Writes one `write_many` / `replicate_many` may carry (EMSGSIZE past it).
+MAX_WRITE_ITEMS = 256
+# Per item of a `write_many` / `replicate_many`: [0, version, length] once
+# durable on every serving replica, else [errno, message] (that item only).
+WriteOutcome = list[int | str]
+
+
+def write_outcome(result: WriteResult | FsError) -> WriteOutcome:
+    """An item's answer on the wire."""
+    if isinstance(result, FsError):
+        return [result.code or errno.EIO, result.message]
+    return [0, result["version"], result["length"]]
+
+
+def outcome_result(outcome: Sequence[Any]) -> WriteResult | FsError:
+    """`write_outcome` read back (EPROTO for anything malformed)."""
+    try:
+        code = int(outcome[0])
+        if code:
+            return FsError(code, str(outcome[1]))
+        return {"version": int(outcome[1]), "length": int(outcome[2])}
+    except (TypeError, ValueError, IndexError):
+        return FsError(errno.EPROTO, f"malformed write outcome {outcome!r:.80}")
 
 
 class ChunkInfo(TypedDict):
@@ -124,6 +158,21 @@ async def read_items(
     resp = await rpc.request(address, "read", {"items": items}, timeout=timeout)
     lengths: list[int] = resp.result["lengths"]
     return lengths, resp.payload or bytearray()
+
+
+async def _many(
+    rpc: RpcClient,
+    address: str,
+    method: str,
+    items: Sequence[Any],
+    data: Sequence[Buffer],
+    timeout: float,
+) -> list[WriteResult | FsError]:
+    result = await rpc.call(address, method, {"items": items}, payload=data, timeout=timeout)
+    outcomes = result.get("outcomes") if isinstance(result, dict) else None
+    if not isinstance(outcomes, list) or len(outcomes) != len(items):
+        raise FsError(errno.EPROTO, f"{address} answered {method} of {len(items)} items wrongly")
+    return [outcome_result(o) for o in outcomes]
 
 
 class StorageStub:
@@ -213,6 +262,26 @@ class StorageStub:
             timeout=timeout or self.timeout,
         )
         return result
+
+    async def write_many(
+        self, items: Sequence[WriteItem], data: Sequence[Buffer], timeout: float | None = None
+    ) -> list[WriteResult | FsError]:
+        """Many `write`s in one request (each to the head of its chain, each
+        chunk at most once): per item its result or its error. *data*: each
+        item's bytes, in order."""
+        return await _many(
+            self.rpc, self.address, "write_many", items, data, timeout or self.timeout
+        )
+
+    async def replicate_many(
+        self, items: Sequence[ReplicateItem], data: Sequence[Buffer], timeout: float | None = None
+    ) -> list[WriteResult | FsError]:
+        """Storage to storage: many `replicate`s in one request (what a
+        replica forwards of one `write_many`): per item its result or error
+        (`NEED_FULL` among them: resend that one whole)."""
+        return await _many(
+            self.rpc, self.address, "replicate_many", items, data, timeout or self.timeout
+        )
 
     async def truncate_file(
         self, target: int, chain: int, chain_version: int, ino: int, size: int, chunk_size: int

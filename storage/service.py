@@ -24,6 +24,7 @@ import trio
 from shufflefs.cluster.protocol import MgmtdStub
 from shufflefs.rpc import FsError, RpcClient, rpc_method
 from shufflefs.rpc.framing import DEFAULT_LIMITS
+from shufflefs.storage.batch_writes import BatchWrites
 from shufflefs.storage.capacity import CapacityFigures
 from shufflefs.storage.chain import Place
 from shufflefs.storage.context import NodeContext, RoutingSource
@@ -32,88 +33,30 @@ from shufflefs.storage.layout import check_chunk_id, check_chunk_size
 from shufflefs.storage.protocol import (
     FORWARD_TIMEOUT,
     MAX_FILES_REMOVED,
-    NEED_FULL,
     SYNC_BARRIER_TIMEOUT,
     ChunkInfo,
     ChunkPage,
+    ReplicateItem,
     ScrubResult,
     TargetStats,
+    WriteItem,
+    WriteOutcome,
     WriteResult,
 )
 from shufflefs.storage.read_service import ReadHandlers
 from shufflefs.storage.repair import RepairWorker
 from shufflefs.storage.resync import ResyncWorker
 from shufflefs.storage.scrub import ScrubWorker
-from shufflefs.storage.staging import Staged, space_needed
+from shufflefs.storage.staging import Staged
 from shufflefs.storage.store import ChunkStore
+from shufflefs.storage.write_steps import (
+    OwnCopyDamaged,
+    head_update,
+    stage_at_head,
+    stage_forwarded,
+)
 
 log = logging.getLogger("shufflefs.storage")
-
-
-def _stage_forwarded(
-    store: ChunkStore,
-    chunk: bytes,
-    offset: int,
-    chunk_size: int,
-    version: int,
-    full: bool,
-    data: bytes | bytearray,
-) -> Staged:
-    """Stage an update forwarded by the predecessor, its flush deferred (in
-    a worker thread). A delta that meets a damaged block asks for the whole
-    chunk instead (`NEED_FULL`), which heals it."""
-    if full:
-        return store.stage_replace(chunk, data, chunk_size, version, False)
-    try:
-        return store.stage_write(chunk, offset, data, chunk_size, version, False)
-    except FsError as exc:
-        if exc.code != errno.EIO:
-            raise
-        raise FsError(NEED_FULL, f"{exc.message}: send the whole chunk") from None
-
-
-class OwnCopyDamaged(FsError):
-    """The head's own copy could not stage a write (EIO: a damaged block
-    under a partial overwrite). Raised in the worker thread, so that the
-    loop tells it from the same errno of a flush or a commit (a disk
-    failing, not one chunk to repair)."""
-
-
-def _stage_at_head(
-    store: ChunkStore, chunk: bytes, offset: int, data: bytes | bytearray, chunk_size: int
-) -> Staged:
-    """A client's write staged at the head, its flush deferred (in a worker
-    thread)."""
-    try:
-        return store.stage_write(chunk, offset, data, chunk_size, None, False)
-    except FsError as exc:
-        if exc.code != errno.EIO:
-            raise
-        raise OwnCopyDamaged(exc.code, exc.message) from None
-
-
-def _head_update(
-    store: ChunkStore, chunk: bytes, offset: int, chunk_size: int, length: int
-) -> ForwardedUpdate | None:
-    """What the head's write of *length* bytes at *offset* tells its
-    successor: the next version of the chunk's committed record (read here,
-    under the chunk's lock, so it holds until the commit). None when
-    nothing is forwarded: a zero-length write changes nothing, and one that
-    stage refuses (it does not fit the chunk, or the chunk has another chunk
-    size) fails here alone. ENOSPC without room for it here (never staged
-    here alone: it would commit on this replica only)."""
-    try:
-        check_chunk_size(chunk_size)
-    except FsError:
-        return None
-    if length == 0 or offset < 0 or offset + length > chunk_size:
-        return None
-    rec = store.committed(chunk)
-    if rec is not None and rec.chunk_size != chunk_size:
-        return None
-    store.check_room(space_needed(rec, offset, length))
-    current = rec.version if rec is not None else 0
-    return ForwardedUpdate(chunk, offset, chunk_size, current + 1, current, False)
 
 
 class StorageService(ReadHandlers):
@@ -146,6 +89,7 @@ class StorageService(ReadHandlers):
         self.forwarding = Forwarding(self.node, forward_timeout)
         self.resyncer = ResyncWorker(self.node)
         self.repairs = RepairWorker(self.node, self.resyncer)
+        self.batches = BatchWrites(self.node, self.forwarding, self.resyncer, self._damaged_here)
         self.scrubber = ScrubWorker(self.node, self.repairs, self.resyncer, scrub_interval)
         super().__init__(self.node, self.repairs, max_read_bytes)
         self.open_target = open_target
@@ -177,10 +121,10 @@ class StorageService(ReadHandlers):
         ):
             if place is not None:
                 place = await self.forwarding.check_min_replicas(place, target, head=True)
-            stage = partial(_stage_at_head, store, chunk, offset, data, chunk_size)
+            stage = partial(stage_at_head, store, chunk, offset, data, chunk_size)
             update = None
             if place is not None and place.successor is not None:
-                update = _head_update(store, chunk, offset, chunk_size, len(data))
+                update = head_update(store, chunk, offset, chunk_size, len(data))
             if update is None or place is None:
                 # nothing to forward (a lone replica, a zero-length write, or
                 # one that stage refuses): stage, flush and commit in one step
@@ -235,7 +179,7 @@ class StorageService(ReadHandlers):
             self.forwarding.admitted(target, chain, chain_version, head=False) as place,
         ):
             sync = self.resyncer.state_at(target, place)
-            stage = partial(_stage_forwarded, store, chunk, offset, chunk_size, version, full, data)
+            stage = partial(stage_forwarded, store, chunk, offset, chunk_size, version, full, data)
             if place is None or place.successor is None:
                 # the tail: nothing to forward, so stage, flush and commit in
                 # one step
@@ -255,6 +199,23 @@ class StorageService(ReadHandlers):
                     sync.trusted.add(chunk)
                 sync.forwarded += 1
             return result
+
+    @rpc_method
+    async def write_many(
+        self, items: list[WriteItem], payload: bytearray | None
+    ) -> dict[str, list[WriteOutcome]]:
+        """Many `write`s in one request, each chunk at most once per target
+        (storage/batch_writes.py): per item ``[0, version, length]`` or
+        ``[errno, message]``, each exactly what its own `write` answers."""
+        return {"outcomes": await self.batches.write_many(items, payload)}
+
+    @rpc_method
+    async def replicate_many(
+        self, items: list[ReplicateItem], payload: bytearray | None
+    ) -> dict[str, list[WriteOutcome]]:
+        """Many `replicate`s in one request: what a replica forwards of a
+        `write_many` (or of its own `replicate_many`)."""
+        return {"outcomes": await self.batches.replicate_many(items, payload)}
 
     async def _stage_forward_commit(
         self,

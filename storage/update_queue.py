@@ -145,6 +145,20 @@ class UpdateQueue:
         result: WriteResult = await self._run(Step(cid, Then.COMMIT, stage=stage))
         return result
 
+    async def run_many(self, steps: list[Step]) -> None:
+        """Run *steps* (of distinct chunks: a batch of writes) and return once
+        each is finished: its `outcome` or `error` set. They go into the same
+        thread call when they fit one, as if they had arrived together."""
+        with trio.CancelScope(shield=True):  # (as `_run`)
+            self._pending.extend(steps)
+            for step in steps:
+                if step.finished:
+                    continue
+                if self._busy:
+                    await step.turn.wait()
+                if not step.finished:
+                    await self._lead()
+
     async def _run(self, step: Step) -> Any:
         # shielded: a step handed to a thread runs to its end, and its
         # caller must learn how it ended (a staged update nobody aborts or

@@ -1,13 +1,15 @@
 """The import reads a cached source file of a local filesystem on the event
 loop (`_read_cached`, ``RWF_NOWAIT``) and leaves anything else to the worker
-thread's read."""
+thread's read; the bytes its files in flight hold are bounded (`ByteBudget`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from shufflefs.client.ingest import LOCAL_FSTYPES, _read_cached, local_devices
+import trio
+
+from shufflefs.client.ingest import LOCAL_FSTYPES, ByteBudget, _read_cached, local_devices
 from shufflefs.cluster.preflight import mount_of
 
 
@@ -58,3 +60,28 @@ def test_only_files_on_local_filesystems_are_read_on_the_loop(tmp_path: Path) ->
     here = mount_of(tmp_path)
     if here is not None and here.fstype in LOCAL_FSTYPES:  # this machine's own table
         assert os.stat(tmp_path).st_dev in local_devices()
+
+
+async def test_the_byte_budget_never_lends_more_than_its_limit() -> None:
+    """Files in flight hold their bytes from a `ByteBudget`: never more than
+    its limit at once, a request bigger than the limit granted the whole of
+    it alone, and every waiter served once bytes come back."""
+    budget = ByteBudget(100)
+    peak = 0
+    order: list[int] = []
+
+    async def hold(n: int, seconds: float) -> None:
+        nonlocal peak
+        got = await budget.acquire(n)
+        peak = max(peak, budget.held)
+        order.append(n)
+        await trio.sleep(seconds)
+        budget.release(got)
+
+    async with trio.open_nursery() as nursery:
+        for n in (60, 30, 50, 500, 10):
+            nursery.start_soon(hold, n, 0.05)
+            await trio.sleep(0)
+    assert peak <= 100
+    assert sorted(order) == [10, 30, 50, 60, 500]
+    assert budget.held == 0
