@@ -5,6 +5,7 @@ thread's read; the bytes its files in flight hold are bounded (`ByteBudget`)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import trio
@@ -21,14 +22,29 @@ def test_a_cached_file_is_read_whole(tmp_path: Path) -> None:
 
 
 def test_a_file_not_in_the_page_cache_is_left_to_the_thread(tmp_path: Path) -> None:
+    """(The kernel may keep a page the advice cannot drop at that moment, one
+    another CPU holds or a readahead our own attempt started is filling: the
+    file is dropped and tried again until it was dropped whole, at most 50
+    times. A `_read_cached` that read through a miss never passes.)"""
     path = tmp_path / "cold.bin"
     data = os.urandom(300_000)
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())  # clean pages, so the kernel drops them when asked
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    assert _read_cached(os.fsencode(path), len(data)) is None
+    answers = []
+    for _ in range(50):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        answers.append(_read_cached(os.fsencode(path), len(data)))
+        if answers[-1] is None:
+            break
+        time.sleep(0.02)
+    assert answers[-1] is None
+    assert all(a is None or a == data for a in answers)  # a whole read, else none
 
 
 def test_a_file_shorter_than_listed_or_gone_is_left_to_the_thread(tmp_path: Path) -> None:

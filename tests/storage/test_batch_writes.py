@@ -9,6 +9,7 @@ import errno
 import os
 
 import pytest
+import trio
 from clusters import CS, ChainCluster
 
 from shufflefs.rpc import FsError
@@ -167,3 +168,35 @@ async def test_bad_batches_get_a_clear_error_and_change_nothing(cluster: ChainCl
         assert await cluster.read_all(target, [cid]) == {cid: b""}
     [result] = await stub.write_many([item], [b"abcd"])  # the daemon serves on
     assert result == {"version": 1, "length": 4}
+
+
+async def test_a_damaged_head_copy_fails_its_item_alone_and_is_repaired(
+    cluster: ChainCluster,
+) -> None:
+    """In a batch, a partial overwrite where the head's own copy is damaged
+    gets EAGAIN (a repair from another replica is queued) while the batch's
+    other items land; retried, it lands too, and every replica agrees."""
+    [chain] = cluster.chain_ids()
+    head = cluster.members(chain)[0]
+    damaged, other = chunk_id(600, 0), chunk_id(601, 0)
+    await cluster.write(chain, damaged, 0, blob(1, 3000))
+    path = cluster.chunk_file(head, damaged)
+    with open(path, "r+b") as f:  # a flipped byte in the head's first block
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    first, second = await write_many(cluster, chain, [(damaged, 5, b"new"), (other, 0, b"fine")])
+    assert isinstance(first, FsError) and first.errno == errno.EAGAIN
+    assert second == {"version": 1, "length": 4}
+    expected = blob(1, 5) + b"new" + blob(1, 3000)[8:]
+    for _ in range(100):  # the client's retry, until the repair is in
+        [result] = await write_many(cluster, chain, [(damaged, 5, b"new")])
+        if not isinstance(result, FsError):
+            break
+        assert result.errno == errno.EAGAIN
+        await trio.sleep(0.05)
+    await cluster.assert_identical(chain)
+    for target in cluster.members(chain):
+        got = await cluster.read_all(target, [damaged, other])
+        assert got == {damaged: expected, other: b"fine"}
