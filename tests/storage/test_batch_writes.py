@@ -11,6 +11,7 @@ import os
 import pytest
 import trio
 from clusters import CS, ChainCluster
+from harness import flip
 
 from shufflefs.rpc import FsError
 from shufflefs.storage.protocol import MAX_WRITE_ITEMS, WriteResult, chunk_id
@@ -180,12 +181,7 @@ async def test_a_damaged_head_copy_fails_its_item_alone_and_is_repaired(
     head = cluster.members(chain)[0]
     damaged, other = chunk_id(600, 0), chunk_id(601, 0)
     await cluster.write(chain, damaged, 0, blob(1, 3000))
-    path = cluster.chunk_file(head, damaged)
-    with open(path, "r+b") as f:  # a flipped byte in the head's first block
-        f.seek(10)
-        byte = f.read(1)
-        f.seek(10)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip(cluster.chunk_file(head, damaged), 10)  # a flipped byte in the head's first block
     first, second = await write_many(cluster, chain, [(damaged, 5, b"new"), (other, 0, b"fine")])
     assert isinstance(first, FsError) and first.errno == errno.EAGAIN
     assert second == {"version": 1, "length": 4}

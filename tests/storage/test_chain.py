@@ -11,6 +11,7 @@ import os
 import pytest
 import trio
 from clusters import CS, ChainCluster, eventually
+from harness import flip
 
 from shufflefs.rpc import FsError
 from shufflefs.storage.protocol import NEED_FULL, chunk_id
@@ -182,12 +183,7 @@ async def test_the_heads_damaged_copy_is_repaired_and_the_write_retried(
     head, _, _ = cluster.members(chain)
     cid = chunk_id(16, 0)
     await cluster.write(chain, cid, 0, blob(1, 3000))
-    path = cluster.chunk_file(head, cid)
-    with open(path, "r+b") as f:  # a flipped byte in the head's first block
-        f.seek(10)
-        byte = f.read(1)
-        f.seek(10)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip(cluster.chunk_file(head, cid), 10)  # a flipped byte in the head's first block
     repairs = cluster.node_of(head).service.repairs
     scheduled: list[tuple[int, bytes]] = []
     schedule = repairs.schedule
