@@ -304,7 +304,8 @@ class Forwarding:
         whole_chunk: Callable[[int], Awaitable[bytes]],
     ) -> list[WriteResult | FsError]:
         """`forward_update` of many updates of one chain in one
-        `replicate_many`: per update the successor's result or its error.
+        `replicate_many` (one `replicate` each to a successor that answers
+        ENOSYS): per update the successor's result or its error.
         One the successor answers `NEED_FULL` is sent again whole, alone
         (*whole_chunk(i)*: update i as staged here). A failure of the call
         as a whole (the successor unreachable, the chain changed) raises, as
@@ -329,7 +330,20 @@ class Forwarding:
                 )
                 for u, data in updates
             ]
-            results = await stub.replicate_many(items, [data for _, data in updates])
+            try:
+                results = await stub.replicate_many(items, [data for _, data in updates])
+            except FsError as exc:
+                if exc.code != errno.ENOSYS:
+                    raise
+                # a successor from before `replicate_many` (a rolling upgrade): one by one
+                results = []
+                for item, (_, data) in zip(items, updates, strict=True):
+                    try:
+                        results.append(await stub.replicate(*item[:9], data))
+                    except FsError as one:
+                        if one.code in CONNECTION_FAILURES:
+                            raise
+                        results.append(one)
             for i, result in enumerate(results):
                 u = updates[i][0]
                 if isinstance(result, FsError) and result.code == NEED_FULL and not u.full:

@@ -196,3 +196,27 @@ async def test_a_damaged_head_copy_fails_its_item_alone_and_is_repaired(
     for target in cluster.members(chain):
         got = await cluster.read_all(target, [damaged, other])
         assert got == {damaged: expected, other: b"fine"}
+
+
+async def test_a_successor_without_replicate_many_gets_each_update_alone(
+    cluster: ChainCluster,
+) -> None:
+    """A rolling upgrade: the middle answers ENOSYS for `replicate_many`;
+    the head forwards each update of its batch as a `replicate`, and the
+    batch lands on every replica."""
+    [chain] = cluster.chain_ids()
+    _, middle, _ = cluster.members(chain)
+    service = cluster.node_of(middle).service
+
+    async def unknown(*args: object, **kwargs: object) -> None:
+        raise FsError(errno.ENOSYS, "unknown method 'replicate_many'")
+
+    service.batches.replicate_many = unknown  # type: ignore[method-assign,assignment]
+    writes = [(chunk_id(700 + i, 0), 0, blob(i, 500)) for i in range(5)]
+    results = await write_many(cluster, chain, writes)
+    assert results == [{"version": 1, "length": 500}] * 5
+    assert cluster.node_of(middle).service_calls("replicate") == 5
+    await cluster.assert_identical(chain)
+    for target in cluster.members(chain):
+        got = await cluster.read_all(target, [cid for cid, _, _ in writes])
+        assert got == {cid: d for cid, _, d in writes}
