@@ -51,7 +51,7 @@ LOCAL_FSTYPES = frozenset(
 )
 # files in flight (`shufflefs import --concurrency`): many, so that their chain
 # writes fill big `write_many` frames (3 replicas, 110 KB files: 593 files/s at
-# 64, 733 at 128, 774 at 256 in one run, docs/operations.md)
+# 64, 733 at 128, 774 at 256 in one run: docs/storage.md, "Batched writes")
 DEFAULT_CONCURRENCY = 256
 # ...holding at most this many bytes of their contents at once (a file's size,
 # at most a PIECE): 64 big files' worth

@@ -151,13 +151,25 @@ class UpdateQueue:
         thread call when they fit one, as if they had arrived together."""
         with trio.CancelScope(shield=True):  # (as `_run`)
             self._pending.extend(steps)
-            for step in steps:
-                if step.finished:
-                    continue
-                if self._busy:
-                    await step.turn.wait()
-                if not step.finished:
-                    await self._lead()
+            try:
+                for step in steps:
+                    if step.finished:
+                        continue
+                    if self._busy:
+                        await step.turn.wait()
+                    if not step.finished:
+                        await self._lead()
+            except BaseException:
+                # a batch we led failed as a whole: our steps it did not
+                # carry leave the queue, and the lead passes on without them
+                left = [step for step in steps if not step.finished]
+                if left:
+                    self._pending = [s for s in self._pending if s not in left]
+                    if self._pending:
+                        self._pending[0].turn.set()
+                    else:
+                        self._busy = False
+                raise
 
     async def _run(self, step: Step) -> Any:
         # shielded: a step handed to a thread runs to its end, and its

@@ -273,3 +273,50 @@ def test_group_runner_run_many_gives_each_item_its_outcome() -> None:
     failed = {i: o.message for i, o in enumerate(outcomes) if isinstance(o, FsError)}
     assert failed == {i: f"item {i}" for i in (1, 3, 5)}
     assert (runner.batches, runner.items) == (3, 7)
+
+
+def test_run_many_carries_a_batch_in_one_call_and_never_strands_the_queue(
+    store: ChunkStore,
+) -> None:
+    """`run_many` (a batch of writes): its steps share thread calls (two
+    here: at most three a call), each gets its own outcome; a thread call
+    that fails as a whole fails the steps it carried, the steps it did not
+    carry leave the queue, and the queue serves the next caller."""
+    from shufflefs.storage.update_queue import Step, Then
+
+    calls: list[int] = []
+
+    async def run(fn: Callable[..., Any], *args: Any) -> Any:
+        calls.append(len(args[1]))
+        if fail:
+            raise RuntimeError("injected: the thread call failed")
+        return await trio.to_thread.run_sync(fn, *args)
+
+    queue = UpdateQueue(store, run, max_batch=3)
+    cids = [chunk_id(100 + i, 0) for i in range(5)]
+
+    def steps() -> list[Step]:
+        return [
+            Step(cid, Then.COMMIT, stage=stage(store, cid, 0, bytes([i]) * 100))
+            for i, cid in enumerate(cids)
+        ]
+
+    fail = False
+    ok = steps()
+    trio.run(queue.run_many, ok)
+    assert calls == [3, 2]
+    assert [s.result() for s in ok] == [{"version": 1, "length": 100}] * 5
+
+    fail, calls[:] = True, []
+    failing = steps()
+    with pytest.raises(RuntimeError):
+        trio.run(queue.run_many, failing)
+    assert calls == [3]
+    assert all(s.finished for s in failing[:3]) and not any(s.finished for s in failing[3:])
+    assert queue._pending == [] and not queue._busy  # nothing stranded
+    fail = False
+    cid = chunk_id(200, 0)
+    assert trio.run(queue.write, cid, stage(store, cid, 0, b"after")) == {
+        "version": 1,
+        "length": 5,
+    }
