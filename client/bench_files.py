@@ -17,7 +17,7 @@ in the mount, then measured through every way in there is:
                    hinting its next files (client/data/hinted_reads.py)
     native         `FileDataset` of `shufflefs.client.data` over the same files;
                    creates: ``shufflefs import`` of the local set into a copy
-                   (client/ingest.py: one process, 64 files in flight),
+                   (client/ingest.py: one process, 256 files in flight),
                    removed after
 
 Operations: ``create`` (create+write+close per file; the first part of the

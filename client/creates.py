@@ -3,7 +3,7 @@
 A create is a durable mutation: the metadata server makes the file in a
 group commit (metadata/writer.py), so creates that overlap already share
 its fsync; what each still pays alone is its round trip, on both sides.
-Creates asked *together* (`shufflefs import`'s 64 files in flight) that
+Creates asked *together* (`shufflefs import`'s files in flight, 256) that
 arrive while one is in flight wait for it to end and go together in one
 `create_files` call (client/open_batch.py:Batcher, as overlapping opens
 and closes go): one round trip for all, each answered on its own. A
