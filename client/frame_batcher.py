@@ -29,6 +29,7 @@ alone, so only its own answer reaches it.
 from __future__ import annotations
 
 import errno
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -89,10 +90,11 @@ class NodeQueue(Generic[ItemT]):
             w = self.queue[0]
             if batch and (items + len(w.items) > max_items or nbytes + w.nbytes > max_bytes):
                 break
-            mine = [batcher.unique_key(it) for it in w.items]
-            if any(k is not None and k in keys for k in mine):
-                break
-            keys.update(k for k in mine if k is not None)
+            if batcher.keyed:
+                mine = {batcher.unique_key(it) for it in w.items}
+                if not keys.isdisjoint(mine):
+                    break
+                keys |= mine
             self.queue.popleft()
             batch.append(w)
             items += len(w.items)
@@ -115,7 +117,7 @@ class NodeQueue(Generic[ItemT]):
             w.wake_up()
 
 
-class FrameBatcher(Generic[ItemT]):
+class FrameBatcher(ABC, Generic[ItemT]):
     """Per storage node: at most `frames_in_flight` frames, the rest queued
     and coalesced. A subclass sends a frame (`call`, and `alone` for a
     request with nothing queued) and shares its reply out (`split`)."""
@@ -126,6 +128,7 @@ class FrameBatcher(Generic[ItemT]):
     what = "request"  # in messages
     # a coalesced frame refused for these is sent again request by request
     refused_as_a_whole: tuple[int, ...] = REFUSED_AS_A_WHOLE
+    keyed = False  # items may not share a frame with others of the same `unique_key`
 
     def __init__(self, rpc: RpcClient, timeout: float) -> None:
         self.rpc = rpc
@@ -136,9 +139,9 @@ class FrameBatcher(Generic[ItemT]):
 
     # ---- what a subclass says ----------------------------------------------
 
+    @abstractmethod
     async def call(self, address: str, items: list[ItemT], timeout: float) -> Any:
         """One request of *items* to *address*: its reply."""
-        raise NotImplementedError
 
     async def alone(self, address: str, items: list[ItemT], timeout: float) -> Any:
         """A request with nothing queued for its node, sent at once: what the
@@ -150,29 +153,34 @@ class FrameBatcher(Generic[ItemT]):
     def check(self, address: str, items: list[ItemT], reply: Any) -> None:
         """Raise EPROTO if *reply* does not answer *items*."""
 
+    @abstractmethod
     def split(self, batch: list[Queued[ItemT]], reply: Any) -> None:
         """Set each waiter's `result`: its share of *reply*."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def weight(self, items: list[ItemT]) -> int:
+        """The bytes *items* put in a frame (asked only of a request that
+        queues: a lone one goes at once, uncounted)."""
 
     def node_failed(self, exc: FsError) -> bool:
         """Whether *exc*, failing a frame, says the node failed (the requests
         queued for it then fail too, rather than wait it out again)."""
         return exc.code not in self.refused_as_a_whole
 
-    def unique_key(self, item: ItemT) -> Hashable | None:
-        """Items with the same key never share a frame (None: no such rule)."""
+    def unique_key(self, item: ItemT) -> Hashable:
+        """Items with the same key never share a frame (asked if `keyed`)."""
         return None
 
     # ---- the queue ---------------------------------------------------------
 
-    async def request(self, address: str, items: list[ItemT], timeout: float, nbytes: int) -> Any:
+    async def request(self, address: str, items: list[ItemT], timeout: float) -> Any:
         """What one request of *items* to *address* answers."""
         node = self._nodes.get(address)
         if node is None:
             node = self._nodes[address] = NodeQueue(self.frames_in_flight)
         if node.frames < node.frames_in_flight and not node.queue:
             return await self._alone(address, node, items, timeout)
-        me: Queued[ItemT] = Queued(items, timeout, nbytes)
+        me: Queued[ItemT] = Queued(items, timeout, self.weight(items))
         me.wake = trio.Event()
         node.queue.append(me)
         try:

@@ -56,9 +56,11 @@ class ReadBatcher(FrameBatcher[ReadItem]):
     async def read(self, address: str, items: list[ReadItem], timeout: float) -> ReadReply:
         """What one `read` request of *items* to *address* answers: per item a
         length or a negative errno, and the delivered bytes in order."""
-        nbytes = sum(max(0, it[3]) for it in items)
-        reply: ReadReply = await self.request(address, items, timeout, nbytes)
+        reply: ReadReply = await self.request(address, items, timeout)
         return reply
+
+    def weight(self, items: list[ReadItem]) -> int:
+        return sum(max(0, it[3]) for it in items)
 
     async def call(self, address: str, items: list[ReadItem], timeout: float) -> Any:
         lengths, payload = await read_items(self.rpc, address, items, timeout)

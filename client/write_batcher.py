@@ -38,6 +38,7 @@ class WriteBatcher(FrameBatcher[ChunkWrite]):
     max_items = MAX_REQUEST_ITEMS
     max_bytes = MAX_REQUEST_BYTES
     what = "write"
+    keyed = True  # a chunk once per target and frame (`unique_key`)
     # (ENOSYS: a daemon without `write_many` gets each write alone)
     refused_as_a_whole = (errno.EINVAL, errno.EMSGSIZE, errno.ENOSYS)
 
@@ -47,8 +48,11 @@ class WriteBatcher(FrameBatcher[ChunkWrite]):
 
     async def write(self, address: str, item: ChunkWrite, timeout: float) -> WriteResult:
         """What `write` of *item* to the head at *address* answers."""
-        result: WriteResult = await self.request(address, [item], timeout, len(item[6]))
+        result: WriteResult = await self.request(address, [item], timeout)
         return result
+
+    def weight(self, items: list[ChunkWrite]) -> int:
+        return sum(len(item[6]) for item in items)
 
     async def alone(self, address: str, items: list[ChunkWrite], timeout: float) -> Any:
         [(target, chain, version, chunk, offset, chunk_size, data)] = items
@@ -72,4 +76,4 @@ class WriteBatcher(FrameBatcher[ChunkWrite]):
                 w.result = result
 
     def unique_key(self, item: ChunkWrite) -> Hashable:
-        return (item[0], item[3])  # a chunk once per target and frame
+        return (item[0], item[3])

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -57,6 +57,16 @@ log = logging.getLogger("shufflefs.storage.batch_writes")
 
 Result = WriteResult | FsError | None  # per item; None: not answered yet
 GroupKey = tuple[int, int, int]  # (target, chain, chain_version)
+ItemT = TypeVar("ItemT")
+
+
+@dataclass(eq=False)
+class Batch(Generic[ItemT]):
+    """One request: its items, each item's bytes and each item's answer."""
+
+    items: Sequence[ItemT]
+    views: list[memoryview]
+    results: list[Result]
 
 
 @dataclass(eq=False)
@@ -138,115 +148,104 @@ class BatchWrites:
         items: Sequence[Any],
         lengths: list[int],
         payload: bytearray | None,
-        apply: Callable[..., Awaitable[None]],
+        apply: Callable[[Batch[Any], GroupKey, list[int]], Awaitable[None]],
     ) -> list[WriteOutcome]:
         """Each (target, chain, version) group of *items* applied by *apply*,
-        side by side; per item its outcome."""
+        side by side; per item its outcome (a group's own failure, raised
+        by *apply*, is that of each of its items not answered yet)."""
         groups = groups_of(items)
-        views = split_payload(lengths, payload)
-        results: list[Result] = [None] * len(items)
+        batch = Batch(items, split_payload(lengths, payload), [None] * len(items))
+
+        async def run(key: GroupKey, indices: list[int]) -> None:
+            try:
+                await apply(batch, key, indices)
+            except FsError as exc:
+                _fail_unanswered(batch.results, indices, exc)
+
         async with trio.open_nursery() as nursery:
             for key, indices in groups.items():
-                nursery.start_soon(apply, key, indices, items, views, results)
-        return [write_outcome(_answered(r)) for r in results]
+                nursery.start_soon(run, key, indices)
+        return [write_outcome(_answered(r)) for r in batch.results]
 
     # ---- one chain's items -------------------------------------------------
 
-    async def _head_group(
-        self,
-        key: GroupKey,
-        indices: list[int],
-        items: list[WriteItem],
-        views: list[memoryview],
-        results: list[Result],
-    ) -> None:
+    async def _head_group(self, batch: Batch[WriteItem], key: GroupKey, indices: list[int]) -> None:
         target, chain, chain_version = key
-        try:
-            store = self.node.store(target)
-            cids = [items[i][3] for i in indices]
-            for cid in cids:
-                check_chunk_id(cid)
-            async with (
-                self.node.locks.updates(target, cids),
-                self.forwarding.admitted(target, chain, chain_version, head=True) as place,
-            ):
-                if place is not None:
-                    place = await self.forwarding.check_min_replicas(place, target, head=True)
-                entries: list[Entry] = []
-                for i in indices:
-                    _, _, _, cid, offset, chunk_size, _ = items[i]
-                    data = views[i]
-                    update = None
-                    if place is not None and place.successor is not None:
-                        try:
-                            update = head_update(store, cid, offset, chunk_size, len(data))
-                        except FsError as exc:
-                            results[i] = exc
-                            continue
-                    stage = partial(stage_at_head, store, cid, offset, data, chunk_size)
-                    mapped = partial(self.damaged_here, target, cid)
-                    entries.append(Entry(i, cid, data, stage, update, mapped))
-                await self._apply(store, place, entries, results)
-        except FsError as exc:
-            _fail_unanswered(results, indices, exc)
+        items, views, results = batch.items, batch.views, batch.results
+        store = self.node.store(target)
+        cids = [items[i][3] for i in indices]
+        for cid in cids:
+            check_chunk_id(cid)
+        async with (
+            self.node.locks.updates(target, cids),
+            self.forwarding.admitted(target, chain, chain_version, head=True) as place,
+        ):
+            if place is not None:
+                place = await self.forwarding.check_min_replicas(place, target, head=True)
+            entries: list[Entry] = []
+            for i in indices:
+                _, _, _, cid, offset, chunk_size, _ = items[i]
+                data = views[i]
+                update = None
+                if place is not None and place.successor is not None:
+                    try:
+                        update = head_update(store, cid, offset, chunk_size, len(data))
+                    except FsError as exc:
+                        results[i] = exc
+                        continue
+                stage = partial(stage_at_head, store, cid, offset, data, chunk_size)
+                mapped = partial(self.damaged_here, target, cid)
+                entries.append(Entry(i, cid, data, stage, update, mapped))
+            await self._apply(store, place, entries, results)
 
     async def _replica_group(
-        self,
-        key: GroupKey,
-        indices: list[int],
-        items: list[ReplicateItem],
-        views: list[memoryview],
-        results: list[Result],
+        self, batch: Batch[ReplicateItem], key: GroupKey, indices: list[int]
     ) -> None:
         target, chain, chain_version = key
-        try:
-            store = self.node.store(target)
-            valid: list[int] = []
-            for i in indices:
-                _, _, _, cid, _, _, version, base_version, full, _ = items[i]
-                check_chunk_id(cid)
-                if not full and version != base_version + 1:
-                    results[i] = FsError(
-                        errno.EINVAL,
-                        f"version {version} does not follow base_version {base_version}",
-                    )
-                else:
-                    valid.append(i)
-            cids = [items[i][3] for i in valid]
-            async with (
-                self.node.locks.updates(target, cids),
-                self.forwarding.admitted(target, chain, chain_version, head=False) as place,
-            ):
-                sync = self.resyncer.state_at(target, place)
-                entries: list[Entry] = []
+        items, views, results = batch.items, batch.views, batch.results
+        store = self.node.store(target)
+        valid: list[int] = []
+        for i in indices:
+            _, _, _, cid, _, _, version, base_version, full, _ = items[i]
+            check_chunk_id(cid)
+            if not full and version != base_version + 1:
+                results[i] = FsError(
+                    errno.EINVAL,
+                    f"version {version} does not follow base_version {base_version}",
+                )
+            else:
+                valid.append(i)
+        cids = [items[i][3] for i in valid]
+        async with (
+            self.node.locks.updates(target, cids),
+            self.forwarding.admitted(target, chain, chain_version, head=False) as place,
+        ):
+            sync = self.resyncer.state_at(target, place)
+            entries: list[Entry] = []
+            for i in valid:
+                _, _, _, cid, offset, chunk_size, version, base_version, full, _ = items[i]
+                data = views[i]
+                update = None
+                if place is not None and place.successor is not None:
+                    try:
+                        store.check_room(len(data))  # a full disk here: forward nothing
+                    except FsError as exc:
+                        results[i] = exc
+                        continue
+                    update = ForwardedUpdate(cid, offset, chunk_size, version, base_version, full)
+                stage = partial(
+                    stage_forwarded, store, cid, offset, chunk_size, version, full, data
+                )
+                entries.append(Entry(i, cid, data, stage, update))
+            await self._apply(store, place, entries, results)
+            if sync is not None:  # as `replicate` does for each
                 for i in valid:
-                    _, _, _, cid, offset, chunk_size, version, base_version, full, _ = items[i]
-                    data = views[i]
-                    update = None
-                    if place is not None and place.successor is not None:
-                        try:
-                            store.check_room(len(data))  # a full disk here: forward nothing
-                        except FsError as exc:
-                            results[i] = exc
-                            continue
-                        update = ForwardedUpdate(
-                            cid, offset, chunk_size, version, base_version, full
-                        )
-                    stage = partial(
-                        stage_forwarded, store, cid, offset, chunk_size, version, full, data
-                    )
-                    entries.append(Entry(i, cid, data, stage, update))
-                await self._apply(store, place, entries, results)
-                if sync is not None:  # as `replicate` does for each
-                    for i in valid:
-                        if isinstance(results[i], dict):
-                            cid, full, base_version = items[i][3], items[i][8], items[i][7]
-                            sync.touch(cid)
-                            if full or base_version == 0 or cid in sync.trusted:
-                                sync.trusted.add(cid)
-                            sync.forwarded += 1
-        except FsError as exc:
-            _fail_unanswered(results, indices, exc)
+                    if isinstance(results[i], dict):
+                        cid, full, base_version = items[i][3], items[i][8], items[i][7]
+                        sync.touch(cid)
+                        if full or base_version == 0 or cid in sync.trusted:
+                            sync.trusted.add(cid)
+                        sync.forwarded += 1
 
     # ---- applying ----------------------------------------------------------
 

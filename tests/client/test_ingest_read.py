@@ -5,10 +5,10 @@ thread's read; the bytes its files in flight hold are bounded (`ByteBudget`)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import trio
+from clusters import wait_until
 
 from shufflefs.client.ingest import LOCAL_FSTYPES, ByteBudget, _read_cached, local_devices
 from shufflefs.cluster.preflight import mount_of
@@ -24,26 +24,26 @@ def test_a_cached_file_is_read_whole(tmp_path: Path) -> None:
 def test_a_file_not_in_the_page_cache_is_left_to_the_thread(tmp_path: Path) -> None:
     """(The kernel may keep a page the advice cannot drop at that moment, one
     another CPU holds or a readahead our own attempt started is filling: the
-    file is dropped and tried again until it was dropped whole, at most 50
-    times. A `_read_cached` that read through a miss never passes.)"""
+    file is dropped and tried again until it was dropped whole. A
+    `_read_cached` that read through a miss never passes.)"""
     path = tmp_path / "cold.bin"
     data = os.urandom(300_000)
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())  # clean pages, so the kernel drops them when asked
-    answers = []
-    for _ in range(50):
+    answers: list[bytearray | None] = []
+
+    def dropped_and_left() -> bool:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         answers.append(_read_cached(os.fsencode(path), len(data)))
-        if answers[-1] is None:
-            break
-        time.sleep(0.02)
-    assert answers[-1] is None
+        return answers[-1] is None
+
+    wait_until("a read of the dropped file left to the thread", dropped_and_left, timeout=10)
     assert all(a is None or a == data for a in answers)  # a whole read, else none
 
 
