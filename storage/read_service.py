@@ -5,10 +5,12 @@ connection's reader task, and on a thread channel's I/O thread.
 Reads whose record and file are cached and whose bytes are in the page cache
 are served with ``preadv2(RWF_NOWAIT)``, which fails instead of blocking: a
 hot 4 KiB read then costs microseconds instead of a thread round trip. The
-rest wait for the disk: through io_uring (storage/uring.py) when their record
-and file are cached (on the event loop only up to NOWAIT_MAX, so that big
-checksums stay off it), else in worker threads, spread so that one request's
-cold items wait together, not in turn. The protocol is in
+rest wait for the disk through io_uring: on the event loop (storage/uring.py)
+those whose record and file are cached, up to NOWAIT_MAX (big checksums stay
+off the loop); on a thread channel's I/O thread (storage/uring_threads.py)
+every one, the files not held opened in the ring too. What is left goes to
+worker threads, spread so that one request's cold items wait together, not
+in turn. The protocol is in
 docs/storage.md.
 """
 
@@ -16,20 +18,22 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import trio
 
 from shufflefs.rpc import FsError, Reply, rpc_method
 from shufflefs.rpc.errors import as_fs_error
+from shufflefs.rpc.heap import uninitialized
 from shufflefs.storage.context import NodeContext
 from shufflefs.storage.layout import MAX_CHUNK_SIZE, check_chunk_id
 from shufflefs.storage.protocol import MAX_READ_ITEMS, ChunkMeta, ReadItem
 from shufflefs.storage.repair import RepairWorker
 from shufflefs.storage.store import NOWAIT_MAX, ChunkStore, ReadPlan
-from shufflefs.storage.uring import UringReads, for_this_run, for_this_thread
+from shufflefs.storage.uring import FileOutcome, UringReads, for_this_run
+from shufflefs.storage.uring_threads import BlockingUringReads, for_this_thread
 
 log = logging.getLogger("shufflefs.storage")
 
@@ -41,7 +45,12 @@ def _spread(indices: list[int], threads: int) -> list[list[int]]:
 
 
 def _requests(planned: list[tuple[int, ChunkStore, ReadPlan]]) -> list[tuple[int, int, int]]:
-    return [(plan.handle.fd, plan.stop - plan.start, plan.start) for _, _, plan in planned]
+    """(fd, length, offset) of each plan (files held: planned without *opening*)."""
+    out = []
+    for _, _, plan in planned:
+        assert plan.handle is not None
+        out.append((plan.handle.fd, plan.stop - plan.start, plan.start))
+    return out
 
 
 def _read_reply(results: list[memoryview | int]) -> Reply:
@@ -134,14 +143,20 @@ class ReadHandlers:
         return _read_reply(results)
 
     def read_sync(self, items: list[ReadItem]) -> Reply:
-        """`read` on a thread channel's I/O thread (rpc/channel.py): the
-        page-cache misses are read from here, blocking this thread only, and
-        spread over up to `io_threads` threads as on the loop, so that cold
-        reads of one request wait for the disk together, not in turn."""
-        results, slow = self._read_cached(items, loading=True)
-        uring = for_this_thread() if slow else None
-        if uring is not None:
-            slow = self._read_planned(slow, items, results, uring.pread_many)
+        """`read` on a thread channel's I/O thread (rpc/channel.py), when
+        `read_fast` could not answer: blocking this thread only. Every item
+        goes through this thread's io_uring (storage/uring_threads.py), the
+        files not held opened there too, so that a request's cold items
+        wait for the disk together; what the ring did not settle, and every
+        item where there is no io_uring, is read with `ChunkStore.read`,
+        spread over up to `io_threads` threads."""
+        uring = for_this_thread()
+        if uring is None:
+            results, slow = self._read_cached(items, loading=True)
+        else:
+            self._check_read_size(items)
+            results = [0] * len(items)
+            slow = self._read_opening(uring, items, results)
         if slow:
             first, *others = _spread(slow, self.node.io_threads)
             rest = [
@@ -155,6 +170,51 @@ class ReadHandlers:
                 for target, chunk in damaged:
                     self.node.trio_token.run_sync_soon(self.repairs.schedule, target, chunk)
         return _read_reply(results)
+
+    def _read_opening(
+        self, uring: BlockingUringReads, items: list[ReadItem], results: list[memoryview | int]
+    ) -> list[int]:
+        """Every item read through *uring* (records read if not cached,
+        files not held opened in the ring: `ChunkStore.read_plan` with
+        *opening*); the indices left for `ChunkStore.read` (read short,
+        damaged or failed: `read` tells why, or retries)."""
+        stores = self._serving(items)
+        serving = []
+        for i, item in enumerate(items):
+            store = stores[item[0]]
+            if isinstance(store, int):
+                results[i] = store
+            else:
+                serving.append(i)
+        planned, left = self._plan(serving, items, results, opening=True)
+        if not planned:
+            return left
+        bufs = [uninitialized(plan.stop - plan.start) for _, _, plan in planned]
+        outcomes: list[FileOutcome] = []
+        try:
+            outcomes = uring.open_and_read(
+                [
+                    (plan.source, buf, plan.start)
+                    for (_, _, plan), buf in zip(planned, bufs, strict=True)
+                ],
+                os.O_RDWR,  # (the fd cache's files are the writes' too)
+            )
+        finally:
+            for k, (i, store, plan) in enumerate(planned):
+                data: bytearray | None = None
+                opened: int | None = None
+                if k < len(outcomes):
+                    fd, got = outcomes[k]
+                    opened = fd if plan.handle is None and isinstance(fd, int) else None
+                    if isinstance(got, int):
+                        data = bufs[k]
+                        del data[got:]
+                found = store.finish_read(plan, data, opened)
+                if found is None:
+                    left.append(i)
+                else:
+                    results[i] = found
+        return left
 
     def _read_cached(
         self, items: list[ReadItem], loading: bool = False
@@ -222,34 +282,16 @@ class ReadHandlers:
         items: list[ReadItem],
         results: list[memoryview | int],
     ) -> list[int]:
-        """`_read_planned` on the event loop, for ranges up to NOWAIT_MAX:
-        a bigger range's checksums are computed in a thread, off the loop."""
+        """The items at *slow* whose record and file are cached, read
+        together through the loop's ring, for ranges up to NOWAIT_MAX (a
+        bigger range's checksums are computed in a thread, off the loop);
+        the indices left for `ChunkStore.read` in a thread: not planned, or
+        read short, damaged or failed (`read` tells why, or retries)."""
         planned, left = self._plan(slow, items, results, NOWAIT_MAX)
         if planned:
             outcomes: list[bytearray | OSError] = []
             try:
                 outcomes = await uring.pread_many(_requests(planned))
-            finally:
-                self._finish(planned, outcomes, results, left)
-        return left
-
-    def _read_planned(
-        self,
-        slow: list[int],
-        items: list[ReadItem],
-        results: list[memoryview | int],
-        pread_many: Callable[[list[tuple[int, int, int]]], list[bytearray | OSError]],
-    ) -> list[int]:
-        """The items at *slow* that `ChunkStore.read_plan` can plan, read
-        together by *pread_many* (through io_uring); the indices left for
-        `ChunkStore.read` in a thread: not planned (record or file not
-        cached), or read short, damaged or failed (`read` tells why, or
-        retries)."""
-        planned, left = self._plan(slow, items, results)
-        if planned:
-            outcomes: list[bytearray | OSError] = []
-            try:
-                outcomes = pread_many(_requests(planned))
             finally:
                 self._finish(planned, outcomes, results, left)
         return left
@@ -260,7 +302,11 @@ class ReadHandlers:
         items: list[ReadItem],
         results: list[memoryview | int],
         limit: int = MAX_CHUNK_SIZE,
+        opening: bool = False,
     ) -> tuple[list[tuple[int, ChunkStore, ReadPlan]], list[int]]:
+        """The items at *slow* as `ChunkStore.read_plan` plans them (the
+        answers it gives at once put in *results*), and the indices it
+        cannot plan (left for `ChunkStore.read`)."""
         by_id = self.node.by_id
         planned: list[tuple[int, ChunkStore, ReadPlan]] = []
         left: list[int] = []
@@ -268,7 +314,7 @@ class ReadHandlers:
             target, chunk, offset, length = items[i]
             store = by_id[target]
             try:
-                plan = store.read_plan(chunk, offset, length, limit)
+                plan = store.read_plan(chunk, offset, length, limit, opening)
             except FsError as exc:
                 results[i] = -exc.code
                 continue

@@ -40,15 +40,24 @@ EMPTY = memoryview(b"")
 @dataclass(frozen=True, slots=True)
 class ReadPlan:
     """A verified read in two halves (`ChunkStore.read_plan`, `finish_read`),
-    for a read that waits for the disk off a thread (storage/uring.py)."""
+    for a read that waits for the disk through io_uring (storage/uring.py,
+    storage/uring_threads.py)."""
 
     rec: ChunkRecord
-    handle: FdHandle  # held until finish_read
+    handle: FdHandle | None  # held until finish_read; None: the file is to be opened
     first: int  # the first block's index
     start: int  # the aligned range to read: [start, stop) of the chunk file
     stop: int
     lo: int  # the bytes asked for: [lo, hi) of that range
     hi: int
+    cid: bytes = b""  # (a file to open) the chunk,
+    path: str = ""  # its file,
+    epoch: int = 0  # and the fd cache's epoch noted before the open
+
+    @property
+    def source(self) -> int | str:
+        """What the ring reads: the held fd, or the path to open."""
+        return self.path if self.handle is None else self.handle.fd
 
 
 def _check_range(offset: int, length: int) -> None:
@@ -149,20 +158,30 @@ class ChunkStore(WritableTarget):
         return self._verified(buf, rec, first, n, offset - start, end - start) if got == n else None
 
     def read_plan(
-        self, cid: bytes, offset: int, length: int, limit: int = MAX_CHUNK_SIZE
+        self,
+        cid: bytes,
+        offset: int,
+        length: int,
+        limit: int = MAX_CHUNK_SIZE,
+        opening: bool = False,
     ) -> ReadPlan | memoryview | None:
         """What a read of [offset, offset+length) takes, if its record and
         file are cached (nothing here blocks): the aligned range to read and
         the fd, held until `finish_read`; or the answer itself (empty); or
         None when `read` must do it in a thread (not cached, more than
-        *limit* bytes)."""
-        span = self._cached_span(cid, offset, length, limit)
+        *limit* bytes). *opening* (a thread that may block): a record not
+        cached is read, and a file not held is planned to be opened
+        (`ReadPlan.path`, the fd given to `finish_read`)."""
+        span = self._cached_span(cid, offset, length, limit, opening)
         if span is None or isinstance(span, memoryview):
             return span
         rec, handle, first, start, stop, end = span
-        if handle is None:
+        if handle is not None:
+            return ReadPlan(rec, handle, first, start, stop, offset - start, end - start)
+        if not opening:
             return None
-        return ReadPlan(rec, handle, first, start, stop, offset - start, end - start)
+        lo, hi, path = offset - start, end - start, self._path(cid, rec.generation)
+        return ReadPlan(rec, None, first, start, stop, lo, hi, cid, path, self._fds.epoch)
 
     def _cached_span(
         self, cid: bytes, offset: int, length: int, limit: int, loading: bool = False
@@ -195,11 +214,19 @@ class ChunkStore(WritableTarget):
             return None
         return rec, self._fds.get((cid, rec.generation)), first, start, stop, end
 
-    def finish_read(self, plan: ReadPlan, data: bytearray | None) -> memoryview | None:
-        """Give back the plan's fd; the bytes asked for if *data* (the aligned
-        range read) is whole and every block checks, else None: `read` then
-        reads again in a thread (and reports a damaged block as EIO)."""
-        self._fds.release(plan.handle)
+    def finish_read(
+        self, plan: ReadPlan, data: bytearray | None, opened: int | None = None
+    ) -> memoryview | None:
+        """Give back the plan's fd, or keep the one *opened* for it (cached
+        unless its file changed since the plan); the bytes asked for if
+        *data* (the aligned range read) is whole and every block checks,
+        else None: `read` then reads again in a thread (and reports a
+        damaged block as EIO)."""
+        if plan.handle is not None:
+            self._fds.release(plan.handle)
+        elif opened is not None:
+            key = (plan.cid, plan.rec.generation)
+            self._fds.release(self._fds.put(key, opened, plan.epoch))
         if data is None:
             return None
         return self._verified(data, plan.rec, plan.first, plan.stop - plan.start, plan.lo, plan.hi)

@@ -22,7 +22,8 @@ twice what a round of opens followed by a round of reads did (5,383).
 binding missing, the kernel too old, or io_uring disabled:
 ``kernel.io_uring_disabled``, a seccomp filter): callers then read in
 threads as before. One instance per trio run (`for_this_run`): a ring
-belongs to the loop that reaps it.
+belongs to the loop that reaps it. A thread that may block has its own ring
+(storage/uring_threads.py).
 
 A read cannot be taken back once submitted: the kernel may write into the
 buffer until its completion arrives. So a waiting task is shielded from
@@ -36,8 +37,6 @@ import contextlib
 import errno
 import logging
 import os
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -460,67 +459,6 @@ def _call(then: Callable[[list[FileOutcome]], None], results: list[FileOutcome])
         then(results)
     except Exception:
         log.exception("a callback of reads through io_uring failed")
-
-
-class BlockingUringReads:
-    """The same reads for a thread that may block (a thread channel's I/O
-    thread, rpc/channel.py): submitted together, waited for in one
-    ``io_uring_enter``. One ring per thread (`for_this_thread`)."""
-
-    def __init__(self, ring: Any) -> None:
-        self._ring = ring
-        self._cqe: Any = _uring.Cqe()
-        self.reads = 0
-        # the ring goes with its thread's locals (a channel's thread ends with its connection)
-        weakref.finalize(self, _uring.io_uring_queue_exit, ring)
-
-    def pread_many(self, requests: list[tuple[int, int, int]]) -> list[bytearray | OSError]:
-        """As `UringReads.pread_many`, blocking this thread until all are done."""
-        bufs = [uninitialized(n) for _, n, _ in requests]
-        results: list[int | OSError] = [0] * len(requests)
-        todo = [k for k, (_, n, _) in enumerate(requests) if n]
-        for lo in range(0, len(todo), ENTRIES):
-            part = todo[lo : lo + ENTRIES]
-            for k in part:
-                fd, _, offset = requests[k]
-                sqe = _uring.io_uring_get_sqe(self._ring)
-                _uring.io_uring_prep_read(sqe, fd, bufs[k], offset)
-                sqe.user_data = k
-            _uring.io_uring_submit(self._ring)
-            waiting = len(part)
-            while waiting:
-                with contextlib.suppress(OSError):  # a failed read's cqe: read below
-                    _uring.io_uring_wait_cqe(self._ring, self._cqe)
-                seen = 0
-                completions = _uring.io_uring_cqe_iter_init(self._ring)
-                while _uring.io_uring_cqe_iter_next(completions, self._cqe):
-                    entry = self._cqe[0]
-                    seen += 1
-                    k = entry.user_data
-                    try:
-                        results[k] = entry.res
-                    except OSError as exc:
-                        results[k] = exc
-                if seen:
-                    _uring.io_uring_cq_advance(self._ring, seen)
-                    waiting -= seen
-                    self.reads += seen
-        return _outcomes(bufs, results)
-
-
-_THREAD_LOCAL = threading.local()
-
-
-def for_this_thread() -> BlockingUringReads | None:
-    """This thread's ring (opened on first use; closed with the thread's
-    locals), or None without io_uring."""
-    if hasattr(_THREAD_LOCAL, "reads"):
-        found: BlockingUringReads | None = _THREAD_LOCAL.reads
-        return found
-    ring = _new_ring()
-    reads = None if ring is None else BlockingUringReads(ring)
-    _THREAD_LOCAL.reads = reads
-    return reads
 
 
 def _new_ring() -> Any | None:

@@ -135,7 +135,7 @@ def stuck_reads(store: ChunkStore) -> tuple[threading.Event, threading.Event]:
 
     store.read_nowait = lambda *args: None  # type: ignore[method-assign]
     # not through io_uring either: every cold read goes to `read`
-    store.read_plan = lambda *args: None  # type: ignore[method-assign]
+    store.read_plan = lambda *args, **kwargs: None  # type: ignore[method-assign]
     store.read = stuck  # type: ignore[method-assign]
     return release, arrived
 

@@ -434,7 +434,7 @@ async def test_a_silent_node_fails_the_frame_and_its_queue(cluster: ChainCluster
 
     store.read_nowait = lambda *args: None  # type: ignore[method-assign]
     # not through io_uring either: every cold read goes to `read`
-    store.read_plan = lambda *args: None  # type: ignore[method-assign]
+    store.read_plan = lambda *args, **kwargs: None  # type: ignore[method-assign]
     store.read = stuck  # type: ignore[method-assign]
     try:
         with trio.fail_after(2):  # not 5 x 0.3 s one after another

@@ -11,12 +11,13 @@ import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 from harness import flip
 
-from shufflefs.storage import uring
+from shufflefs.storage import uring, uring_threads
 from shufflefs.storage.protocol import chunk_id
 from shufflefs.storage.service import StorageService
 from shufflefs.storage.store import NOWAIT_MAX, ChunkStore
@@ -81,14 +82,14 @@ async def test_a_cancelled_reader_waits_until_the_kernel_is_done(blob: tuple[int
 
 def test_blocking_reads_give_exact_bytes_and_errors_per_read(blob: tuple[int, bytes]) -> None:
     fd, data = blob
-    ring = uring.for_this_thread()
-    assert ring is not None and uring.for_this_thread() is ring
+    ring = uring_threads.for_this_thread()
+    assert ring is not None and uring_threads.for_this_thread() is ring
     reqs, expected = requests_and_expected(fd, data)
     got = ring.pread_many([(999_999, 10, 0), *reqs])
     assert isinstance(got[0], OSError) and got[0].errno == errno.EBADF
     assert [bytes(g) for g in got[1:]] == expected
     other: list[object] = []
-    thread = threading.Thread(target=lambda: other.append(uring.for_this_thread()))
+    thread = threading.Thread(target=lambda: other.append(uring_threads.for_this_thread()))
     thread.start()
     thread.join()
     assert other[0] is not ring  # one ring per thread
@@ -215,6 +216,81 @@ async def test_open_and_read_opens_each_path_then_reads_it(
     assert second == (held, 4)
     os.close(fd)
     os.close(held)
+
+
+def test_blocking_open_and_read_opens_each_path_then_reads_it(tmp_path: Path) -> None:
+    """A thread's ring (a channel's I/O thread): paths opened in the ring
+    with the flags asked for, each read following its own open; an fd read
+    as it is; a path that cannot be opened fails its request alone; more
+    requests than the ring holds go in as others finish."""
+    ring = uring_threads.for_this_thread()
+    assert ring is not None
+    contents = {k: os.urandom(1000 + k) for k in range(uring.ENTRIES + 30)}
+    for k, data in contents.items():
+        (tmp_path / f"f{k}").write_bytes(data)
+    held = os.open(tmp_path / "f0", os.O_RDONLY)
+    requests: list[uring.FileRead] = [
+        (str(tmp_path / f"f{k}"), bytearray(2000), 7) for k in contents
+    ]
+    requests += [(held, bytearray(50), 100), (str(tmp_path / "missing"), bytearray(10), 0)]
+    opens, reads = ring.opens, ring.reads
+    outcomes = ring.open_and_read(requests, os.O_RDWR)
+    assert ring.opens - opens == len(contents) + 1 and ring.reads - reads == len(contents) + 1
+    for k in contents:
+        fd, got = outcomes[k]
+        assert isinstance(fd, int) and isinstance(got, int), outcomes[k]
+        assert bytes(requests[k][1][:got]) == contents[k][7:]
+        assert os.pwrite(fd, b"x", 0) == 1  # opened read-write, as asked
+        os.close(fd)
+    assert outcomes[-2] == (held, 50) and bytes(requests[-2][1]) == contents[0][100:150]
+    fd, got = outcomes[-1]
+    assert isinstance(fd, OSError) and fd.errno == errno.ENOENT
+    assert isinstance(got, OSError) and got.errno == errno.ENOENT
+    os.close(held)
+
+
+async def test_a_channel_thread_opens_files_not_held_in_its_ring(store: ChunkStore) -> None:
+    """`read_sync` (a channel's I/O thread) with nothing cached: no record,
+    no open file, no page-cache hit. Every file is opened and read in the
+    thread's ring, all together; the bytes are exactly `read`'s; the files
+    opened are kept for the next reads (read-write: the writes share
+    them); a byte flipped on disk still fails its item alone with EIO."""
+    service = StorageService([store], io_threads=4)
+    blobs = {i: os.urandom(5000 + 300 * i) for i in range(12)}
+    for i, data in blobs.items():
+        await service.write(1, 0, 0, chunk_id(10, i), 0, CS, data)
+    store.read_nowait = lambda *args: None  # type: ignore[method-assign]
+    path = store.file_path(chunk_id(10, 4))
+    assert path is not None
+    flip(path, 1000)  # block 1 of chunk 4
+    store._fds.close_all()
+    store._records.clear()
+    items = [(1, chunk_id(10, i), 200, 4000) for i in blobs]
+    items += [(1, chunk_id(10, 0), 4900, 999), (1, chunk_id(10, 99), 0, 10)]  # short; absent
+
+    def read_twice() -> tuple[Any, Any, int, int]:
+        ring = uring_threads.for_this_thread()
+        assert ring is not None
+        opens = ring.opens
+        first = service.read_sync(items)
+        opened = ring.opens - opens
+        return first, service.read_sync(items), opened, ring.opens - opens - opened
+
+    before = store._fds.opened
+    first, second, opened, reopened = await trio.to_thread.run_sync(read_twice)
+    expected = [b"" if i == 4 else blobs[i][200:4200] for i in blobs] + [blobs[0][4900:], b""]
+    for reply in (first, second):
+        lengths = reply.result["lengths"]
+        assert lengths[4] == -errno.EIO
+        assert [n for k, n in enumerate(lengths) if k != 4] == [
+            len(e) for k, e in enumerate(expected) if k != 4
+        ]
+        assert b"".join(bytes(p) for p in reply.payload) == b"".join(expected)
+    # the first read opens each file in the ring, for each item (chunk 0's
+    # twice: the cache keeps one fd); the second opens none (the damaged
+    # chunk's file too: its bytes are bad, not its fd)
+    assert (opened, reopened) == (len(blobs) + 1, 0)
+    assert store._fds.opened - before >= len(blobs)
 
 
 async def test_a_cancelled_open_and_read_finishes_before_returning(tmp_path: Path) -> None:
