@@ -5,12 +5,11 @@ connection's reader task, and on a thread channel's I/O thread.
 Reads whose record and file are cached and whose bytes are in the page cache
 are served with ``preadv2(RWF_NOWAIT)``, which fails instead of blocking: a
 hot 4 KiB read then costs microseconds instead of a thread round trip. The
-rest wait for the disk through io_uring: on the event loop (storage/uring.py)
-those whose record and file are cached, up to NOWAIT_MAX (big checksums stay
-off the loop); on a thread channel's I/O thread (storage/uring_threads.py)
-every one, the files not held opened in the ring too. What is left goes to
-worker threads, spread so that one request's cold items wait together, not
-in turn. The protocol is in
+rest wait for the disk through io_uring, the files not held opened in the
+ring too: on the event loop (storage/uring.py) those whose record is cached,
+up to NOWAIT_MAX (big checksums stay off the loop); on a thread channel's I/O
+thread (storage/uring_threads.py) every one. What is left goes to worker
+threads, spread so that one request's cold items wait together, not in turn. The protocol is in
 docs/storage.md.
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,7 +30,7 @@ from shufflefs.storage.layout import MAX_CHUNK_SIZE, check_chunk_id
 from shufflefs.storage.protocol import MAX_READ_ITEMS, ChunkMeta, ReadItem
 from shufflefs.storage.repair import RepairWorker
 from shufflefs.storage.store import NOWAIT_MAX, ChunkStore, ReadPlan
-from shufflefs.storage.uring import FileOutcome, UringReads, for_this_run
+from shufflefs.storage.uring import FileOutcome, FileRead, UringReads, for_this_run
 from shufflefs.storage.uring_threads import BlockingUringReads, for_this_thread
 
 log = logging.getLogger("shufflefs.storage")
@@ -44,13 +42,44 @@ def _spread(indices: list[int], threads: int) -> list[list[int]]:
     return [indices[k : k + per] for k in range(0, len(indices), per)]
 
 
-def _requests(planned: list[tuple[int, ChunkStore, ReadPlan]]) -> list[tuple[int, int, int]]:
-    """(fd, length, offset) of each plan (files held: planned without *opening*)."""
-    out = []
-    for _, _, plan in planned:
-        assert plan.handle is not None
-        out.append((plan.handle.fd, plan.stop - plan.start, plan.start))
-    return out
+Planned = tuple[int, ChunkStore, ReadPlan]  # an item's index, its store, its plan
+
+
+def _buffers(planned: list[Planned]) -> list[bytearray]:
+    return [uninitialized(plan.stop - plan.start) for _, _, plan in planned]
+
+
+def _ring_reads(planned: list[Planned], bufs: list[bytearray]) -> list[FileRead]:
+    """The plans as `open_and_read` takes them: the fd held, or the path to open."""
+    return [(plan.source, buf, plan.start) for (_, _, plan), buf in zip(planned, bufs, strict=True)]
+
+
+def _finish(
+    planned: list[Planned],
+    bufs: list[bytearray],
+    outcomes: list[FileOutcome],
+    results: list[memoryview | int],
+    left: list[int],
+) -> None:
+    """Each plan's bytes checked into *results* (`ChunkStore.finish_read`,
+    which gives back its fd or keeps the one opened for it), or its index
+    in *left*: read short, damaged, failed, or not read at all (*outcomes*
+    cut short by a failure of the ring as a whole)."""
+    for k, (i, store, plan) in enumerate(planned):
+        data: bytearray | None = None
+        opened: int | None = None
+        if k < len(outcomes):
+            fd, got = outcomes[k]
+            if plan.handle is None and isinstance(fd, int):
+                opened = fd
+            if isinstance(got, int):
+                data = bufs[k]
+                del data[got:]
+        found = store.finish_read(plan, data, opened)
+        if found is None:
+            left.append(i)
+        else:
+            results[i] = found
 
 
 def _read_reply(results: list[memoryview | int]) -> Reply:
@@ -186,34 +215,14 @@ class ReadHandlers:
                 results[i] = store
             else:
                 serving.append(i)
-        planned, left = self._plan(serving, items, results, opening=True)
-        if not planned:
-            return left
-        bufs = [uninitialized(plan.stop - plan.start) for _, _, plan in planned]
-        outcomes: list[FileOutcome] = []
-        try:
-            outcomes = uring.open_and_read(
-                [
-                    (plan.source, buf, plan.start)
-                    for (_, _, plan), buf in zip(planned, bufs, strict=True)
-                ],
-                os.O_RDWR,  # (the fd cache's files are the writes' too)
-            )
-        finally:
-            for k, (i, store, plan) in enumerate(planned):
-                data: bytearray | None = None
-                opened: int | None = None
-                if k < len(outcomes):
-                    fd, got = outcomes[k]
-                    opened = fd if plan.handle is None and isinstance(fd, int) else None
-                    if isinstance(got, int):
-                        data = bufs[k]
-                        del data[got:]
-                found = store.finish_read(plan, data, opened)
-                if found is None:
-                    left.append(i)
-                else:
-                    results[i] = found
+        planned, left = self._plan(serving, items, results, loading=True, opening=True)
+        if planned:
+            bufs = _buffers(planned)
+            outcomes: list[FileOutcome] = []
+            try:
+                outcomes = uring.open_and_read(_ring_reads(planned, bufs), writable=True)
+            finally:
+                _finish(planned, bufs, outcomes, results, left)
         return left
 
     def _read_cached(
@@ -255,8 +264,8 @@ class ReadHandlers:
     async def _read_in_threads(
         self, slow: list[int], items: list[ReadItem], results: list[memoryview | int]
     ) -> None:
-        """Read the items at *slow*: through io_uring those whose record and
-        file are cached, the rest (and any the ring's read did not settle)
+        """Read the items at *slow*: through io_uring those whose record is
+        cached (`_read_uring`), the rest (and any the ring's read did not settle)
         with `ChunkStore.read`, spread over the io threads; queue the damaged
         chunks found for repair."""
         uring = for_this_run()
@@ -282,18 +291,20 @@ class ReadHandlers:
         items: list[ReadItem],
         results: list[memoryview | int],
     ) -> list[int]:
-        """The items at *slow* whose record and file are cached, read
-        together through the loop's ring, for ranges up to NOWAIT_MAX (a
-        bigger range's checksums are computed in a thread, off the loop);
-        the indices left for `ChunkStore.read` in a thread: not planned, or
-        read short, damaged or failed (`read` tells why, or retries)."""
-        planned, left = self._plan(slow, items, results, NOWAIT_MAX)
+        """The items at *slow* whose record is cached, read together through
+        the loop's ring (a file not held opened there first), for ranges up
+        to NOWAIT_MAX (a bigger range's checksums are computed in a thread,
+        off the loop); the indices left for `ChunkStore.read` in a thread:
+        not planned, or read short, damaged or failed (`read` tells why, or
+        retries)."""
+        planned, left = self._plan(slow, items, results, NOWAIT_MAX, opening=True)
         if planned:
-            outcomes: list[bytearray | OSError] = []
+            bufs = _buffers(planned)
+            outcomes: list[FileOutcome] = []
             try:
-                outcomes = await uring.pread_many(_requests(planned))
+                outcomes = await uring.open_and_read(_ring_reads(planned, bufs), writable=True)
             finally:
-                self._finish(planned, outcomes, results, left)
+                _finish(planned, bufs, outcomes, results, left)
         return left
 
     def _plan(
@@ -302,19 +313,20 @@ class ReadHandlers:
         items: list[ReadItem],
         results: list[memoryview | int],
         limit: int = MAX_CHUNK_SIZE,
+        loading: bool = False,
         opening: bool = False,
-    ) -> tuple[list[tuple[int, ChunkStore, ReadPlan]], list[int]]:
+    ) -> tuple[list[Planned], list[int]]:
         """The items at *slow* as `ChunkStore.read_plan` plans them (the
         answers it gives at once put in *results*), and the indices it
         cannot plan (left for `ChunkStore.read`)."""
         by_id = self.node.by_id
-        planned: list[tuple[int, ChunkStore, ReadPlan]] = []
+        planned: list[Planned] = []
         left: list[int] = []
         for i in slow:
             target, chunk, offset, length = items[i]
             store = by_id[target]
             try:
-                plan = store.read_plan(chunk, offset, length, limit, opening)
+                plan = store.read_plan(chunk, offset, length, limit, loading, opening)
             except FsError as exc:
                 results[i] = -exc.code
                 continue
@@ -325,22 +337,6 @@ class ReadHandlers:
             else:
                 planned.append((i, store, plan))
         return planned, left
-
-    @staticmethod
-    def _finish(
-        planned: list[tuple[int, ChunkStore, ReadPlan]],
-        outcomes: list[bytearray | OSError],
-        results: list[memoryview | int],
-        left: list[int],
-    ) -> None:
-        """Give back each plan's fd (also when the reads failed as a whole)."""
-        for k, (i, store, plan) in enumerate(planned):
-            data = outcomes[k] if k < len(outcomes) else None
-            got = store.finish_read(plan, data if isinstance(data, bytearray) else None)
-            if got is None:
-                left.append(i)
-            else:
-                results[i] = got
 
     def _read_blocking(
         self, indices: list[int], items: list[ReadItem], results: list[memoryview | int]

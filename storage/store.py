@@ -163,16 +163,17 @@ class ChunkStore(WritableTarget):
         offset: int,
         length: int,
         limit: int = MAX_CHUNK_SIZE,
+        loading: bool = False,
         opening: bool = False,
     ) -> ReadPlan | memoryview | None:
         """What a read of [offset, offset+length) takes, if its record and
         file are cached (nothing here blocks): the aligned range to read and
         the fd, held until `finish_read`; or the answer itself (empty); or
         None when `read` must do it in a thread (not cached, more than
-        *limit* bytes). *opening* (a thread that may block): a record not
-        cached is read, and a file not held is planned to be opened
-        (`ReadPlan.path`, the fd given to `finish_read`)."""
-        span = self._cached_span(cid, offset, length, limit, opening)
+        *limit* bytes). *loading* (off the event loop): a record not cached
+        is read. *opening*: a file not held is planned to be opened through
+        io_uring (`ReadPlan.path`, the fd given to `finish_read`)."""
+        span = self._cached_span(cid, offset, length, limit, loading)
         if span is None or isinstance(span, memoryview):
             return span
         rec, handle, first, start, stop, end = span

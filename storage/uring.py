@@ -70,6 +70,13 @@ def _outcomes(bufs: list[bytearray], results: list[int | OSError]) -> list[bytea
     return out
 
 
+def open_how(writable: bool, cloexec: bool) -> Any:
+    """The ``open_how`` of an open in the ring: read-only or read-write."""
+    how = _uring.OpenHow()
+    how.flags = (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CLOEXEC if cloexec else 0)
+    return how
+
+
 # a read of `open_and_read`: (fd, or a path to open; buffer; offset), and its
 # outcome: (the fd, or the open's error; bytes read, or the error)
 FileRead = tuple[int | str, bytearray, int]
@@ -94,6 +101,7 @@ class _Batch:
     done: trio.Event = field(default_factory=trio.Event)
     then: Callable[[list[FileOutcome]], None] | None = None
     offload: bool = False  # its reads go to the kernel's io-wq workers (`submit`)
+    writable: bool = False  # its paths are opened read-write
 
     def outcomes(self) -> list[FileOutcome]:
         return list(zip(self.fds, self.results, strict=True))
@@ -123,15 +131,14 @@ class UringReads:
         self._in_flight: dict[int, tuple[_Batch, int]] = {}
         self._next_id = 1
         self._room = trio.Semaphore(ENTRIES)
-        self._how = _uring.OpenHow()
-        self._how.flags = os.O_RDONLY | os.O_CLOEXEC
+        self._how = {w: open_how(w, cloexec=True) for w in (False, True)}
         self._followed = 0  # next steps submitted by `follow` in this pass of the reaper
         # free slots of the ring's file table (`open`: none where the kernel
         # has no direct descriptors), and the linked opens using the others
         self._slots: list[int] = []
         self._chains: dict[int, _Chain] = {}
-        self._direct_how = _uring.OpenHow()
-        self._direct_how.flags = os.O_RDONLY  # (a direct descriptor takes no O_CLOEXEC)
+        # (a direct descriptor takes no O_CLOEXEC; its install sets it)
+        self._direct_how = {w: open_how(w, cloexec=False) for w in (False, True)}
         self._empty_slot = _uring.FileIndex([-1])
         self.reads = 0  # completed (tests, debugging)
         self.opens = 0
@@ -186,7 +193,7 @@ class UringReads:
         return _outcomes(bufs, results)
 
     async def open_and_read(
-        self, requests: list[FileRead], offload: bool = False
+        self, requests: list[FileRead], offload: bool = False, writable: bool = False
     ) -> list[FileOutcome]:
         """Each (fd, or the path of a file to open read-only; buffer;
         offset) read into its buffer, a path opened first and its read
@@ -197,8 +204,10 @@ class UringReads:
         or the open's error; the bytes read or the read's error (the open's,
         when it failed). Opening a file that is not open yet waits for the
         disk (its directory entry, its inode): here the kernel's workers wait,
-        not this thread. *offload*: as `submit`'s."""
+        not this thread. *offload*: as `submit`'s. *writable*: paths are
+        opened read-write (else read-only)."""
         batch = self._batch(list(requests), extra=1, offload=offload)
+        batch.writable = writable
         await self._submit_all(batch, self._prep_file)
         return batch.outcomes()
 
@@ -311,7 +320,7 @@ class UringReads:
                 self._prep_chain(batch, k, what, buf, offset)
                 return
             sqe = _uring.io_uring_get_sqe(self._ring)
-            _uring.io_uring_prep_openat2(sqe, what, self._how)
+            _uring.io_uring_prep_openat2(sqe, what, self._how[batch.writable])
         else:
             sqe = self._prep_read(batch, what, buf, offset)
         self._track(sqe, batch, k)
@@ -332,7 +341,8 @@ class UringReads:
         self._next_id += 3
         chain = _Chain(batch, k, slot, (first, first + 1, first + 2))
         opening = _uring.io_uring_get_sqe(self._ring)
-        _uring.io_uring_prep_openat2_direct(opening, path, self._direct_how, slot)
+        how = self._direct_how[batch.writable]
+        _uring.io_uring_prep_openat2_direct(opening, path, how, slot)
         _uring.io_uring_sqe_set_flags(opening, _uring.IOSQE_IO_LINK | _uring.IOSQE_CQE_SKIP_SUCCESS)
         reading = _uring.io_uring_get_sqe(self._ring)
         _uring.io_uring_prep_read(reading, slot, buf, offset)

@@ -16,13 +16,20 @@ One ring per thread (`for_this_thread`).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 from typing import Any
 
 from shufflefs.rpc.heap import uninitialized
-from shufflefs.storage.uring import ENTRIES, FileOutcome, FileRead, _new_ring, _outcomes, _uring
+from shufflefs.storage.uring import (
+    ENTRIES,
+    FileOutcome,
+    FileRead,
+    _new_ring,
+    _outcomes,
+    _uring,
+    open_how,
+)
 
 OPEN, READ = 0, 1  # the step a completion's user_data names (its low bit)
 
@@ -35,6 +42,7 @@ class BlockingUringReads:
         self._cqe: Any = _uring.Cqe()
         self.reads = 0  # completed (tests, debugging)
         self.opens = 0
+        self._how = {w: open_how(w, cloexec=True) for w in (False, True)}
         # the ring goes with its thread's locals (a channel's thread ends with its connection)
         weakref.finalize(self, _uring.io_uring_queue_exit, ring)
 
@@ -48,15 +56,12 @@ class BlockingUringReads:
             results[k] = got
         return _outcomes(bufs, results)
 
-    def open_and_read(
-        self, requests: list[FileRead], flags: int = os.O_RDONLY
-    ) -> list[FileOutcome]:
-        """As `UringReads.open_and_read` (a path is opened with *flags* and
-        ``O_CLOEXEC``; its fd is the caller's to close), blocking this thread
-        until every request is done. At most a ring's worth in flight; the
-        next request goes in as one finishes."""
-        how = _uring.OpenHow()
-        how.flags = flags | os.O_CLOEXEC
+    def open_and_read(self, requests: list[FileRead], writable: bool = False) -> list[FileOutcome]:
+        """As `UringReads.open_and_read` (a path's fd is the caller's to
+        close; *writable*: opened read-write), blocking this thread until
+        every request is done. At most a ring's worth in flight; the next
+        request goes in as one finishes."""
+        how = self._how[writable]
         fds: list[int | OSError] = [r[0] if isinstance(r[0], int) else -1 for r in requests]
         results: list[int | OSError] = [0] * len(requests)
         ring, cqe = self._ring, self._cqe

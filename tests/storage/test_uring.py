@@ -7,6 +7,7 @@ ring (what the mount stores in the kernel's page cache with)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -234,7 +235,7 @@ def test_blocking_open_and_read_opens_each_path_then_reads_it(tmp_path: Path) ->
     ]
     requests += [(held, bytearray(50), 100), (str(tmp_path / "missing"), bytearray(10), 0)]
     opens, reads = ring.opens, ring.reads
-    outcomes = ring.open_and_read(requests, os.O_RDWR)
+    outcomes = ring.open_and_read(requests, writable=True)
     assert ring.opens - opens == len(contents) + 1 and ring.reads - reads == len(contents) + 1
     for k in contents:
         fd, got = outcomes[k]
@@ -291,6 +292,23 @@ async def test_a_channel_thread_opens_files_not_held_in_its_ring(store: ChunkSto
     # chunk's file too: its bytes are bad, not its fd)
     assert (opened, reopened) == (len(blobs) + 1, 0)
     assert store._fds.opened - before >= len(blobs)
+    rec = store._record(chunk_id(10, 1))
+    assert rec is not None
+    handle = store._fds.get((chunk_id(10, 1), rec.generation))
+    assert handle is not None
+    assert fcntl.fcntl(handle.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    store._fds.release(handle)
+
+    # the event loop's ring does the same for files not held (records it
+    # does not read: these are cached now)
+    store._fds.close_all()
+    ring = uring.for_this_run()
+    assert ring is not None
+    opens = ring.opens
+    reply = await service.read(items)
+    assert reply.result["lengths"] == first.result["lengths"]
+    assert b"".join(bytes(p) for p in reply.payload) == b"".join(expected)  # type: ignore[union-attr]
+    assert ring.opens - opens == len(blobs) + 1
 
 
 async def test_a_cancelled_open_and_read_finishes_before_returning(tmp_path: Path) -> None:
