@@ -292,12 +292,7 @@ async def test_a_channel_thread_opens_files_not_held_in_its_ring(store: ChunkSto
     # chunk's file too: its bytes are bad, not its fd)
     assert (opened, reopened) == (len(blobs) + 1, 0)
     assert store._fds.opened - before >= len(blobs)
-    rec = store._record(chunk_id(10, 1))
-    assert rec is not None
-    handle = store._fds.get((chunk_id(10, 1), rec.generation))
-    assert handle is not None
-    assert fcntl.fcntl(handle.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-    store._fds.release(handle)
+    assert_kept_read_write(store, chunk_id(10, 1))
 
     # the event loop's ring does the same for files not held (records it
     # does not read: these are cached now)
@@ -309,6 +304,17 @@ async def test_a_channel_thread_opens_files_not_held_in_its_ring(store: ChunkSto
     assert reply.result["lengths"] == first.result["lengths"]
     assert b"".join(bytes(p) for p in reply.payload) == b"".join(expected)  # type: ignore[union-attr]
     assert ring.opens - opens == len(blobs) + 1
+    assert_kept_read_write(store, chunk_id(10, 1))
+
+
+def assert_kept_read_write(store: ChunkStore, cid: bytes) -> None:
+    """*cid*'s file is in the fd cache, open read-write (the writes use it too)."""
+    rec = store._record(cid)
+    assert rec is not None
+    handle = store._fds.get((cid, rec.generation))
+    assert handle is not None
+    assert fcntl.fcntl(handle.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    store._fds.release(handle)
 
 
 async def test_a_cancelled_open_and_read_finishes_before_returning(tmp_path: Path) -> None:
