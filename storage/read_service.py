@@ -45,13 +45,11 @@ def _spread(indices: list[int], threads: int) -> list[list[int]]:
 Planned = tuple[int, ChunkStore, ReadPlan]  # an item's index, its store, its plan
 
 
-def _buffers(planned: list[Planned]) -> list[bytearray]:
-    return [uninitialized(plan.stop - plan.start) for _, _, plan in planned]
-
-
-def _ring_reads(planned: list[Planned], bufs: list[bytearray]) -> list[FileRead]:
-    """The plans as `open_and_read` takes them: the fd held, or the path to open."""
-    return [(plan.source, buf, plan.start) for (_, _, plan), buf in zip(planned, bufs, strict=True)]
+def _ring_reads(planned: list[Planned]) -> tuple[list[bytearray], list[FileRead]]:
+    """A buffer for each plan, and the plans as `open_and_read` takes them
+    (the fd held, or the path to open)."""
+    bufs = [uninitialized(plan.stop - plan.start) for _, _, plan in planned]
+    return bufs, [(p.source, buf, p.start) for (_, _, p), buf in zip(planned, bufs, strict=True)]
 
 
 def _finish(
@@ -207,20 +205,13 @@ class ReadHandlers:
         files not held opened in the ring: `ChunkStore.read_plan` with
         *opening*); the indices left for `ChunkStore.read` (read short,
         damaged or failed: `read` tells why, or retries)."""
-        stores = self._serving(items)
-        serving = []
-        for i, item in enumerate(items):
-            store = stores[item[0]]
-            if isinstance(store, int):
-                results[i] = store
-            else:
-                serving.append(i)
-        planned, left = self._plan(serving, items, results, loading=True, opening=True)
+        every = list(range(len(items)))
+        planned, left = self._plan(every, items, results, loading=True, opening=True)
         if planned:
-            bufs = _buffers(planned)
+            bufs, reads = _ring_reads(planned)
             outcomes: list[FileOutcome] = []
             try:
-                outcomes = uring.open_and_read(_ring_reads(planned, bufs), writable=True)
+                outcomes = uring.open_and_read(reads, writable=True)
             finally:
                 _finish(planned, bufs, outcomes, results, left)
         return left
@@ -299,10 +290,10 @@ class ReadHandlers:
         retries)."""
         planned, left = self._plan(slow, items, results, NOWAIT_MAX, opening=True)
         if planned:
-            bufs = _buffers(planned)
+            bufs, reads = _ring_reads(planned)
             outcomes: list[FileOutcome] = []
             try:
-                outcomes = await uring.open_and_read(_ring_reads(planned, bufs), writable=True)
+                outcomes = await uring.open_and_read(reads, writable=True)
             finally:
                 _finish(planned, bufs, outcomes, results, left)
         return left
@@ -317,14 +308,18 @@ class ReadHandlers:
         opening: bool = False,
     ) -> tuple[list[Planned], list[int]]:
         """The items at *slow* as `ChunkStore.read_plan` plans them (the
-        answers it gives at once put in *results*), and the indices it
-        cannot plan (left for `ChunkStore.read`)."""
-        by_id = self.node.by_id
+        answers it gives at once, and the errno of an item whose target does
+        not serve, put in *results*), and the indices it cannot plan (left
+        for `ChunkStore.read`)."""
+        stores = self._serving([items[i] for i in slow])
         planned: list[Planned] = []
         left: list[int] = []
         for i in slow:
             target, chunk, offset, length = items[i]
-            store = by_id[target]
+            store = stores[target]
+            if isinstance(store, int):
+                results[i] = store
+                continue
             try:
                 plan = store.read_plan(chunk, offset, length, limit, loading, opening)
             except FsError as exc:

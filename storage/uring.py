@@ -43,8 +43,6 @@ from typing import Any
 
 import trio
 
-from shufflefs.rpc.heap import uninitialized
-
 log = logging.getLogger("shufflefs.storage.uring")
 
 ENTRIES = 256  # submission queue size: reads in flight per ring
@@ -56,18 +54,6 @@ try:  # an optional fast path: without it, reads use threads
     import liburing as _uring  # type: ignore[import-untyped]  # stubs, no py.typed
 except ImportError:  # pragma: no cover - the binding is a dependency
     _uring = None
-
-
-def _outcomes(bufs: list[bytearray], results: list[int | OSError]) -> list[bytearray | OSError]:
-    """Each read's bytes (its buffer cut to what was read) or its error."""
-    out: list[bytearray | OSError] = []
-    for buf, result in zip(bufs, results, strict=True):
-        if isinstance(result, OSError):
-            out.append(result)
-        else:
-            del buf[result:]
-            out.append(buf)
-    return out
 
 
 def open_how(writable: bool, cloexec: bool) -> Any:
@@ -169,28 +155,6 @@ class UringReads:
     def opens_linked(self) -> bool:
         """Whether an open and its read go in one submission (`_prep_chain`)."""
         return bool(self._slots or self._chains)
-
-    async def pread(self, fd: int, length: int, offset: int) -> bytearray:
-        """Up to *length* bytes of *fd* at *offset* (short at the file's end),
-        as `os.pread`; an error is the `OSError` pread would raise."""
-        (result,) = await self.pread_many([(fd, length, offset)])
-        if isinstance(result, OSError):
-            raise result
-        return result
-
-    async def pread_many(self, requests: list[tuple[int, int, int]]) -> list[bytearray | OSError]:
-        """Each (fd, length, offset) read as `pread` does, all submitted
-        together (one system call per ring's worth) and waited for together:
-        its bytes (short at the file's end) or its error."""
-        bufs = [uninitialized(n) for _, n, _ in requests]
-        todo = [k for k, (_, n, _) in enumerate(requests) if n]
-        outcomes = await self.open_and_read(
-            [(requests[k][0], bufs[k], requests[k][2]) for k in todo]
-        )
-        results: list[int | OSError] = [0] * len(requests)
-        for k, (_, got) in zip(todo, outcomes, strict=True):
-            results[k] = got
-        return _outcomes(bufs, results)
 
     async def open_and_read(
         self, requests: list[FileRead], offload: bool = False, writable: bool = False

@@ -20,13 +20,11 @@ import threading
 import weakref
 from typing import Any
 
-from shufflefs.rpc.heap import uninitialized
 from shufflefs.storage.uring import (
     ENTRIES,
     FileOutcome,
     FileRead,
     _new_ring,
-    _outcomes,
     _uring,
     open_how,
 )
@@ -45,16 +43,6 @@ class BlockingUringReads:
         self._how = {w: open_how(w, cloexec=True) for w in (False, True)}
         # the ring goes with its thread's locals (a channel's thread ends with its connection)
         weakref.finalize(self, _uring.io_uring_queue_exit, ring)
-
-    def pread_many(self, requests: list[tuple[int, int, int]]) -> list[bytearray | OSError]:
-        """As `UringReads.pread_many`, blocking this thread until all are done."""
-        bufs = [uninitialized(n) for _, n, _ in requests]
-        todo = [k for k, (_, n, _) in enumerate(requests) if n]
-        outcomes = self.open_and_read([(requests[k][0], bufs[k], requests[k][2]) for k in todo])
-        results: list[int | OSError] = [0] * len(requests)
-        for k, (_, got) in zip(todo, outcomes, strict=True):
-            results[k] = got
-        return _outcomes(bufs, results)
 
     def open_and_read(self, requests: list[FileRead], writable: bool = False) -> list[FileOutcome]:
         """As `UringReads.open_and_read` (a path's fd is the caller's to

@@ -37,6 +37,30 @@ def blob(tmp_path: Path) -> tuple[int, bytes]:
     return fd, data
 
 
+def as_reads(requests: list[tuple[int, int, int]]) -> list[uring.FileRead]:
+    """(fd, length, offset) requests as `open_and_read` takes them (a fresh buffer each)."""
+    return [(fd, bytearray(n), offset) for fd, n, offset in requests]
+
+
+def bytes_read(
+    reads: list[uring.FileRead], outcomes: list[uring.FileOutcome]
+) -> list[bytes | OSError]:
+    """Each read's bytes (short at the file's end) or its error."""
+    return [
+        n if isinstance(n, OSError) else bytes(buf[:n])
+        for (_, buf, _), (_, n) in zip(reads, outcomes, strict=True)
+    ]
+
+
+async def pread(ring: uring.UringReads, fd: int, length: int, offset: int) -> bytes:
+    """One read through the loop's ring, as `os.pread` (its error raised)."""
+    reads = as_reads([(fd, length, offset)])
+    (result,) = bytes_read(reads, await ring.open_and_read(reads))
+    if isinstance(result, OSError):
+        raise result
+    return result
+
+
 def requests_and_expected(fd: int, data: bytes) -> tuple[list[tuple[int, int, int]], list[bytes]]:
     reqs = [(fd, 4096, 0), (fd, 1000, 12345), (fd, 0, 10), (fd, 5000, len(data) - 100)]
     reqs += [(fd, 777, k * 997) for k in range(uring.ENTRIES + 40)]  # more than one ring's worth
@@ -48,18 +72,20 @@ async def test_async_reads_give_exact_bytes_and_errors_per_read(blob: tuple[int,
     ring = uring.for_this_run()
     assert ring is not None and uring.for_this_run() is ring  # one per run
     reqs, expected = requests_and_expected(fd, data)
-    got = await ring.pread_many([*reqs, (999_999, 10, 0)])
-    assert [bytes(g) for g in got[:-1]] == expected  # short at the end, empty for 0 bytes
-    assert isinstance(got[-1], OSError) and got[-1].errno == errno.EBADF
-    assert bytes(await ring.pread(fd, 10, 5)) == data[5:15]
+    reads = as_reads([*reqs, (999_999, 10, 0)])
+    out = bytes_read(reads, await ring.open_and_read(reads))
+    assert out[:-1] == expected  # short at the end, empty for 0 bytes
+    last = out[-1]
+    assert isinstance(last, OSError) and last.errno == errno.EBADF
+    assert await pread(ring, fd, 10, 5) == data[5:15]
     with pytest.raises(OSError) as err:
-        await ring.pread(999_999, 10, 0)
+        await pread(ring, 999_999, 10, 0)
     assert err.value.errno == errno.EBADF
     # concurrent callers, more than the ring holds at once
     results: dict[int, bytes] = {}
 
     async def one(k: int) -> None:
-        results[k] = bytes(await ring.pread(fd, 333, k * 500))
+        results[k] = await pread(ring, fd, 333, k * 500)
 
     async with trio.open_nursery() as nursery:
         for k in range(2 * uring.ENTRIES):
@@ -76,8 +102,9 @@ async def test_a_cancelled_reader_waits_until_the_kernel_is_done(blob: tuple[int
     assert ring is not None
     with trio.CancelScope() as scope:
         scope.cancel()
-        got = await ring.pread_many([(fd, 100_000, 0)])
-    assert bytes(got[0]) == data[:100_000]
+        reads = as_reads([(fd, 100_000, 0)])
+        outcomes = await ring.open_and_read(reads)
+    assert bytes_read(reads, outcomes)[0] == data[:100_000]
     assert ring._in_flight == {}
 
 
@@ -86,9 +113,11 @@ def test_blocking_reads_give_exact_bytes_and_errors_per_read(blob: tuple[int, by
     ring = uring_threads.for_this_thread()
     assert ring is not None and uring_threads.for_this_thread() is ring
     reqs, expected = requests_and_expected(fd, data)
-    got = ring.pread_many([(999_999, 10, 0), *reqs])
-    assert isinstance(got[0], OSError) and got[0].errno == errno.EBADF
-    assert [bytes(g) for g in got[1:]] == expected
+    reads = as_reads([(999_999, 10, 0), *reqs])
+    out = bytes_read(reads, ring.open_and_read(reads))
+    first = out[0]
+    assert isinstance(first, OSError) and first.errno == errno.EBADF
+    assert out[1:] == expected
     other: list[object] = []
     thread = threading.Thread(target=lambda: other.append(uring_threads.for_this_thread()))
     thread.start()
