@@ -14,11 +14,13 @@ close-to-open, and a global epoch would then cache none of them.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Final, Generic, TypeVar
 
 from shufflefs.storage.cache_counts import LookupCounts
@@ -43,18 +45,50 @@ MISSING: Final = Missing()
 
 
 def raise_fd_limit(wanted: int) -> int:
-    """Raise this process's open-file soft limit towards *wanted* (never past
-    the hard limit, never down) for the fd caches; returns the soft limit now
-    in force."""
+    """Raise this process's open-file soft limit towards *wanted* (never
+    down), and the hard limit with it where this process may (root: up to
+    ``fs.nr_open``), for the fd caches; returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= wanted:
         return wanted if soft == resource.RLIM_INFINITY else soft
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        top = min(wanted, _nr_open())
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top, top))
+            return top
+        except (ValueError, OSError):
+            pass  # not privileged: up to the hard limit
     new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
     except (ValueError, OSError):
         return soft
     return new
+
+
+def _nr_open() -> int:
+    try:
+        return int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        return 1 << 20  # the kernel's default
+
+
+def fd_share(per_target: int, targets: int, kept: float, at_least: int) -> int:
+    """How many chunk files each of *targets* fd caches may keep open:
+    *per_target*, or what the open-file limit (raised first) leaves once a
+    *kept* fraction of it, and at least *at_least* fds, stay for everything
+    else the process opens (sockets, logs, LMDB, files opened by writes).
+    A low limit makes the caches smaller, never an open fail with EMFILE."""
+    targets = max(1, targets)
+    wanted = max(math.ceil(per_target * targets / (1 - kept)), per_target * targets + at_least)
+    return share_of_limit(raise_fd_limit(wanted), per_target, targets, kept, at_least)
+
+
+def share_of_limit(limit: int, per_target: int, targets: int, kept: float, at_least: int) -> int:
+    """`fd_share` for an open-file *limit* already known (at least 16 each;
+    of a limit below twice *at_least*, half is kept)."""
+    spare = limit - max(min(at_least, limit // 2), math.ceil(limit * kept))
+    return max(16, min(per_target, spare // max(1, targets)))
 
 
 class _Groups(Generic[K]):

@@ -28,7 +28,7 @@ class StorageConfig:
     reserve_bytes: int = 16 << 20  # free space kept back per target: below it writes get ENOSPC
     block_size: int = 4096  # CRC block size of NEW targets (an existing one keeps its own)
     io_threads: int = 16  # disk operations in flight at once
-    fd_cache: int = 1024  # open chunk files kept per target
+    fd_cache: int = 65536  # open chunk files kept per target (as many records are cached)
     forward_timeout: float = (
         FORWARD_TIMEOUT  # seconds per replica still ahead to wait for a forwarded update
     )

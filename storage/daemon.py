@@ -14,6 +14,7 @@ import errno
 import functools
 import logging
 import os
+import resource
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +31,7 @@ from shufflefs.rpc import FsError, RpcServer, open_rpc_client
 from shufflefs.rpc.addresses import hostname
 from shufflefs.rpc.cluster_secret import load_secret
 from shufflefs.rpc.runtime import run_service, setup_logging
-from shufflefs.storage.cache import raise_fd_limit
+from shufflefs.storage.cache import fd_share
 from shufflefs.storage.config import StorageConfig, load_storage_config
 from shufflefs.storage.forwarding import REPORT_TIMEOUT
 from shufflefs.storage.service import StorageService
@@ -52,20 +53,39 @@ def _cluster_of(node: NodeState, stores: Sequence[ChunkStore]) -> str | None:
     return next(iter(ids), None)
 
 
-def _raise_fd_limit(wanted: int) -> None:
-    got = raise_fd_limit(wanted)
-    if got < wanted:
-        log.warning("open file limit %d is below the %d the fd caches may use", got, wanted)
+FDS_KEPT = 0.25  # of the open-file limit, left to all but the fd caches (sockets, logs, ...)
+FDS_KEPT_AT_LEAST = 4096
 
 
-def open_store(config: StorageConfig, path: str) -> ChunkStore:
-    """Open (formatting it if new) the target at *path* with the config's settings."""
+def fd_cache_share(config: StorageConfig, targets: int) -> int:
+    """Open chunk files each target's fd cache keeps: the config's
+    `fd_cache`, or less where the open-file limit (raised first) is lower.
+    A target added while the daemon runs gets the same share, out of the
+    part kept for the rest."""
+    share = fd_share(config.fd_cache, targets, kept=FDS_KEPT, at_least=FDS_KEPT_AT_LEAST)
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    log.log(
+        logging.WARNING if share < config.fd_cache else logging.INFO,
+        "fd caches: up to %d chunk files open per target (fd_cache=%d, %d targets, "
+        "open-file limit %d%s)",
+        share,
+        config.fd_cache,
+        targets,
+        limit,
+        "; raise LimitNOFILE for more" if share < config.fd_cache else "",
+    )
+    return share
+
+
+def open_store(config: StorageConfig, fd_cache: int, path: str) -> ChunkStore:
+    """Open (formatting it if new) the target at *path* with the config's
+    settings, keeping up to *fd_cache* of its chunk files open."""
     return ChunkStore(
         path,
         block_size=config.block_size,
         fsync=config.fsync,
         reserve_bytes=config.reserve_bytes,
-        fd_cache=config.fd_cache,
+        fd_cache=fd_cache,
         max_readers=max(126, 4 * config.io_threads + 32),
     )
 
@@ -100,20 +120,20 @@ class StorageDaemon:
         paths = list(config.targets) + [
             p for p in node.targets if os.path.realpath(p) not in configured
         ]
-        _raise_fd_limit(config.fd_cache * (len(paths) + 4) + 1024)
+        opener = functools.partial(open_store, config, fd_cache_share(config, len(paths)))
         stores: list[ChunkStore] = []
         service: StorageService | None = None
         registered: int | None = None  # our node id once mgmtd accepted us this run
         try:
             for path in paths:
-                stores.append(await trio.to_thread.run_sync(open_store, config, path))
+                stores.append(await trio.to_thread.run_sync(opener, path))
             cluster_id = _cluster_of(node, stores)
             service = StorageService(
                 stores,
                 io_threads=config.io_threads,
                 forward_timeout=config.forward_timeout,
                 scrub_interval=config.scrub_interval,
-                open_target=functools.partial(open_store, config),
+                open_target=opener,
             )
             self.service = service
             await service.capacity.refresh()

@@ -34,7 +34,7 @@ import lmdb
 from shufflefs.rpc.errors import FsError
 from shufflefs.rpc.files import read_json
 from shufflefs.rpc.heap import uninitialized
-from shufflefs.storage.cache import FdCache, FdHandle, Missing, RecordCache, raise_fd_limit
+from shufflefs.storage.cache import FdCache, FdHandle, Missing, RecordCache, fd_share
 from shufflefs.storage.cached_open import open_cached
 from shufflefs.storage.crc import first_bad_block
 from shufflefs.storage.layout import (
@@ -66,9 +66,7 @@ def fd_budget(targets: int = 4) -> int:
     """How many chunk files one target may keep open: MAX_FDS, or what the
     open-file limit leaves (raised first, as the daemons do) for this many
     targets and the rest of the process: together at most half of it."""
-    targets = max(1, targets)
-    soft = raise_fd_limit(MAX_FDS * targets + 1024)
-    return max(16, min(MAX_FDS, (soft - 512) // (2 * targets)))
+    return fd_share(MAX_FDS, targets, kept=0.5, at_least=512)
 
 
 @dataclass(eq=False)
