@@ -26,7 +26,9 @@ from writing the set once), ``stat`` and ``read`` (open+read+close) of every
 file in one shuffled order, ``scan`` (every directory listed, entries/s);
 each with 1 and P processes, ``cold`` (page, dentry and inode caches dropped
 right before, as root: ``echo 3 > /proc/sys/vm/drop_caches``; the storage
-daemons run on this machine, so theirs go too) and ``warm`` (the same
+daemons run on this machine, so theirs go too; their own caches of chunk
+records and open chunk files stay, as on a cluster that keeps running, which
+the JSON's notes say) and ``warm`` (the same
 operation run once just before). Create rows are labelled ``warm`` (nothing
 is dropped). Every row has ``ratio_to_local``: its rate over the local row of
 the same op, processes and cache, in this run. Then a real
@@ -150,6 +152,13 @@ def settings_from_args(args: argparse.Namespace, root: bool | None = None) -> Se
 
 
 # ---- where each path's files are ---------------------------------------------------------
+
+
+COLD_NOTE = (
+    "cold: page, dentry and inode caches dropped on every host; the storage daemons keep "
+    "their caches of chunk records and open chunk files (a running cluster's; a daemon "
+    "restarted since holds neither)"
+)
 
 
 @dataclass
@@ -431,6 +440,8 @@ def cli_files(args: argparse.Namespace) -> int:
             return 2
         if "cold" not in s.caches:
             t.notes.append("cold rows need root (to drop the page caches)")
+        elif t.config is not None:
+            t.notes.append(COLD_NOTE)
         pool = WorkerPool(s.procs, t.netns)
         stack.callback(pool.close)
         rows = create_rows(pool, s, t, progress)

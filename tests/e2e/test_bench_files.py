@@ -34,6 +34,7 @@ def test_bench_files_quick_json(mounted: ProcessCluster, tmp_path: Path) -> None
     paths = {r["path"] for r in rows}
     assert {"local", "fuse", "native", "fuse-ro", "fuse-immutable", "fuse-prefetch"} <= paths
     assert not any("fuse-prefetch" in n for n in report["notes"])
+    assert any(n.startswith("cold: ") and "open chunk files" in n for n in report["notes"])
     for r in rows:
         assert set(r) >= {"path", "procs", "cache", "op", "per_s", "ratio_to_local"}
         assert r["per_s"] > 0 and r["procs"] in (1, 2) and r["cache"] in ("cold", "warm")
