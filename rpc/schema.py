@@ -90,6 +90,10 @@ class MethodSpec:
     # A synchronous implementation that may block (on disk): what a thread
     # channel runs when `fast` did not answer (rpc/channel.py).
     threaded: Callable[..., Any] | None = None
+    # `threaded` waits only for this machine's disks (no lock another call
+    # holds, no peer): a channel with nothing else to do runs it on its own
+    # thread instead of handing it to its pool (rpc/channel.py).
+    disk_bound: bool = False
 
     def bind(self, args: Any, payload: bytearray | None, ctx: CallContext) -> dict[str, Any]:
         """Validate wire arguments and build the keyword arguments of the call."""
@@ -121,6 +125,7 @@ def rpc_method(
     inline: bool = False,
     fast: str | None = None,
     threaded: str | None = None,
+    disk_bound: bool = False,
 ) -> Any:
     """Mark a coroutine method as callable over RPC under its own name.
 
@@ -132,7 +137,9 @@ def rpc_method(
     ``@rpc_method(threaded="name")``: the service's synchronous method
     *name*, taking the same arguments and free to block, serves the call on
     a thread channel (rpc/channel.py); without it the method is served on
-    the event loop only."""
+    the event loop only. ``disk_bound=True`` (with *threaded*): that
+    implementation waits for nothing but this machine's disks, so a channel
+    with no other call under way may run it on its own thread."""
 
     def mark(f: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         if not inspect.iscoroutinefunction(f):
@@ -141,6 +148,7 @@ def rpc_method(
         f.__rpc_inline__ = inline  # type: ignore[attr-defined]
         f.__rpc_fast__ = fast  # type: ignore[attr-defined]
         f.__rpc_threaded__ = threaded  # type: ignore[attr-defined]
+        f.__rpc_disk_bound__ = disk_bound  # type: ignore[attr-defined]
         return f
 
     return mark(func) if func is not None else mark
@@ -163,6 +171,7 @@ def collect_methods(*services: object) -> dict[str, MethodSpec]:
             threaded_name = getattr(member, "__rpc_threaded__", None)
             if threaded_name is not None:
                 spec.threaded = getattr(service, threaded_name)
+                spec.disk_bound = getattr(member, "__rpc_disk_bound__", False)
             specs[name] = spec
     return specs
 

@@ -155,7 +155,7 @@ class ReadHandlers:
                 out[target] = store
         return out
 
-    @rpc_method(fast="read_fast", threaded="read_sync")
+    @rpc_method(fast="read_fast", threaded="read_sync", disk_bound=True)
     async def read(self, items: list[ReadItem]) -> Reply:
         """Many ranges, possibly on several targets, in one request. Per item
         the delivered length or a negative errno; one payload of all bytes.

@@ -32,6 +32,7 @@ class Blocking:
     def __init__(self) -> None:
         self.slow_release = threading.Event()
         self.threads: set[str] = set()
+        self.disk_threads: list[str] = []
 
     @rpc_method(fast="add_fast", threaded="add_sync")
     async def add(self, a: int, b: int = 0) -> int:
@@ -46,6 +47,19 @@ class Blocking:
         if a == -1:
             assert self.slow_release.wait(10)
         return a + b
+
+    @rpc_method(fast="disk_fast", threaded="disk_sync", disk_bound=True)
+    async def disk(self, a: int) -> int:
+        return a
+
+    def disk_fast(self, a: int) -> int | None:
+        return None  # (never in the page cache)
+
+    def disk_sync(self, a: int) -> int:
+        self.disk_threads.append(threading.current_thread().name)
+        if a < 0:
+            time.sleep(-a / 1000)  # a slow disk: -a ms
+        return a
 
     @rpc_method(threaded="upper_sync")
     async def upper(self, payload: bytearray | None) -> Reply:
@@ -169,18 +183,70 @@ def test_replies_come_in_completion_order_and_are_matched(served: Any) -> None:
     assert conn.receive_reply(slow)[0] == 0
 
 
+HERE = "chan-channel 127.0.0.1"  # a channel's own thread (its pool's: "chan-channel-io")
+
+
+def test_a_disk_bound_call_runs_on_an_idle_channels_own_thread(served: Any) -> None:
+    """No hand-off to the pool when the channel has nothing else to do."""
+    address, server, service = served
+    conn = BlockingConnection(address, SECRET, 5.0, channel=True)
+    assert [call(conn, "disk", {"a": i}) for i in range(5)] == list(range(5))
+    assert all(name.startswith(HERE) for name in service.disk_threads)
+    assert server.channels.served_here == 5
+    call(conn, "add", {"a": -5, "b": 6})  # not disk-bound: the pool, as before
+    assert any(name.startswith("chan-channel-io") for name in service.threads)
+
+
+def test_with_a_call_in_the_pool_a_disk_bound_one_goes_there_too(served: Any) -> None:
+    """A channel busy with another call does not make it wait for a disk."""
+    address, server, service = served
+    conn = BlockingConnection(address, SECRET, 5.0, channel=True)
+    slow = conn.send_request("add", {"a": -1, "b": 1})  # waits in the pool
+    wait_until_running = time.monotonic() + 5
+    while not any(n.startswith("chan-channel-io") for n in service.threads):
+        assert time.monotonic() < wait_until_running
+        time.sleep(0.01)
+    assert call(conn, "disk", {"a": 7}) == 7  # answered while the first still waits
+    assert service.disk_threads[-1].startswith("chan-channel-io")
+    assert server.channels.served_here == 0
+    service.slow_release.set()
+    assert conn.receive_reply(slow)[0] == 0
+    assert call(conn, "disk", {"a": 8}) == 8  # idle again: here
+    assert service.disk_threads[-1].startswith(HERE)
+
+
+def test_after_a_slow_disk_call_the_channel_uses_its_pool_for_a_while(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shufflefs.rpc import channel as channel_module
+
+    monkeypatch.setattr(channel_module, "SLOW_HERE", 0.02)
+    monkeypatch.setattr(channel_module, "HERE_BACKOFF", 0.5)
+    address, server, service = served
+    conn = BlockingConnection(address, SECRET, 5.0, channel=True)
+    assert call(conn, "disk", {"a": -60}) == -60  # 60 ms, here: too slow
+    assert service.disk_threads[-1].startswith(HERE)
+    assert call(conn, "disk", {"a": 1}) == 1
+    assert service.disk_threads[-1].startswith("chan-channel-io")  # backing off
+    time.sleep(0.6)
+    assert call(conn, "disk", {"a": 2}) == 2
+    assert service.disk_threads[-1].startswith(HERE)  # served here again
+    assert server.channels.served_here == 2
+
+
 def test_pipelined_requests_all_answered_and_held_replies_flushed(served: Any) -> None:
     """Many requests in one send: the server holds replies while more are
     buffered and sends them together; each one arrives, none is stuck."""
     address, _, _ = served
     frames = raw_channel(address)
     bodies = [framing.request_body(i, "add", {"a": i, "b": 1}) for i in range(2, 202)]
+    bodies += [framing.request_body(i, "disk", {"a": i}) for i in range(202, 262)]
     frames.send([memoryview(framing.pack_header(len(b), 0) + b) for b in bodies])
     got = {}
     while len(got) < len(bodies):
         body, _, _ = frames.receive_frame()
         got[body["i"]] = body["r"]
-    assert got == {i: i + 1 for i in range(2, 202)}
+    assert got == {i: (i + 1 if i < 202 else i) for i in range(2, 262)}
 
 
 def test_bad_input_is_answered_and_the_channel_survives_or_closes(served: Any) -> None:
