@@ -78,11 +78,8 @@ class _Channel:
         self.holding = False  # set by the serving thread: more requests are buffered
         self.held: list[memoryview] = []
         self.serving = threading.get_ident()  # the serving thread (set when it starts)
-        # calls handed to the pool (counted by the serving thread), and those
-        # of them done (by the pool's threads, under the lock)
-        self.pooled = 0
-        self.pool_done = 0
-        self.done_lock = threading.Lock()
+        self.in_pool = 0  # calls handed to the pool and not done (under pool_lock)
+        self.pool_lock = threading.Lock()
         self.here_after = 0.0  # time.monotonic() before which nothing is served here
 
     def send(self, body: bytes, payload: Sequence[memoryview] = ()) -> None:
@@ -261,11 +258,15 @@ class ChannelServer:
                     HERE_BACKOFF,
                 )
             return
-        channel.pooled += 1
+        with channel.pool_lock:
+            channel.in_pool += 1
         try:
-            self._pool.submit(self._slow, channel, spec, call_id, kwargs, metrics, payload, started)
+            self._pool.submit(
+                self._in_pool, channel, spec, call_id, kwargs, metrics, payload, started
+            )
         except RuntimeError:  # the pool was shut down: we are stopping
-            channel.pooled -= 1
+            with channel.pool_lock:
+                channel.in_pool -= 1
             channel.inflight.release()
             channel.broken = True
 
@@ -275,7 +276,7 @@ class ChannelServer:
         none of its calls in the pool, no slow call here lately."""
         return (
             not channel.holding
-            and channel.pooled == channel.pool_done
+            and channel.in_pool == 0
             and not channel.frames.frame_buffered()
             and time.monotonic() >= channel.here_after
         )
@@ -298,10 +299,15 @@ class ChannelServer:
         else:
             self._reply(channel, call_id, result, metrics, payload, started)
         finally:
-            if threading.get_ident() != channel.serving:
-                with channel.done_lock:
-                    channel.pool_done += 1
             channel.inflight.release()
+
+    def _in_pool(self, channel: _Channel, *call: Any) -> None:
+        """`_slow` on a thread of the pool, counted while it runs (`_idle`)."""
+        try:
+            self._slow(channel, *call)
+        finally:
+            with channel.pool_lock:
+                channel.in_pool -= 1
 
     def _reply(
         self,

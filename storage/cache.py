@@ -14,6 +14,7 @@ close-to-open, and a global epoch would then cache none of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -53,11 +54,9 @@ def raise_fd_limit(wanted: int) -> int:
         return wanted if soft == resource.RLIM_INFINITY else soft
     if hard != resource.RLIM_INFINITY and hard < wanted:
         top = min(wanted, _nr_open())
-        try:
+        with contextlib.suppress(ValueError, OSError):  # unprivileged: the hard limit stays
             resource.setrlimit(resource.RLIMIT_NOFILE, (top, top))
             return top
-        except (ValueError, OSError):
-            pass  # not privileged: up to the hard limit
     new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+from clusters import wait_until
 
 from shufflefs.rpc import FsError, Reply, RpcServer, framing, rpc_method
 from shufflefs.rpc.blocking import BlockingConnection, client_handshake
@@ -202,10 +203,11 @@ def test_with_a_call_in_the_pool_a_disk_bound_one_goes_there_too(served: Any) ->
     address, server, service = served
     conn = BlockingConnection(address, SECRET, 5.0, channel=True)
     slow = conn.send_request("add", {"a": -1, "b": 1})  # waits in the pool
-    wait_until_running = time.monotonic() + 5
-    while not any(n.startswith("chan-channel-io") for n in service.threads):
-        assert time.monotonic() < wait_until_running
-        time.sleep(0.01)
+    wait_until(
+        "the first call running in the pool",
+        lambda: any(n.startswith("chan-channel-io") for n in service.threads),
+        timeout=5,
+    )
     assert call(conn, "disk", {"a": 7}) == 7  # answered while the first still waits
     assert service.disk_threads[-1].startswith("chan-channel-io")
     assert server.channels.served_here == 0
@@ -228,9 +230,14 @@ def test_after_a_slow_disk_call_the_channel_uses_its_pool_for_a_while(
     assert service.disk_threads[-1].startswith(HERE)
     assert call(conn, "disk", {"a": 1}) == 1
     assert service.disk_threads[-1].startswith("chan-channel-io")  # backing off
-    time.sleep(0.6)
-    assert call(conn, "disk", {"a": 2}) == 2
-    assert service.disk_threads[-1].startswith(HERE)  # served here again
+    backing_off = time.monotonic()
+
+    def served_here_again() -> bool:
+        assert call(conn, "disk", {"a": 2}) == 2
+        return service.disk_threads[-1].startswith(HERE)
+
+    wait_until("the backoff's end", served_here_again, timeout=5)
+    assert time.monotonic() - backing_off > 0.4  # not before it ended
     assert server.channels.served_here == 2
 
 

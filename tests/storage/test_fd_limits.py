@@ -5,6 +5,7 @@ low limit makes the caches smaller instead of opens failing with EMFILE."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -13,18 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from shufflefs.storage import cache as cache_module
 from shufflefs.storage.cache import share_of_limit
 from shufflefs.storage.config import StorageConfig
 
 ROOT = os.geteuid() == 0
-CAP_SYS_RESOURCE = 24
-
-
-def _may_raise_hard_limits() -> bool:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> CAP_SYS_RESOURCE & 1)
-    return False
 
 
 def test_the_share_is_the_configured_size_when_the_limit_allows() -> None:
@@ -71,18 +65,44 @@ LOW_HARD_LIMIT = """
 """
 
 
-@pytest.mark.skipif(
-    not _may_raise_hard_limits(), reason="raising the hard limit needs CAP_SYS_RESOURCE"
+class Limits:
+    """The open-file limit as the kernel keeps it, for `raise_fd_limit`:
+    a hard limit is raised only with the privilege (CAP_SYS_RESOURCE), as
+    ``setrlimit`` refuses otherwise with the same error."""
+
+    RLIMIT_NOFILE = resource.RLIMIT_NOFILE
+    RLIM_INFINITY = resource.RLIM_INFINITY
+
+    def __init__(self, soft: int, hard: int, privileged: bool) -> None:
+        self.soft, self.hard, self.privileged = soft, hard, privileged
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == self.RLIMIT_NOFILE
+        return self.soft, self.hard
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        soft, hard = limits
+        if soft > hard or (hard > self.hard and not self.privileged):
+            raise ValueError("not allowed to raise maximum limit")
+        self.soft, self.hard = soft, hard
+
+
+@pytest.mark.parametrize(
+    ("privileged", "nr_open", "got"),
+    [(True, 1 << 20, 50000), (True, 30000, 30000), (False, 1 << 20, 1200)],
 )
-def test_root_raises_the_hard_limit_too() -> None:
-    out = _run(
-        LOW_HARD_LIMIT
-        + """
-    from shufflefs.storage.cache import raise_fd_limit
-    print(raise_fd_limit(50000), *resource.getrlimit(resource.RLIMIT_NOFILE))
-    """
-    )
-    assert out.split() == ["50000", "50000", "50000"]
+def test_the_hard_limit_is_raised_where_the_process_may(
+    monkeypatch: pytest.MonkeyPatch, privileged: bool, nr_open: int, got: int
+) -> None:
+    """Privileged: soft and hard raised together, up to ``fs.nr_open``;
+    not: the soft one up to the hard limit (the real refusal is exercised
+    by the next test, without the capability)."""
+    limits = Limits(1000, 1200, privileged)
+    monkeypatch.setattr(cache_module, "resource", limits)
+    monkeypatch.setattr(cache_module, "_nr_open", lambda: nr_open)
+    assert cache_module.raise_fd_limit(50000) == got
+    assert (limits.soft, limits.hard) == (got, got if privileged else 1200)
+    assert cache_module.raise_fd_limit(500) == got  # never lowered
 
 
 @pytest.mark.skipif(not ROOT or shutil.which("setpriv") is None, reason="needs root and setpriv")
